@@ -1,0 +1,192 @@
+// Tile helpers shared by the cuflash kernel families: PTX wrappers for the
+// sm_80+ tensor-core path (mma.sync, ldmatrix, cp.async), numeric helpers and
+// the swizzled shared-memory tile layout. NVRTC-safe: no standard headers.
+#pragma once
+
+namespace cuflash {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
+
+// ---------------------------------------------------------------- cp.async
+// 16-byte global -> shared copy; when `valid` is false nothing is read and the
+// destination is zero-filled (src-size 0), so out-of-range rows hold zeros.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------- ldmatrix
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// ---------------------------------------------------------------- mma.sync
+// c += a * b for one m16n8k16 tile, fp32 accumulation. A is row-major 16x16
+// (4 regs of 2 elements), B is "col" 16x8 (2 regs), C/D 16x8 fp32 (4 regs).
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats -> one register of two 16-bit values, `lo` in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+// ---------------------------------------------------------------- numerics
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Reductions over the 4 lanes of a quad: in an mma accumulator the 4 lanes
+// lane&~3 .. lane|3 together hold one row.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------- smem tiles
+// A ROWS x D tile of 16-bit elements is stored as D/PW column panels of PW
+// elements (PW = 64 when D % 64 == 0, else 32). Within a panel each row is
+// PW*2 bytes; its 16-byte chunks are XOR-swizzled with the row so that the 8
+// row addresses of one ldmatrix phase (same chunk column, 8 consecutive rows)
+// fall into 8 distinct 16-byte bank groups: conflict-free loads and stores.
+template <int ROWS, int D>
+__device__ __forceinline__ int tile_offset(int row, int chunk) {
+    static_assert(D % 32 == 0, "tile head dim must be a multiple of 32");
+    if constexpr (D % 64 == 0) {
+        return (chunk >> 3) * (ROWS * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+    } else {
+        return (chunk >> 2) * (ROWS * 32) + row * 32 + (((chunk & 3) ^ ((row >> 1) & 3)) << 3);
+    }
+}
+
+// Byte offsets of the 16-byte chunks one lane addresses in ldmatrix calls over
+// a tile: (row_base + row_lane, chunk_base + chunk_bit) with row_base a
+// multiple of 8 and chunk_base even, both compile-time constants in unrolled
+// loops. The swizzle then depends on the lane alone, so each address is one of
+// NB per-lane registers plus an immediate offset (instead of one register per
+// distinct (row, chunk) the loops touch).
+template <int ROWS, int D>
+struct LaneOffsets {
+    static constexpr int PW = D % 64 == 0 ? 64 : 32;  // panel width in elements
+    static constexpr int CPP = PW / 8;                // chunks per panel row
+    static constexpr int NB = CPP / 2;
+    u32 base[NB];
+
+    __device__ __forceinline__ LaneOffsets(int row_lane, int chunk_bit) {
+#pragma unroll
+        for (int i = 0; i < NB; ++i) base[i] = 2 * tile_offset<ROWS, D>(row_lane, (2 * i) | chunk_bit);
+    }
+    __device__ __forceinline__ u32 at(int row_base, int chunk_base) const {
+        return base[(chunk_base % CPP) / 2] + 2 * ((chunk_base / CPP) * ROWS * PW + row_base * PW);
+    }
+};
+
+// Global -> shared copy of a ROWS x D tile with cp.async. When the threads
+// cover whole rows, each thread owns one 16-byte chunk column and every
+// (THREADS / CHUNKS)-th row, so its addresses advance by constant strides.
+// Rows at or past `rows_valid` and columns at or past `d` are zero-filled
+// (CHECK_ROWS / CHECK_COLS off: the caller guarantees the tile is in range).
+template <int ROWS, int D, int THREADS, bool CHECK_ROWS, bool CHECK_COLS>
+__device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, long long row_stride, int rows_valid,
+                                                int d, int tid) {
+    constexpr int CHUNKS = D / 8;
+    const u32 base = smem_addr(smem);
+    if constexpr (THREADS % CHUNKS == 0) {
+        constexpr int ROW_STEP = THREADS / CHUNKS;
+        const int chunk = tid % CHUNKS, row0 = tid / CHUNKS;
+        const bool col_ok = !CHECK_COLS || chunk * 8 < d;
+        const u16* src = gmem + row0 * row_stride + chunk * 8;
+#pragma unroll
+        for (int it = 0; it < (ROWS + ROW_STEP - 1) / ROW_STEP; ++it) {
+            const int row = row0 + it * ROW_STEP;
+            if (ROWS % ROW_STEP != 0 && row >= ROWS) break;
+            const bool valid = col_ok && (!CHECK_ROWS || row < rows_valid);
+            cp_async_16(base + 2 * tile_offset<ROWS, D>(row, chunk), valid ? src : gmem, valid);
+            src += ROW_STEP * row_stride;
+        }
+    } else {
+        constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+        for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+            const int i = tid + it * THREADS;
+            if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+            const int row = i / CHUNKS, chunk = i % CHUNKS;
+            const bool valid = (!CHECK_ROWS || row < rows_valid) && (!CHECK_COLS || chunk * 8 < d);
+            cp_async_16(base + 2 * tile_offset<ROWS, D>(row, chunk), valid ? gmem + row * row_stride + chunk * 8 : gmem,
+                        valid);
+        }
+    }
+}
+
+// Shared -> global copy of a ROWS x D tile with 16-byte stores, skipping rows
+// at or past `rows_valid` and columns at or past `d`.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, long long row_stride, int rows_valid, int d,
+                                           int tid) {
+    constexpr int CHUNKS = D / 8;
+    constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+        const int i = tid + it * THREADS;
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+        const int row = i / CHUNKS, chunk = i % CHUNKS;
+        if (row < rows_valid && chunk * 8 < d) {
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + chunk * 8) =
+                *reinterpret_cast<const uint4*>(smem + tile_offset<ROWS, D>(row, chunk));
+        }
+    }
+}
+
+}  // namespace cuflash

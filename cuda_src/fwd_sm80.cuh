@@ -1,0 +1,318 @@
+// FlashAttention-2 forward for sm_80+ (mma.sync m16n8k16, fp32 accumulation).
+//
+// One CTA computes O = softmax(Q K^T * scale) V for BR query rows of one
+// (batch, head). Each warp owns MT whole 16-row MMA tiles (split-Q: no
+// inter-warp reduction); its Q fragments stay in registers. K and V tiles of
+// BC keys stream through a STAGES-deep cp.async ring in shared memory. The
+// softmax is online: running row max m and row sum l, the 1/l normalisation
+// deferred to the end, exponentials as exp2 with scale*log2(e) folded into one
+// FMA. P stays in registers and is fed back as the A operand of P V.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+template <int D_, int BC_, int WARPS_, int MT_, int STAGES_, int MIN_BLOCKS_, bool Q_IN_REGS_, bool BF16_>
+struct FwdTraits {
+    static constexpr int D = D_;            // head dim of the kernel (actual d <= D, zero-padded)
+    static constexpr int BC = BC_;          // keys per K/V tile
+    static constexpr int WARPS = WARPS_;
+    static constexpr int MT = MT_;          // 16-row MMA tiles per warp
+    static constexpr int STAGES = STAGES_;  // K/V tiles in flight
+    static constexpr int MIN_BLOCKS = MIN_BLOCKS_;
+    static constexpr bool Q_IN_REGS = Q_IN_REGS_;  // else Q fragments are re-read from shared memory
+    static constexpr bool BF16 = BF16_;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int BR = 16 * MT * WARPS;  // query rows per CTA
+    static constexpr int KSTEPS_QK = D / 16;    // k16 steps of S = Q K^T
+    static constexpr int NTILES_S = BC / 8;     // n8 tiles of S
+    static constexpr int KSTEPS_PV = BC / 16;   // k16 steps of O += P V
+    static constexpr int NTILES_O = D / 8;      // n8 tiles of O
+    static constexpr int Q_ELEMS = BR * D;
+    static constexpr int KV_ELEMS = BC * D;
+    // Q tile (reused for the output tile) + STAGES K tiles + STAGES V tiles.
+    static constexpr int SMEM_BYTES = 2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS);
+
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+    static_assert(BC % 16 == 0 && BC >= 16, "BC must be a multiple of 16");
+    static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
+    static_assert(MT >= 1 && MT <= 2, "1 or 2 row tiles per warp");
+    static_assert(SMEM_BYTES <= 227 * 1024, "tile does not fit in shared memory");
+};
+
+template <bool B>
+struct BoolConst {
+    static constexpr bool value = B;
+};
+
+// Rows of one warp's accumulators: element e of an m16n8 accumulator sits at
+// row (lane / 4) + 8 * (e / 2) and column 2 * (lane % 4) + (e % 2).
+
+template <int D, int BC, int WARPS, int MT, int STAGES, int MIN_BLOCKS, bool Q_IN_REGS, bool BF16, bool CAUSAL,
+          bool EVEN_N, bool EVEN_D>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
+    fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+               u16* __restrict__ o, float* __restrict__ lse, int nq, int nk, int d, int group,
+               long long q_sb, long long q_sn, long long q_sh, long long k_sb, long long k_sn, long long k_sh,
+               long long v_sb, long long v_sn, long long v_sh, long long o_sb, long long o_sn, long long o_sh,
+               float scale_log2) {
+    using T = FwdTraits<D, BC, WARPS, MT, STAGES, MIN_BLOCKS, Q_IN_REGS, BF16>;
+    constexpr int BR = T::BR;
+    constexpr int THREADS = T::THREADS;
+    constexpr int PIPE_WAIT = 2 * STAGES - 2;  // cp.async groups allowed in flight at each wait
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + T::Q_ELEMS;
+    u16* sV = sK + STAGES * T::KV_ELEMS;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Causal: the last query blocks see the most keys; launch them first.
+    const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int nheads = gridDim.y;
+    const int m0 = m_block * BR;
+    const int rows_valid = nq - m0;
+
+    const u16* q_tile = q + b * q_sb + h * q_sh + m0 * q_sn;
+    const u16* k_head = k + b * k_sb + hk * k_sh;
+    const u16* v_head = v + b * v_sb + hk * v_sh;
+    u16* o_tile = o + b * o_sb + h * o_sh + m0 * o_sn;
+    float* lse_rows = lse + ((long long)b * nheads + h) * nq + m0;
+
+    // Key blocks [0, n_end) are visited; blocks [n_unmasked, n_end) need the
+    // causal and/or sequence-end mask. Causal is aligned bottom-right: query i
+    // sees keys j <= i + nk - nq.
+    const int diag = nk - nq;
+    const int n_blocks = (nk + BC - 1) / BC;
+    int n_end = n_blocks, n_unmasked = n_blocks;
+    if constexpr (CAUSAL) {
+        const int last_key = m0 + BR - 1 + diag;  // last key seen by the block's last row
+        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
+        const int first_limit = m0 + diag + 1;  // keys [0, first_limit) are seen by every row
+        n_unmasked = first_limit <= 0 ? 0 : min(n_end, first_limit / BC);
+    }
+    if constexpr (!EVEN_N) n_unmasked = min(n_unmasked, nk / BC);
+
+    if (n_end == 0) {  // no row of this block sees a key: O = 0, lse = -inf
+        for (int i = tid; i < BR * (D / 8); i += THREADS) {
+            const int row = i / (D / 8), chunk = i % (D / 8);
+            if (row < rows_valid && chunk * 8 < d)
+                *reinterpret_cast<uint4*>(o_tile + row * o_sn + chunk * 8) = make_uint4(0, 0, 0, 0);
+        }
+        for (int row = tid; row < BR; row += THREADS)
+            if (row < rows_valid) lse_rows[row] = neg_inf();
+        return;
+    }
+
+    // Key block visited at step t (descending, so masked blocks come first).
+    auto block_of = [&](int t) { return n_end - 1 - t; };
+    auto load_k = [&](int t) {
+        const int n0 = block_of(t) * BC;
+        load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK + (t % STAGES) * T::KV_ELEMS, k_head + n0 * k_sn,
+                                                          k_sn, nk - n0, d, tid);
+    };
+    auto load_v = [&](int t) {
+        const int n0 = block_of(t) * BC;
+        load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sV + (t % STAGES) * T::KV_ELEMS, v_head + n0 * v_sn,
+                                                          v_sn, nk - n0, d, tid);
+    };
+
+    // Pipeline prologue; commit order is {Q, K0}, V0, K1, V1, ..., K[S-1].
+    load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sQ, q_tile, q_sn, rows_valid, d, tid);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+        if (s < n_end) load_k(s);
+        cp_async_commit();
+        if (s + 1 < STAGES) {
+            if (s < n_end) load_v(s);
+            cp_async_commit();
+        }
+    }
+
+    const int warp_row0 = warp * 16 * MT;
+    // A fragments of Q: rows lane % 16, k chunk lane / 16.
+    const LaneOffsets<BR, D> q_off(lane & 15, lane >> 4);
+    const u32 q_smem = smem_addr(sQ) + 2 * warp_row0 * LaneOffsets<BR, D>::PW;
+    u32 q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? T::KSTEPS_QK : 1][4];
+    float acc_o[MT][T::NTILES_O][4];
+    float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < T::NTILES_O; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[mt][r] = neg_inf();
+            row_sum[mt][r] = 0.f;
+        }
+    }
+
+    // ldmatrix lane offsets. K (non-transposed B): key rows lane % 8 + 8 * (lane / 16),
+    // k chunk (lane / 8) % 2. V (transposed B): key rows lane % 8 + 8 * ((lane / 8) % 2),
+    // head-dim chunk lane / 16.
+    const LaneOffsets<BC, D> k_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LaneOffsets<BC, D> v_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+    // One step over key block n: S = Q K^T, online softmax, O += P V.
+    auto step = [&](int t, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int n0 = block_of(t) * BC;
+        const int stage = t % STAGES;
+
+        cp_async_wait<PIPE_WAIT>();  // K[t] (and Q at t == 0) landed
+        __syncthreads();
+        if (Q_IN_REGS && t == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < T::KSTEPS_QK; ++ks)
+                    ldmatrix_x4(q_frag[Q_IN_REGS ? mt : 0][Q_IN_REGS ? ks : 0], q_smem + q_off.at(mt * 16, ks * 2));
+        }
+        // Every warp is past O += P V[t-1]: its V stage may be refilled.
+        if (t + STAGES - 1 < n_end) load_v(t + STAGES - 1);
+        cp_async_commit();
+
+        // S = Q K^T (raw scores; the scale is applied inside the exponent)
+        float acc_s[MT][T::NTILES_S][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][j][e] = 0.f;
+        const u32 k_smem = smem_addr(sK + stage * T::KV_ELEMS);
+#pragma unroll
+        for (int ks = 0; ks < T::KSTEPS_QK; ++ks) {
+#pragma unroll
+            for (int nj = 0; nj < T::NTILES_S / 2; ++nj) {
+                u32 kb[4];  // B fragments of key rows nj*16 .. +15, k columns ks*16 .. +15
+                ldmatrix_x4(kb, k_smem + k_off.at(nj * 16, ks * 2));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    u32 qa[4];
+                    if constexpr (Q_IN_REGS) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) qa[i] = q_frag[mt][ks][i];
+                    } else {
+                        ldmatrix_x4(qa, q_smem + q_off.at(mt * 16, ks * 2));
+                    }
+                    mma_16816<BF16>(acc_s[mt][2 * nj], qa, kb[0], kb[1]);
+                    mma_16816<BF16>(acc_s[mt][2 * nj + 1], qa, kb[2], kb[3]);
+                }
+            }
+        }
+
+        if constexpr (MASK) {  // keys past nk, or (causal) past i + nk - nq, score -inf
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + 8 * (e >> 1);
+                        const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                        bool keep = EVEN_N || col < nk;
+                        if constexpr (CAUSAL) keep = keep && col <= row + diag;
+                        if (!keep) acc_s[mt][j][e] = neg_inf();
+                    }
+        }
+
+        // Online softmax, per row r:
+        //   m' = max(m, rowmax(S));  alpha = 2^((m - m') * c);  P = 2^(S * c - m' * c)
+        //   l' = alpha * l + rowsum(P);  O' = alpha * O      with c = scale * log2(e).
+        // A row with no key yet has m' = -inf; its offset is taken as 0 so P = 0, never NaN.
+        u32 p_frag[MT][T::KSTEPS_PV][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = row_max[mt][r];
+#pragma unroll
+                for (int j = 0; j < T::NTILES_S; ++j)
+                    mx = fmaxf(mx, fmaxf(acc_s[mt][j][2 * r], acc_s[mt][j][2 * r + 1]));
+                mx = quad_max(mx);
+                const float offset = mx == neg_inf() ? 0.f : mx * scale_log2;
+                const float alpha = exp2_approx(row_max[mt][r] * scale_log2 - offset);
+                row_max[mt][r] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float p = exp2_approx(fmaf(acc_s[mt][j][2 * r + c], scale_log2, -offset));
+                        acc_s[mt][j][2 * r + c] = p;
+                        sum += p;
+                    }
+                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;  // per-lane partial; quad-reduced at the end
+#pragma unroll
+                for (int j = 0; j < T::NTILES_O; ++j) {
+                    acc_o[mt][j][2 * r] *= alpha;
+                    acc_o[mt][j][2 * r + 1] *= alpha;
+                }
+            }
+            // The S accumulators of n8 tiles 2kk, 2kk+1 are exactly the A fragment of k16 step kk.
+#pragma unroll
+            for (int kk = 0; kk < T::KSTEPS_PV; ++kk) {
+                p_frag[mt][kk][0] = pack2<BF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+                p_frag[mt][kk][1] = pack2<BF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+                p_frag[mt][kk][2] = pack2<BF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+                p_frag[mt][kk][3] = pack2<BF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+            }
+        }
+
+        cp_async_wait<PIPE_WAIT>();  // V[t] landed
+        __syncthreads();
+        // Every warp is past S = Q K^T[t]: its K stage may be refilled.
+        if (t + STAGES < n_end) load_k(t + STAGES);
+        cp_async_commit();
+
+        // O += P V
+        const u32 v_smem = smem_addr(sV + stage * T::KV_ELEMS);
+#pragma unroll
+        for (int kk = 0; kk < T::KSTEPS_PV; ++kk) {
+#pragma unroll
+            for (int dn = 0; dn < T::NTILES_O / 2; ++dn) {
+                u32 vb[4];  // B fragments of keys kk*16 .. +15, head-dim columns dn*16 .. +15
+                ldmatrix_x4_trans(vb, v_smem + v_off.at(kk * 16, dn * 2));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<BF16>(acc_o[mt][2 * dn], p_frag[mt][kk], vb[0], vb[1]);
+                    mma_16816<BF16>(acc_o[mt][2 * dn + 1], p_frag[mt][kk], vb[2], vb[3]);
+                }
+            }
+        }
+    };
+
+    int t = 0;
+    for (; t < n_end - n_unmasked; ++t) step(t, BoolConst<true>{});
+    for (; t < n_end; ++t) step(t, BoolConst<false>{});
+    cp_async_wait<0>();
+
+    // Epilogue: O /= l, lse = (m * c + log2 l) * ln 2; O goes through the
+    // warp's own rows of the Q tile for coalesced 16-byte stores.
+    constexpr float LN2 = 0.6931471805599453f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[mt][r]);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int row = warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
+            if ((lane & 3) == 0 && row < rows_valid)
+                lse_rows[row] = l > 0.f ? (row_max[mt][r] * scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+#pragma unroll
+            for (int j = 0; j < T::NTILES_O; ++j) {
+                const int col = j * 8 + 2 * (lane & 3);
+                *reinterpret_cast<u32*>(sQ + tile_offset<BR, D>(row, col >> 3) + (col & 7)) =
+                    pack2<BF16>(acc_o[mt][j][2 * r] * inv, acc_o[mt][j][2 * r + 1] * inv);
+            }
+        }
+    }
+    __syncthreads();
+    store_tile<BR, D, THREADS>(o_tile, sQ, o_sn, rows_valid, d, tid);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,320 @@
+"""Attention implementations, timers and measurements behind ``python -m cuflash bench``.
+
+Every library is wrapped in the same small interface so the driver in
+``cuflash.benchmark`` can treat them alike:
+
+* ``prepare(q, k, v, causal)`` returns a zero-argument callable that runs one
+  forward pass on those inputs (all layout conversion happens here, outside
+  the timed region);
+* ``context()`` is entered around every batch of calls (torch needs its SDPA
+  backend selected);
+* ``to_cupy(out)`` turns an output into a CuPy array in (B, N, H, D) layout;
+* ``events`` creates/reads CUDA events on the stream the library launches on.
+
+Raising :class:`Skip` from ``prepare`` means "this library does not run this
+shape" and is shown as a dash, never as a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+
+import cupy
+import numpy
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# The naive implementation materialises B*H*N*N scores; beyond this it is
+# either out of memory or so slow that it only stretches the run.
+NAIVE_MAX_SCORES_BYTES = 16 * GiB
+NAIVE_MAX_SEQLEN = 8192
+
+
+class Skip(Exception):
+    """The library cannot (or should not) run this shape."""
+
+
+def cupy_dtype(name: str) -> numpy.dtype:
+    if name == "float16":
+        return numpy.dtype(numpy.float16)
+    if name == "bfloat16":
+        # CuPy represents bfloat16 through the ml_dtypes NumPy extension.
+        import ml_dtypes
+
+        return numpy.dtype(ml_dtypes.bfloat16)
+    raise ValueError(f"unsupported dtype {name!r}")
+
+
+def synchronize() -> None:
+    # cudaDeviceSynchronize waits for every stream, CuPy's and torch's alike,
+    # so it is the one fence needed when switching between libraries.
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def random_qkv(batch, seqlen, heads, headdim, dtype, seed):
+    """Three (B, N, H, D) arrays of standard-normal values (never zeros)."""
+    rng = cupy.random.default_rng(seed)
+    shape = (batch, seqlen, heads, headdim)
+    return tuple(
+        rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+        for _ in range(3)
+    )
+
+
+# --------------------------------------------------------------------------
+# Timing
+
+
+class CupyEvents:
+    """CUDA events recorded on CuPy's current stream."""
+
+    @staticmethod
+    def record():
+        event = cupy.cuda.Event()
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return cupy.cuda.get_elapsed_time(start, end)
+
+
+class TorchEvents:
+    """CUDA events recorded on torch's current stream."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def record(self):
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return start.elapsed_time(end)
+
+
+def time_calls(lib, fns, repeats: int, budget_ms: float = 3000.0) -> dict:
+    """Median device time of one call, rotating over ``fns`` (one per input set).
+
+    Each call is bracketed by its own pair of events. There is no
+    synchronisation between warm-up and the timed calls, so the GPU queue stays
+    full and host-side launch latency is hidden as it would be in a model.
+    """
+    n = len(fns)
+    synchronize()
+    with lib.context():
+        # Warm-up: touches every input set once and triggers compilation,
+        # autotuning and workspace allocation; it also gives a time estimate.
+        warm = max(3, n)
+        start = lib.events.record()
+        for i in range(warm):
+            fns[i % n]()
+        end = lib.events.record()
+        end.synchronize()
+        estimate = lib.events.elapsed_ms(start, end) / warm
+        # Long shapes (the naive baseline above all) get fewer repeats.
+        reps = max(min(repeats, 5), min(repeats, int(budget_ms / max(estimate, 1e-3))))
+        marks = []
+        for i in range(reps):
+            start = lib.events.record()
+            fns[i % n]()
+            marks.append((start, lib.events.record()))
+        marks[-1][1].synchronize()
+    synchronize()
+    times = [lib.events.elapsed_ms(s, e) for s, e in marks]
+    return {"ms": statistics.median(times), "min_ms": min(times), "repeats": reps}
+
+
+# --------------------------------------------------------------------------
+# Libraries
+
+
+class Cuflash:
+    name = "cuflash"
+    events = CupyEvents()
+
+    def __init__(self):
+        import cuflash
+
+        self._attention = cuflash.attention
+
+    def prepare(self, q, k, v, causal):
+        attention = self._attention
+        return lambda: attention(q, k, v, causal=causal)
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(out):
+        # Tolerate an API that also returns the log-sum-exp.
+        return out[0] if isinstance(out, tuple) else out
+
+
+def naive_attention(q, k, v, causal: bool, dtype=None):
+    """softmax(Q K^T / sqrt(D)) V with the N x N scores materialised.
+
+    Computes in ``dtype`` (default: the input dtype). The causal mask is
+    aligned to the bottom-right corner, so query i (of Nq) sees keys
+    j <= i + Nk - Nq, the convention FlashAttention uses. The softmax runs in
+    place on the score matrix so peak memory is one N x N buffer, not several.
+    """
+    dtype = q.dtype if dtype is None else dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qh = q.transpose(0, 2, 1, 3).astype(dtype) * scale  # (B, H, Nq, D)
+    kt = k.transpose(0, 2, 3, 1).astype(dtype, copy=False)  # (B, H, D, Nk)
+    vh = v.transpose(0, 2, 1, 3).astype(dtype, copy=False)  # (B, H, Nk, D)
+    s = cupy.matmul(qh, kt)  # (B, H, Nq, Nk)
+    del qh
+    if causal:
+        nq, nk = s.shape[-2:]
+        row = cupy.arange(nq)[:, None]
+        col = cupy.arange(nk)[None, :]
+        # An additive (Nq, Nk) bias broadcasts in place over (B, H).
+        bias = cupy.where(col > row + (nk - nq), -numpy.inf, 0.0).astype(s.dtype)
+        s += bias
+        del bias
+    s -= s.max(axis=-1, keepdims=True)
+    cupy.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return cupy.matmul(s, vh).transpose(0, 2, 1, 3)  # (B, N, H, D)
+
+
+class NaiveCupy:
+    name = "naive-cupy"
+    events = CupyEvents()
+
+    def __init__(self, max_seqlen=NAIVE_MAX_SEQLEN, max_scores_bytes=NAIVE_MAX_SCORES_BYTES):
+        self.max_seqlen = max_seqlen
+        self.max_scores_bytes = max_scores_bytes
+
+    def prepare(self, q, k, v, causal):
+        batch, n, heads, _ = q.shape
+        scores = batch * heads * n * k.shape[1] * q.dtype.itemsize
+        if self.max_seqlen is not None and n > self.max_seqlen:
+            raise Skip(f"seqlen {n} > {self.max_seqlen}")
+        _, total = cupy.cuda.runtime.memGetInfo()
+        limit = min(self.max_scores_bytes, total // 3)
+        if scores > limit:
+            raise Skip(f"scores need {scores / GiB:.1f} GiB")
+        return lambda: naive_attention(q, k, v, causal)
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(out):
+        return out
+
+
+class TorchSdpa:
+    """torch.nn.functional.scaled_dot_product_attention pinned to one backend.
+
+    The tensors are zero-copy DLPack views of the CuPy inputs, transposed to
+    torch's (B, H, N, D) convention. Nq == Nk in every shape here, so torch's
+    top-left causal alignment equals the bottom-right one used elsewhere.
+    """
+
+    def __init__(self, name, backend_name):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+        self.name = name
+        self._torch = torch
+        self._backend = getattr(SDPBackend, backend_name)
+        self._sdpa_kernel = sdpa_kernel
+        self.events = TorchEvents(torch)
+
+    def prepare(self, q, k, v, causal):
+        torch = self._torch
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        run = lambda: sdpa(tq, tk, tv, is_causal=causal)  # noqa: E731
+        try:
+            # An unsupported backend raises at the first call; report it as
+            # a skip rather than an error.
+            with self.context():
+                run()
+        except RuntimeError as exc:
+            raise Skip(str(exc).splitlines()[0]) from exc
+        return run
+
+    def context(self):
+        return self._sdpa_kernel(self._backend)
+
+    @staticmethod
+    def to_cupy(out):
+        return cupy.from_dlpack(out.transpose(1, 2).contiguous())
+
+
+def load_torch_libs(log) -> list:
+    """The torch peers, or an empty list when torch is missing or unusable."""
+    libs = []
+    for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
+        try:
+            libs.append(TorchSdpa(name, backend))
+        except Exception as exc:  # ImportError, no CUDA build, old torch...
+            log(f"{name}: unavailable ({type(exc).__name__}: {exc})")
+    return libs
+
+
+# --------------------------------------------------------------------------
+# Correctness and memory
+
+
+def compare(out, ref, atol: float, rtol: float) -> dict:
+    """Max-abs error of ``out`` against ``ref``; passes if |d| <= atol + rtol*|ref|.
+
+    NaN or Inf anywhere fails (the comparisons below are False for NaN).
+    """
+    out32 = out.astype(cupy.float32)
+    ref32 = ref.astype(cupy.float32)
+    diff = cupy.abs(out32 - ref32)
+    max_abs = float(diff.max())
+    excess = float((diff - rtol * cupy.abs(ref32)).max())
+    ok = bool(excess <= atol) and math.isfinite(max_abs)
+    return {"max_abs_err": max_abs, "atol": atol, "rtol": rtol, "ok": ok}
+
+
+def peak_extra_bytes(lib, q, k, v, causal=False) -> int:
+    """Peak device memory one forward call allocates beyond its inputs.
+
+    One warm-up call first, so one-time costs (compilation, cached workspaces)
+    are excluded. For CuPy-based libraries the measured call allocates from a
+    fresh memory pool: a pool only grows while blocks are in use and keeps
+    freed blocks, so its total afterwards is the call's high-water mark (output
+    included). For torch, its allocator's peak statistics give the same.
+    """
+    fn = lib.prepare(q, k, v, causal)
+    with lib.context():
+        lib.to_cupy(fn())
+    synchronize()
+    if isinstance(lib, TorchSdpa):
+        torch = lib._torch
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with lib.context():
+            out = fn()
+        synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        torch.cuda.empty_cache()
+        return peak
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc), lib.context():
+        out = fn()
+        synchronize()
+    peak = pool.total_bytes()
+    del out
+    pool.free_all_blocks()
+    return peak

@@ -1,0 +1,447 @@
+"""Forward-pass benchmark: ``python -m cuflash bench [options]``.
+
+Shapes follow the FlashAttention papers: hidden size 2048 split into heads of
+64 or 128, sequence lengths 512..16k with batch * seqlen = 16k tokens, causal
+and not, fp16 and bf16. Each shape is checked for correctness once (cuflash
+against torch's flash backend, or against a float32 CuPy reference when torch
+is missing), then timed for cuflash and its peers:
+
+* ``naive-cupy``: matmul + softmax + matmul in CuPy, in the input dtype;
+* ``torch-flash`` / ``torch-cudnn``: ``scaled_dot_product_attention`` pinned to
+  the FlashAttention-2 or cuDNN backend, on zero-copy views of the same data.
+
+The result is a table of TFLOP/s on stdout (progress goes to stderr), an
+optional JSON file with every raw number, and a second table with the peak
+extra memory of one forward call. The exit status is non-zero if cuflash
+failed or disagreed with the reference on any shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import sys
+
+from cuflash import bench_libs
+from cuflash.bench_libs import MiB, Skip
+
+HIDDEN = 2048
+TOKENS = 16384  # batch * seqlen, constant across shapes
+HEADDIMS = (64, 128)
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (2048, 8192)
+DTYPES = ("float16", "bfloat16")
+DTYPE_ALIASES = {
+    "fp16": "float16", "float16": "float16", "half": "float16", "f16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+# (atol, rtol): pass when |out - ref| <= atol + rtol * |ref| everywhere.
+# Two correct bf16 kernels can round a final output near 4 one bf16 ulp
+# (2**-6) apart, more than the absolute 2e-2 alone allows; hence the rtol.
+TOLERANCE = {"float16": (2e-2, 0.0), "bfloat16": (2e-2, 2.0**-7)}
+
+# Without torch, the float32 reference runs on one batch entry and this many
+# heads (attention is independent per (batch, head)) to bound its memory.
+REFERENCE_HEADS = 4
+
+# Input sets rotated during timing: enough that their total is at least twice
+# the L2 cache, so a call never finds its inputs left in L2 by the previous
+# one. Every default shape holds 16k tokens x 2048 x 3 tensors = 192 MiB per
+# set, already well above L2, so the floor decides.
+MIN_INPUT_SETS = 2
+
+MEMORY_SEQLENS = (1024, 4096, 16384)
+MEMORY_HEADS = 16
+MEMORY_HEADDIM = 128
+
+LIBS = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn")
+DASH = "\u2013"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    dtype: str
+    headdim: int
+    causal: bool
+    seqlen: int
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.headdim
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    @property
+    def flops(self) -> float:
+        flops = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.headdim
+        return flops / 2 if self.causal else flops
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+
+def _seqlen(text: str) -> int:
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def _dtype(text: str) -> str:
+    try:
+        return DTYPE_ALIASES[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {text!r}") from None
+
+
+def _list(parser, values, convert, option):
+    """Flatten repeated and comma-separated option values."""
+    out = []
+    for value in values or ():
+        for part in value.split(","):
+            if part.strip():
+                try:
+                    out.append(convert(part))
+                except ValueError as exc:
+                    parser.error(f"{option}: {exc}")
+    return out
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash bench",
+        description="Forward attention benchmark: cuflash vs naive CuPy and torch SDPA.",
+    )
+    parser.add_argument("--headdim", action="append", metavar="D",
+                        help="head dimension(s), e.g. 64,128 (default: both)")
+    parser.add_argument("--seqlen", action="append", metavar="N",
+                        help="sequence length(s), e.g. 512,2k,16k (default: 512..16k)")
+    parser.add_argument("--dtype", action="append", metavar="T",
+                        help="fp16 and/or bf16 (default: both)")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                        help="only causal (--causal) or only non-causal (--no-causal) shapes")
+    parser.add_argument("--quick", action="store_true",
+                        help="seqlen 2k and 8k only (unless --seqlen is given)")
+    parser.add_argument("--repeats", type=int, default=30,
+                        help="timed calls per library and shape; the median is reported "
+                             "(fewer for very slow calls) (default: 30)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="time cuflash only (torch-flash is still the correctness reference)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
+    parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
+    args = parser.parse_args(argv)
+
+    args.headdims = _list(parser, args.headdim, int, "--headdim") or list(HEADDIMS)
+    args.dtypes = _list(parser, args.dtype, _dtype, "--dtype") or list(DTYPES)
+    default_seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    args.seqlens = _list(parser, args.seqlen, _seqlen, "--seqlen") or list(default_seqlens)
+    args.masks = [False, True] if args.causal is None else [args.causal]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if any(n <= 0 for n in args.seqlens):
+        parser.error("--seqlen values must be positive")
+    for d in args.headdims:
+        if d <= 0 or HIDDEN % d:
+            parser.error(f"--headdim {d} does not divide the hidden size {HIDDEN}")
+    return args
+
+
+def build_shapes(args) -> list[Shape]:
+    return [
+        Shape(dtype, headdim, causal, seqlen)
+        for dtype in dict.fromkeys(args.dtypes)
+        for headdim in dict.fromkeys(args.headdims)
+        for causal in args.masks
+        for seqlen in dict.fromkeys(args.seqlens)
+    ]
+
+
+# --------------------------------------------------------------------------
+# Running
+
+
+def device_info() -> dict:
+    import cupy
+
+    device = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(device.id)
+    return {
+        "name": props["name"].decode(),
+        "compute_capability": device.compute_capability,
+        "sm_count": device.attributes["MultiProcessorCount"],
+        "l2_bytes": device.attributes["L2CacheSize"],
+        "memory_bytes": props["totalGlobalMem"],
+    }
+
+
+def release_memory(torch_libs) -> None:
+    import cupy
+
+    bench_libs.synchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch_libs:
+        torch_libs[0]._torch.cuda.empty_cache()
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def check_shape(shape, qkv, cuflash, reference) -> dict:
+    """Run cuflash once and compare it with the reference."""
+    import cupy
+
+    atol, rtol = TOLERANCE[shape.dtype]
+    try:
+        with cuflash.context():
+            out = cuflash.to_cupy(cuflash.prepare(*qkv, shape.causal)())
+    except Exception as exc:
+        return {"ok": False, "reference": None, "error": describe(exc)}
+    ref = None
+    if reference is not None:
+        try:
+            run = reference.prepare(*qkv, shape.causal)
+            with reference.context():
+                ref = reference.to_cupy(run())
+            bench_libs.synchronize()
+            name = reference.name
+        except Exception as exc:
+            log(f"  {reference.name} reference unavailable ({describe(exc)}); using float32 CuPy")
+    if ref is None:
+        sub = tuple(x[:1, :, :REFERENCE_HEADS] for x in qkv)
+        ref = bench_libs.naive_attention(*sub, shape.causal, dtype=cupy.float32)
+        out = out[:1, :, :REFERENCE_HEADS]
+        name = "naive-cupy-fp32"
+    result = bench_libs.compare(out, ref, atol, rtol)
+    result["reference"] = name
+    return result
+
+
+def time_library(lib, shape, sets, repeats) -> dict:
+    try:
+        fns = [lib.prepare(*qkv, shape.causal) for qkv in sets]
+        result = bench_libs.time_calls(lib, fns, repeats)
+    except Skip as exc:
+        return {"skipped": str(exc)}
+    except Exception as exc:
+        return {"error": describe(exc)}
+    finally:
+        fns = None
+        bench_libs.synchronize()
+    result["tflops"] = shape.flops / (result["ms"] * 1e-3) / 1e12
+    return result
+
+
+def run_shape(shape, libs, reference, repeats, l2_bytes) -> dict:
+    dtype = bench_libs.cupy_dtype(shape.dtype)
+    per_set = 3 * shape.batch * shape.seqlen * shape.heads * shape.headdim * dtype.itemsize
+    n_sets = max(MIN_INPUT_SETS, math.ceil(2 * l2_bytes / per_set))
+    sets = [
+        bench_libs.random_qkv(shape.batch, shape.seqlen, shape.heads, shape.headdim, dtype, seed)
+        for seed in range(n_sets)
+    ]
+    row = dataclasses.asdict(shape)
+    row.update(heads=shape.heads, batch=shape.batch, flops=shape.flops, input_sets=n_sets)
+    row["check"] = check_shape(shape, sets[0], libs[0], reference)
+    row["libs"] = {lib.name: time_library(lib, shape, sets, repeats) for lib in libs}
+    cuflash = row["libs"][libs[0].name]
+    row["ok"] = bool(row["check"]["ok"]) and "tflops" in cuflash
+    return row
+
+
+def run_memory(libs) -> list[dict]:
+    """Peak extra memory of one non-causal fp16 forward call, batch 1."""
+    dtype = bench_libs.cupy_dtype("float16")
+    entries = []
+    for seqlen in MEMORY_SEQLENS:
+        q, k, v = bench_libs.random_qkv(1, seqlen, MEMORY_HEADS, MEMORY_HEADDIM, dtype, seed=0)
+        entry = {
+            "dtype": "float16", "causal": False, "batch": 1, "heads": MEMORY_HEADS,
+            "headdim": MEMORY_HEADDIM, "seqlen": seqlen,
+            "inputs_mib": 3 * q.nbytes / MiB, "output_mib": q.nbytes / MiB, "libs": {},
+        }
+        for lib in libs:
+            try:
+                entry["libs"][lib.name] = {"extra_mib": bench_libs.peak_extra_bytes(lib, q, k, v) / MiB}
+            except Skip as exc:
+                entry["libs"][lib.name] = {"skipped": str(exc)}
+            except Exception as exc:
+                entry["libs"][lib.name] = {"error": describe(exc)}
+            bench_libs.synchronize()
+        log(f"memory N={seqlen}: " + ", ".join(
+            f"{name} {_cell(r, 'extra_mib', '.0f')}" for name, r in entry["libs"].items()))
+        entries.append(entry)
+        del q, k, v
+    return entries
+
+
+# --------------------------------------------------------------------------
+# Output
+
+
+def _cell(result, key="tflops", fmt=".1f", error="ERR") -> str:
+    if result is None or key not in result:
+        return error if result and "error" in result else DASH
+    return format(result[key], fmt)
+
+
+def _seqlen_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _ratio(a, b) -> str:
+    if a and b and "tflops" in a and "tflops" in b:
+        return f"{a['tflops'] / b['tflops']:.2f}"
+    return DASH
+
+
+def _table(rows, headers, numeric_from) -> str:
+    try:
+        from tabulate import tabulate
+    except ImportError:
+        return "\n".join("\t".join(map(str, r)) for r in [headers, *rows])
+    align = ["left"] * numeric_from + ["right"] * (len(headers) - numeric_from)
+    return tabulate(rows, headers, disable_numparse=True, colalign=align)
+
+
+def speed_table(results) -> str:
+    headers = ["dtype", "hdim", "causal", "seqlen", "cuflash", "naive", "torch-flash",
+               "torch-cudnn", "cuflash/flash", "cuflash/cudnn"]
+    rows = []
+    for r in results:
+        libs = r["libs"]
+        mine = libs.get("cuflash")
+        cell = _cell(mine)
+        if not r["check"]["ok"] and cell != "ERR":
+            cell += "!"
+        rows.append([
+            SHORT_DTYPE[r["dtype"]], r["headdim"], "yes" if r["causal"] else "no",
+            _seqlen_label(r["seqlen"]), cell,
+            # A peer that fails is shown like one that was skipped; the
+            # reason is in the log and the JSON.
+            *(_cell(libs.get(name), error=DASH) for name in LIBS[1:]),
+            _ratio(mine, libs.get("torch-flash")), _ratio(mine, libs.get("torch-cudnn")),
+        ])
+    return _table(rows, headers, 4)
+
+
+def memory_table(entries) -> str:
+    headers = ["seqlen", "inputs", "cuflash", "naive", "torch-flash", "torch-cudnn"]
+    rows = [
+        [_seqlen_label(e["seqlen"]), f"{e['inputs_mib']:.0f}"]
+        + [_cell(e["libs"].get(name), "extra_mib", ".0f", error="ERR" if name == "cuflash" else DASH)
+           for name in LIBS]
+        for e in entries
+    ]
+    return _table(rows, headers, 1)
+
+
+def write_json(path, report) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import cupy
+
+        device = device_info()
+    except Exception as exc:
+        log(f"cuflash bench: no CUDA device ({describe(exc)})")
+        return 2
+    try:
+        cuflash = bench_libs.Cuflash()
+    except Exception as exc:
+        log(f"cuflash bench: cannot load cuflash.attention ({describe(exc)})")
+        return 2
+
+    # torch is loaded even with --no-peers: its flash backend is the reference.
+    torch_libs = bench_libs.load_torch_libs(log)
+    reference = next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
+    libs = [cuflash] if args.no_peers else [cuflash, bench_libs.NaiveCupy(), *torch_libs]
+
+    import cuflash as cuflash_module
+
+    torch_version = torch_libs[0]._torch.__version__ if torch_libs else None
+    report = {
+        "device": device,
+        "versions": {
+            "cuflash": getattr(cuflash_module, "__version__", None),
+            "cupy": cupy.__version__,
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "torch": torch_version,
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "repeats": args.repeats,
+        "libraries": [lib.name for lib in libs],
+        "results": [],
+        "memory": [],
+    }
+    log(f"device: {device['name']} (sm_{device['compute_capability']}, "
+        f"{device['sm_count']} SMs, L2 {device['l2_bytes'] / MiB:.0f} MiB); "
+        f"libraries: {', '.join(report['libraries'])}")
+
+    shapes = build_shapes(args)
+    for i, shape in enumerate(shapes, 1):
+        row = run_shape(shape, libs, reference, args.repeats, device["l2_bytes"])
+        release_memory(torch_libs)
+        report["results"].append(row)
+        write_json(args.json, report)  # keep partial results if the run is cut short
+        check = row["check"]
+        verdict = ("ok" if check["ok"] else "MISMATCH") + (
+            f" (max err {check['max_abs_err']:.2e} vs {check['reference']})"
+            if "max_abs_err" in check else f" ({check.get('error')})")
+        log(f"[{i}/{len(shapes)}] {SHORT_DTYPE[shape.dtype]} d={shape.headdim} "
+            f"{'causal' if shape.causal else 'full'} N={shape.seqlen} B={shape.batch} "
+            f"H={shape.heads}: " + ", ".join(
+                f"{name} {_cell(r)}" for name, r in row["libs"].items()) + f"; {verdict}")
+        for name, r in row["libs"].items():
+            if "error" in r or "skipped" in r:
+                log(f"    {name}: {r.get('error') or 'skipped: ' + r['skipped']}")
+
+    if not args.no_memory:
+        memory_libs = [cuflash] if args.no_peers else [
+            cuflash, bench_libs.NaiveCupy(max_seqlen=None), *torch_libs]
+        report["memory"] = run_memory(memory_libs)
+        release_memory(torch_libs)
+
+    failed = [r for r in report["results"] if not r["ok"]]
+    failed += [m for m in report["memory"] if "error" in m["libs"].get("cuflash", {})]
+    report["ok"] = not failed
+    write_json(args.json, report)
+
+    print(f"\nForward TFLOP/s on {device['name']}: median of up to {args.repeats} calls; "
+          f"batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
+          f"'!' cuflash mismatch, 'ERR' cuflash failed, '{DASH}' not run.")
+    print(speed_table(report["results"]))
+    if report["memory"]:
+        print(f"\nPeak extra device memory of one forward call, MiB "
+              f"(fp16, batch 1, {MEMORY_HEADS} heads, hdim {MEMORY_HEADDIM}, non-causal; "
+              f"'inputs' is q+k+v):")
+        print(memory_table(report["memory"]))
+    if failed:
+        print(f"\nFAILED: {len(failed)} cuflash row(s) failed or mismatched")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Run-time compilation of the CUDA templates in cuda_src/ with NVRTC.
+
+`get_kernel` compiles one kernel specialisation for the current device through
+`cupy.RawModule(name_expressions=...)`, memoised per (device, name) in this
+process; CuPy's on-disk kernel cache (keyed on the full source text, which is
+why headers are inlined here) spares a second process the compile.
+
+`compile_report` is the compile-only path used by `python -m cuflash check`:
+it needs NVRTC but no GPU and returns the ptxas resource report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import re
+import threading
+from pathlib import Path
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+# Kernel family -> entry header in cuda_src/.
+FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh"}
+
+# -default-device: the kernels use local lambdas, which NVRTC otherwise takes for host code.
+COMPILE_OPTIONS = ("-std=c++17", "-default-device")
+
+
+def cuda_src_dir() -> Path:
+    """cuda_src/ inside an installed wheel, else beside the package in a source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise RuntimeError(f"cuflash: kernel sources (cuda_src/) not found next to {here}")
+
+
+def _inline(path: Path, seen: set[Path]) -> str:
+    """The file's text with its local #include "..." lines replaced by the headers' text (once each)."""
+    if path in seen:
+        return ""
+    seen.add(path)
+
+    def expand(match: re.Match) -> str:
+        return _inline(path.parent / match.group(1), seen)
+
+    return _INCLUDE.sub(expand, path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(family: str) -> str:
+    """One self-contained translation unit for a kernel family."""
+    try:
+        header = FAMILY_HEADERS[family]
+    except KeyError:
+        raise ValueError(f"unknown kernel family {family!r}") from None
+    return _inline(cuda_src_dir() / header, set())
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    """Hash of every file in cuda_src/: changes whenever any kernel changes."""
+    digest = hashlib.sha256()
+    for path in sorted(cuda_src_dir().glob("*.cuh")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- on a GPU
+
+_modules_lock = threading.Lock()
+_functions: dict = {}
+
+
+def get_kernel(family: str, name_expression: str, smem_bytes: int):
+    """The compiled `cupy.RawKernel`-like function for the current device."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, family, name_expression)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _modules_lock:
+        fn = _functions.get(key)
+        if fn is None:
+            module = cupy.RawModule(
+                code=kernel_source(family),
+                options=COMPILE_OPTIONS,
+                name_expressions=[name_expression],
+            )
+            fn = module.get_function(name_expression)
+            if smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = smem_bytes
+            _functions[key] = fn
+    return fn
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    name: str
+    arch: str
+    ok: bool
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    log: str = ""
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+def compile_report(family: str, name_expression: str, arch: str) -> CompileReport:
+    """Compile one specialisation to a cubin for `arch` (e.g. "sm_90") and parse ptxas -v."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = kernel_source(family)
+    options = [*COMPILE_OPTIONS, f"-arch={arch}", "-Xptxas=-v"]
+    prog = nvrtc.createProgram(source, "cuflash.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, name_expression)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError:
+            return CompileReport(name_expression, arch, ok=False, log=nvrtc.getProgramLog(prog))
+        log = nvrtc.getProgramLog(prog)
+        nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    report = CompileReport(name_expression, arch, ok=True, log=log)
+    regs = _PTXAS_REGS.search(log)
+    stack = _PTXAS_STACK.search(log)
+    if regs is None or stack is None:
+        report.ok = False
+        report.log = "no ptxas report in the NVRTC log:\n" + log
+        return report
+    report.registers = int(regs.group(1))
+    report.stack_bytes, report.spill_stores, report.spill_loads = map(int, stack.groups())
+    return report

@@ -1,0 +1,79 @@
+"""The one place that picks a kernel configuration for a problem.
+
+Order: the autotune cache (when one is installed by `cuflash.autotune`), then
+the heuristic table below. Each row of the table carries the measurement that
+chose it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import FwdConfig, kernel_headdim
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdProblem:
+    """What the forward kernel choice depends on."""
+
+    dtype_name: str
+    headdim: int  # the user's head dim
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    group: int  # query heads per kv head
+
+    @property
+    def kernel_headdim(self) -> int:
+        return kernel_headdim(self.headdim)
+
+
+# Heuristic table: kernel head dim -> (fast config, general config). The fast
+# one serves head dims equal to the kernel's and sequence lengths that are
+# multiples of its block sizes; the general one everything else. Measured on an H200,
+# fp16, batch*seqlen = 16k tokens, hidden 2048 (bench/PERFLOG.md):
+# - d64: 128 x 64 tiles, 4 warps of 2 row tiles, Q in registers: 313 TFLOP/s at
+#   8k (1.03x torch flash); 64-row tiles reach 266-275. Its uneven-length
+#   causal variant spills, so the general config has 64-row tiles.
+# - d128: the same tiles with Q re-read from shared memory (Q in registers
+#   spills): 343-362 TFLOP/s (1.02x flash); 64-row tiles 288. Its uneven
+#   variants spill (row/column predicates on the loads), so the general config
+#   has 64-row tiles, which compile without spills.
+# - other head dims: the largest tiles that compile without spills.
+HEURISTIC_FWD = {
+    32: (FwdConfig(32, 64, 4, 2, 2), FwdConfig(32, 64, 4, 2, 2)),
+    64: (FwdConfig(64, 64, 4, 2, 2), FwdConfig(64, 64, 4, 1, 2)),
+    96: (FwdConfig(96, 64, 4, 1, 2), FwdConfig(96, 64, 4, 1, 2)),
+    128: (FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdConfig(128, 64, 4, 1, 2)),
+    160: (FwdConfig(160, 64, 4, 1, 2, q_in_regs=False), FwdConfig(160, 32, 4, 1, 2, q_in_regs=False)),
+    192: (FwdConfig(192, 32, 4, 1, 2, q_in_regs=False), FwdConfig(192, 32, 4, 1, 2, q_in_regs=False)),
+    224: (FwdConfig(224, 32, 4, 1, 2, q_in_regs=False), FwdConfig(224, 32, 4, 1, 2, q_in_regs=False)),
+    256: (FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdConfig(256, 64, 4, 1, 2, q_in_regs=False)),
+}
+
+# Hook for the autotune cache: a callable (FwdProblem) -> FwdConfig | None.
+_cache_lookup = None
+
+
+def set_cache_lookup(lookup) -> None:
+    global _cache_lookup
+    _cache_lookup = lookup
+
+
+def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig:
+    fast, general = HEURISTIC_FWD[problem.kernel_headdim]
+    even = (
+        problem.headdim == fast.headdim
+        and problem.seqlen_q % fast.block_m == 0
+        and problem.seqlen_k % fast.block_n == 0
+    )
+    return fast if even else general
+
+
+def fwd_config(problem: FwdProblem) -> tuple[FwdConfig, str]:
+    """The config to run and where it came from ("cache" or "heuristic")."""
+    if _cache_lookup is not None:
+        cfg = _cache_lookup(problem)
+        if cfg is not None:
+            return cfg, "cache"
+    return heuristic_fwd_config(problem), "heuristic"

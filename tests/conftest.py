@@ -1,0 +1,25 @@
+import functools
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a usable CUDA device")
+
+
+@functools.cache
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
+        return False
+
+
+@pytest.fixture(autouse=True)
+def require_gpu(request):
+    """Skip tests marked `gpu` when no CUDA device is usable."""
+    if request.node.get_closest_marker("gpu") and not gpu_available():
+        pytest.skip("no usable CUDA device")

@@ -1,0 +1,20 @@
+import numpy as np
+
+
+def assert_close_2x(out, ref64, naive, atol):
+    """Assert out is at most twice as far from ref64 as naive is, plus atol.
+
+    out: the result under test; ref64: the float64 reference; naive: the
+    same computation done naively in the input's low-precision dtype.
+    """
+    out, ref64, naive = (np.asarray(x, dtype=np.float64) for x in (out, ref64, naive))
+    assert out.shape == ref64.shape, f"shape {out.shape} != reference {ref64.shape}"
+    n_nan = int(np.isnan(out).sum())
+    assert n_nan == 0, f"{n_nan} NaN values in output"
+    err = np.abs(out - ref64).max(initial=0.0)
+    naive_err = np.abs(naive - ref64).max(initial=0.0)
+    bound = 2 * naive_err + atol
+    assert err <= bound, (
+        f"max abs error {err:.3e} > bound {bound:.3e} "
+        f"(naive low-precision error {naive_err:.3e}, atol {atol:.1e})"
+    )

@@ -1,0 +1,199 @@
+"""Correctness of cuflash.attention against the float64 reference.
+
+Accuracy rule: the kernel's max abs error against the float64 reference may
+be at most twice that of the naive computation in the input dtype (see
+cuflash.reference.attention_naive_lowp), plus a small atol.
+
+Inputs are built on the host in the low-precision dtype and copied to the
+device, so the references see exactly the values the kernel sees.
+"""
+
+import zlib
+
+import cupy
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import attention as reference
+from cuflash.reference import attention_naive_lowp
+from tests.numerics import assert_close_2x
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+ATOL = {np.dtype(np.float16): 1e-3, np.dtype(ml_dtypes.bfloat16): 5e-3}
+
+
+@pytest.fixture
+def rng(request):
+    # Different inputs for every case, reproducible from the test id.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def randn(rng, shape, dtype):
+    """Standard normal host array rounded to dtype."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
+    """Host (q, k, v) and device copies of them."""
+    host = (
+        randn(rng, (batch, nq, nheads, headdim), dtype),
+        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
+        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
+    )
+    return host, tuple(cupy.asarray(x) for x in host)
+
+
+def expected(q, k, v, **kwargs):
+    """(float64 output, float64 lse, naive low-precision output) for host inputs."""
+    ref, lse = reference(q, k, v, return_lse=True, **kwargs)
+    naive = attention_naive_lowp(q, k, v, dtype=q.dtype, **kwargs)
+    return ref, lse, naive
+
+
+def check(host, dev, **kwargs):
+    """Run the kernel on dev inputs and hold it to the 2x rule."""
+    out = cuflash.attention(*dev, **kwargs)
+    assert out.shape == dev[0].shape and out.dtype == dev[0].dtype
+    ref, _, naive = expected(*host, **kwargs)
+    assert_close_2x(out.get(), ref, naive, ATOL[out.dtype])
+
+
+def check_lse(lse, ref_lse):
+    lse = lse.get().astype(np.float64)
+    assert lse.shape == ref_lse.shape
+    # Exactly -inf for rows that see no key, finite and close elsewhere.
+    masked = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), masked)
+    np.testing.assert_allclose(lse[~masked], ref_lse[~masked], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [32, 40, 64, 72, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_headdims(rng, dtype, headdim, causal):
+    host, dev = make_qkv(rng, dtype, 2, 97, 97, 2, 2, headdim)
+    check(host, dev, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "nq,nk",
+    [(1, 1), (17, 17), (97, 97), (257, 257), (1025, 1025),
+     (17, 257), (257, 17), (1, 1025), (1025, 97)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlens(rng, dtype, nq, nk, causal):
+    host, dev = make_qkv(rng, dtype, 2, nq, nk, 2, 2, 64)
+    check(host, dev, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nheads_kv", [2, 1])
+@pytest.mark.parametrize("nq,nk", [(97, 129), (129, 97)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
+    host, dev = make_qkv(rng, dtype, 2, nq, nk, 4, nheads_kv, 64)
+    check(host, dev, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softmax_scale", [0.3, 2.0])
+def test_softmax_scale(rng, dtype, softmax_scale):
+    host, dev = make_qkv(rng, dtype, 2, 97, 129, 2, 2, 64)
+    check(host, dev, causal=True, softmax_scale=softmax_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhnd", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_inputs(rng, dtype, layout, causal):
+    batch, nq, nk, nheads, headdim = 2, 65, 97, 2, 64
+    if layout == "bhnd":
+        # Each tensor stored as (batch, nheads, seqlen, headdim).
+        bases = [
+            randn(rng, (batch, nheads, n, headdim), dtype) for n in (nq, nk, nk)
+        ]
+        host = tuple(x.transpose(0, 2, 1, 3) for x in bases)
+        dev = tuple(cupy.asarray(x).transpose(0, 2, 1, 3) for x in bases)
+    else:
+        # q: the second half of the heads of a wider tensor (non-zero offset);
+        # k, v: interleaved in one (batch, seqlen, 2, nheads, headdim) tensor.
+        q_base = randn(rng, (batch, nq, 2 * nheads, headdim), dtype)
+        kv_base = randn(rng, (batch, nk, 2, nheads, headdim), dtype)
+        q_dev, kv_dev = cupy.asarray(q_base), cupy.asarray(kv_base)
+        host = (q_base[:, :, nheads:], kv_base[:, :, 0], kv_base[:, :, 1])
+        dev = (q_dev[:, :, nheads:], kv_dev[:, :, 0], kv_dev[:, :, 1])
+    check(host, dev, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_layout", ["contiguous", "every_other_head"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_out_argument(rng, dtype, out_layout, return_lse):
+    batch, nq, nk, nheads, headdim = 2, 97, 97, 2, 64
+    host, dev = make_qkv(rng, dtype, batch, nq, nk, nheads, nheads, headdim)
+    # Poison the whole buffer so unwritten elements show up as NaN.
+    wide = 1 if out_layout == "contiguous" else 2
+    storage = cupy.asarray(np.full((batch, nq, wide * nheads, headdim), np.nan, dtype))
+    out = storage[:, :, ::wide]
+
+    result = cuflash.attention(*dev, causal=True, out=out, return_lse=return_lse)
+    if return_lse:
+        result, lse = result
+    assert result is out
+
+    ref, ref_lse, naive = expected(*host, causal=True)
+    written = storage.get()
+    assert_close_2x(written[:, :, ::wide], ref, naive, ATOL[out.dtype])
+    if out_layout == "every_other_head":
+        assert np.isnan(written[:, :, 1::2].astype(np.float32)).all()  # untouched
+    if return_lse:
+        check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(97, 97), (17, 257), (257, 17)])
+def test_lse(rng, dtype, causal, nq, nk):
+    host, dev = make_qkv(rng, dtype, 2, nq, nk, 4, 2, 64)
+    out, lse = cuflash.attention(*dev, causal=causal, return_lse=True)
+    ref, ref_lse, naive = expected(*host, causal=causal)
+    assert_close_2x(out.get(), ref, naive, ATOL[out.dtype])
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nq,nk", [(257, 17), (64, 1)])
+def test_fully_masked_rows(rng, dtype, nq, nk):
+    # Causal with nq > nk: the first nq - nk query rows see no key.
+    host, dev = make_qkv(rng, dtype, 2, nq, nk, 2, 2, 64)
+    out, lse = cuflash.attention(*dev, causal=True, return_lse=True)
+    out, lse = out.get().astype(np.float64), lse.get().astype(np.float64)
+    masked = nq - nk
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert np.all(out[:, :masked] == 0)
+    assert np.all(np.isneginf(lse[:, :, :masked]))
+    ref, _, naive = expected(*host, causal=True)
+    assert_close_2x(out, ref, naive, ATOL[np.dtype(dtype)])
+
+
+def test_non_default_stream(rng):
+    _, dev = make_qkv(rng, np.float16, 2, 257, 257, 4, 2, 64)
+    want = cuflash.attention(*dev, causal=True).get()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        # Copies queued on the stream: the kernel must be ordered after them.
+        out = cuflash.attention(*(x.copy() for x in dev), causal=True)
+        got = out.get()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence(rng, dtype, causal):
+    host, dev = make_qkv(rng, dtype, 1, 4096, 4096, 1, 1, 128)
+    check(host, dev, causal=causal)

@@ -1,0 +1,188 @@
+"""Argument validation of cuflash.attention.
+
+Validation happens before any GPU work, so the tests that pass NumPy arrays
+or lists run without a GPU.  The others need a device to allocate CuPy
+arrays and are marked `gpu`.
+"""
+
+import math
+
+import cupy
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+
+B, NQ, NK, H, D = 2, 8, 16, 4, 64
+
+
+def np_qkv(dtype=np.float16):
+    return (
+        np.zeros((B, NQ, H, D), dtype),
+        np.zeros((B, NK, H, D), dtype),
+        np.zeros((B, NK, H, D), dtype),
+    )
+
+
+def cp_qkv(dtype=np.float16, q_shape=(B, NQ, H, D), k_shape=(B, NK, H, D), v_shape=None):
+    v_shape = k_shape if v_shape is None else v_shape
+    return (
+        cupy.zeros(q_shape, dtype),
+        cupy.zeros(k_shape, dtype),
+        cupy.zeros(v_shape, dtype),
+    )
+
+
+def mentions(arg):
+    """Regex matching the argument's name as a word in an error message."""
+    return rf"\b{arg}\b"
+
+
+# --- CPU: inputs that are not CuPy arrays ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_numpy_inputs_rejected(dtype):
+    with pytest.raises(TypeError, match=mentions("q")):
+        cuflash.attention(*np_qkv(dtype))
+
+
+def test_list_inputs_rejected():
+    q, k, v = (x.tolist() for x in np_qkv())
+    with pytest.raises(TypeError, match=mentions("q")):
+        cuflash.attention(q, k, v)
+
+
+# --- GPU: CuPy arrays with bad dtypes, shapes or strides -------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arg", ["k", "v"])
+def test_numpy_k_or_v_rejected(arg):
+    q, k, v = cp_qkv()
+    args = {"q": q, "k": k, "v": v}
+    args[arg] = args[arg].get()
+    with pytest.raises(TypeError, match=mentions(arg)):
+        cuflash.attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
+def test_unsupported_dtype(dtype):
+    with pytest.raises(TypeError, match=mentions("q")):
+        cuflash.attention(*cp_qkv(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arg", ["k", "v"])
+def test_mixed_dtypes(arg):
+    q, k, v = cp_qkv(np.float16)
+    args = {"q": q, "k": k, "v": v}
+    args[arg] = cupy.zeros(args[arg].shape, ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=mentions(arg)):
+        cuflash.attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shapes,arg",
+    [
+        # ndim != 4
+        (dict(q_shape=(NQ, H, D)), "q"),
+        (dict(k_shape=(B, NK, H, D, 1)), "k"),
+        (dict(v_shape=(NK, H, D)), "v"),
+        # batch or headdim of k differs from q
+        (dict(k_shape=(B + 1, NK, H, D)), "k"),
+        (dict(k_shape=(B, NK, H, D - 8)), "k"),
+        # v shape differs from k
+        (dict(v_shape=(B, NK + 1, H, D)), "v"),
+        (dict(v_shape=(B, NK, H // 2, D)), "v"),
+        (dict(v_shape=(B, NK, H, D + 8)), "v"),
+    ],
+)
+def test_shape_mismatch(shapes, arg):
+    with pytest.raises(ValueError, match=mentions(arg)):
+        cuflash.attention(*cp_qkv(**shapes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [4, 20, 63, 264, 512])
+def test_unsupported_headdim(headdim):
+    shape = (B, NQ, H, headdim)
+    with pytest.raises(ValueError, match=r"(?i)head"):
+        cuflash.attention(*cp_qkv(q_shape=shape, k_shape=shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nheads,nheads_kv", [(3, 2), (4, 3), (2, 4)])
+def test_nheads_not_multiple_of_nheads_kv(nheads, nheads_kv):
+    shapes = dict(q_shape=(B, NQ, nheads, D), k_shape=(B, NK, nheads_kv, D))
+    with pytest.raises(ValueError, match=r"(?i)head"):
+        cuflash.attention(*cp_qkv(**shapes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_non_contiguous_last_dim(arg):
+    q, k, v = cp_qkv()
+    args = {"q": q, "k": k, "v": v}
+    # Same shape as before, but consecutive headdim elements are 2 apart.
+    wide = cupy.zeros(args[arg].shape[:-1] + (2 * D,), args[arg].dtype)
+    args[arg] = wide[..., ::2]
+    with pytest.raises(ValueError, match=mentions(arg)):
+        cuflash.attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf, -math.inf])
+def test_bad_softmax_scale(scale):
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cuflash.attention(*cp_qkv(), softmax_scale=scale)
+
+
+@pytest.mark.gpu
+def test_inputs_on_different_devices():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two CUDA devices")
+    q, k, v = cp_qkv()
+    with cupy.cuda.Device(1):
+        k = cupy.zeros(k.shape, k.dtype)
+    with pytest.raises(ValueError, match=mentions("k")):
+        cuflash.attention(q, k, v)
+
+
+# --- GPU: bad `out` ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_out_not_cupy():
+    q, k, v = cp_qkv()
+    with pytest.raises(TypeError, match=mentions("out")):
+        cuflash.attention(q, k, v, out=np.empty(q.shape, q.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_out_wrong_dtype(dtype):
+    q, k, v = cp_qkv(np.float16)
+    with pytest.raises(TypeError, match=mentions("out")):
+        cuflash.attention(q, k, v, out=cupy.empty(q.shape, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [(B, NQ, H, D + 8), (B, NK, H, D), (B, NQ, H), (1, B, NQ, H, D)]
+)
+def test_out_wrong_shape(shape):
+    q, k, v = cp_qkv()
+    with pytest.raises(ValueError, match=mentions("out")):
+        cuflash.attention(q, k, v, out=cupy.empty(shape, q.dtype))
+
+
+@pytest.mark.gpu
+def test_out_non_contiguous_last_dim():
+    q, k, v = cp_qkv()
+    out = cupy.empty((B, NQ, H, 2 * D), q.dtype)[..., ::2]
+    with pytest.raises(ValueError, match=mentions("out")):
+        cuflash.attention(q, k, v, out=out)
