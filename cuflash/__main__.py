@@ -1,0 +1,33 @@
+"""Command line: python -m cuflash {check, info, bench}."""
+
+import sys
+
+USAGE = """usage: python -m cuflash COMMAND [options]
+
+commands:
+  check   compile every shipped kernel with NVRTC (no GPU needed); report registers and spills
+  info    device, versions, cache locations
+  bench   forward benchmark against naive CuPy and torch SDPA (needs a GPU)
+"""
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "check":
+        from .check import main as run
+    elif command == "info":
+        from .info import main as run
+    elif command == "bench":
+        from .benchmark import main as run
+    else:
+        print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Compile-only checks (NVRTC, no GPU): configs agree with the C++ traits and
+the kernel sources resolve both from the source tree and from a wheel."""
+
+import pytest
+
+from cuflash import compile as cf_compile
+from cuflash.config import KERNEL_HEADDIMS, FwdConfig, kernel_headdim
+from cuflash.dispatch import HEURISTIC_FWD
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+
+def _compiles(source: str) -> tuple[bool, str]:
+    prog = nvrtc.createProgram(source, "check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_80"])
+        return True, ""
+    except nvrtc.NVRTCError:
+        return False, nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _traits(cfg: FwdConfig) -> str:
+    return (
+        f"cuflash::FwdTraits<{cfg.headdim}, {cfg.block_n}, {cfg.warps}, {cfg.m_tiles}, {cfg.stages}, "
+        f"{cfg.min_blocks}, {'true' if cfg.q_in_regs else 'false'}, false>"
+    )
+
+
+def test_smem_bytes_match_cpp_traits():
+    configs = sorted({cfg for pair in HEURISTIC_FWD.values() for cfg in pair})
+    asserts = "\n".join(
+        f"static_assert({_traits(c)}::SMEM_BYTES == {c.smem_bytes()}, \"{c.short_name()}\");"
+        f"\nstatic_assert({_traits(c)}::BR == {c.block_m}, \"{c.short_name()}\");"
+        for c in configs
+    )
+    ok, log = _compiles(cf_compile.kernel_source("fwd_sm80") + "\n" + asserts)
+    assert ok, log
+
+
+def test_traits_mismatch_is_detected():
+    cfg = HEURISTIC_FWD[128][0]
+    source = cf_compile.kernel_source("fwd_sm80") + f"\nstatic_assert({_traits(cfg)}::SMEM_BYTES == 1, \"x\");"
+    ok, _ = _compiles(source)
+    assert not ok
+
+
+def test_every_heuristic_config_is_valid():
+    for kd, pair in HEURISTIC_FWD.items():
+        for cfg in pair:
+            assert cfg.is_valid() and cfg.headdim == kd
+
+
+def test_kernel_headdim_rounding():
+    assert [kernel_headdim(d) for d in (8, 32, 40, 64, 72, 128, 136, 256)] == [32, 32, 64, 64, 96, 128, 160, 256]
+    assert set(KERNEL_HEADDIMS) == set(HEURISTIC_FWD)
+    with pytest.raises(ValueError):
+        kernel_headdim(264)
+
+
+def test_compile_report_parses_ptxas():
+    cfg = HEURISTIC_FWD[64][0]
+    report = cf_compile.compile_report(cfg.family, cfg.name_expression("float16", True, True, True), "sm_80")
+    assert report.ok, report.log
+    assert 0 < report.registers <= 255
+    assert report.spills == 0
+
+
+def test_compile_report_flags_errors():
+    report = cf_compile.compile_report("fwd_sm80", "cuflash::fwd_kernel<48, 64, 4, 1, 2, 1, true, false, false, true, true>", "sm_80")
+    assert not report.ok and "head dim" in report.log
+
+
+def test_source_is_self_contained():
+    source = cf_compile.kernel_source("fwd_sm80")
+    assert '#include "' not in source
+    assert len(cf_compile.source_hash()) == 16
