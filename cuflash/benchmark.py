@@ -6,7 +6,8 @@ and not, fp16 and bf16. Each shape is checked for correctness once (cuflash
 against torch's flash backend, or against a float32 CuPy reference when torch
 is missing), then timed for cuflash and its peers:
 
-* ``naive-cupy``: matmul + softmax + matmul in CuPy, in the input dtype;
+* ``naive-cupy``: unfused attention in CuPy, in the input dtype: a batched
+  cuBLAS GEMM writes the N x N scores, a row softmax, a second GEMM;
 * ``torch-flash`` / ``torch-cudnn``: ``scaled_dot_product_attention`` pinned to
   the FlashAttention-2 or cuDNN backend, on zero-copy views of the same data.
 
