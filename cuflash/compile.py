@@ -21,7 +21,7 @@ from pathlib import Path
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 # Kernel family -> entry header in cuda_src/.
-FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh"}
+FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh", "bwd_sm80": "bwd_sm80.cuh"}
 
 # -default-device: the kernels use local lambdas, which NVRTC otherwise takes for host code.
 COMPILE_OPTIONS = ("-std=c++17", "-default-device")

@@ -99,3 +99,70 @@ class FwdConfig:
             f"_mt{self.m_tiles}_s{self.stages}_b{self.min_blocks}"
             + ("" if self.q_in_regs else "_qs")
         )
+
+
+# Padding of the backward's per-row buffers (lse2, delta, dq_accum): every
+# backward block of query rows (32, 64 or 128) divides it, so no row-bound checks.
+BWD_ROW_PAD = 128
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BwdConfig:
+    """Tile shapes of the sm_80 backward kernels.
+
+    headdim: kernel head dim (one of KERNEL_HEADDIMS).
+    dkdv_block_m: query rows per step of the dK/dV kernel (32, 64 or 128).
+    dkdv_warps: warps of the dK/dV kernel; each owns 16 keys (keys per CTA = 16 x warps).
+    dq_warps: warps of the deterministic dQ kernel; each owns 16 query rows.
+    dq_block_n: keys per step of the dQ kernel.
+    stages: tiles in flight in the cp.async rings of both kernels.
+    """
+
+    headdim: int
+    dkdv_block_m: int
+    dkdv_warps: int
+    dq_warps: int
+    dq_block_n: int
+    stages: int = 2
+    min_blocks: int = 1
+
+    family = "bwd_sm80"
+
+    @property
+    def dkdv_block_n(self) -> int:
+        return 16 * self.dkdv_warps
+
+    @property
+    def dq_block_m(self) -> int:
+        return 16 * self.dq_warps
+
+    def dkdv_smem_bytes(self, atomic_dq: bool) -> int:
+        kv = self.dkdv_block_n * self.headdim
+        qb = self.dkdv_block_m * self.headdim
+        rows = 4 * 2 * self.stages * self.dkdv_block_m
+        ds = 2 * self.dkdv_block_n * self.dkdv_block_m if atomic_dq else 0
+        return 2 * (2 * kv + 2 * self.stages * qb) + rows + ds
+
+    def dq_smem_bytes(self) -> int:
+        return 2 * (2 * self.dq_block_m * self.headdim + 2 * self.stages * self.dq_block_n * self.headdim)
+
+    def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
+        args = [self.headdim, self.dkdv_block_m, self.dkdv_warps, self.stages, self.min_blocks,
+                _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),
+                _cpp_bool(atomic_dq)]
+        return "cuflash::bwd_dkdv_kernel<" + ", ".join(str(a) for a in args) + ">"
+
+    def dq_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
+        args = [self.headdim, self.dq_warps, self.dq_block_n, self.stages, self.min_blocks,
+                _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d)]
+        return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
+
+    @staticmethod
+    def preprocess_name(dtype_name: str) -> str:
+        return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
+
+    def short_name(self) -> str:
+        return (
+            f"d{self.headdim}_dkdv{self.dkdv_block_m}x{self.dkdv_block_n}w{self.dkdv_warps}"
+            f"_dq{self.dq_block_m}x{self.dq_block_n}_s{self.stages}"
+        )

@@ -1,0 +1,94 @@
+"""Time backward configurations (forward + backward) against torch SDPA.
+
+Usage (on a GPU): PYTHONPATH=. python bench/bwd_sweep.py [--headdim 64,128] [--seqlen 2048,8192]
+Each config's gradients are checked against torch's flash backward first.
+"""
+
+import argparse
+import math
+
+import cupy
+import numpy
+from tabulate import tabulate
+
+import cuflash
+from cuflash import backward
+from cuflash.config import BwdConfig
+
+CANDIDATES = {
+    64: [BwdConfig(64, 64, 4, 4, 64), BwdConfig(64, 128, 8, 4, 64), BwdConfig(64, 64, 8, 8, 64),
+         BwdConfig(64, 32, 4, 4, 64)],
+    128: [BwdConfig(128, 32, 4, 4, 64), BwdConfig(128, 64, 4, 4, 64), BwdConfig(128, 64, 8, 4, 64),
+          BwdConfig(128, 32, 8, 4, 64)],
+}
+
+
+def time_ms(fn, repeats=10):
+    for _ in range(2):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(numpy.median(times))
+
+
+def main():
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--headdim", default="64,128")
+    p.add_argument("--seqlen", default="2048,8192")
+    p.add_argument("--dtype", default="float16")
+    a = p.parse_args()
+    rows = []
+    for d in map(int, a.headdim.split(",")):
+        for n in map(int, a.seqlen.split(",")):
+            for causal in (False, True):
+                h, b = 2048 // d, 16384 // n
+                tq, tk, tv, tdo = (torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, a.dtype))
+                                   for _ in range(4))
+                flops = 3.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                tflops = lambda ms: flops / ms / 1e9
+                tq_, tk_, tv_ = (x.transpose(1, 2).detach().requires_grad_() for x in (tq, tk, tv))
+                peers, ref = {}, None
+                for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    with sdpa_kernel(be):
+                        def step():
+                            o = F.scaled_dot_product_attention(tq_, tk_, tv_, is_causal=causal)
+                            return torch.autograd.grad(o, (tq_, tk_, tv_), tdo.transpose(1, 2))
+                        if name == "flash":
+                            ref = [g.transpose(1, 2) for g in step()]
+                        peers[name] = tflops(time_ms(step))
+                q, k, v, do = (cupy.from_dlpack(x) for x in (tq, tk, tv, tdo))
+                for cfg in CANDIDATES[d] + ["deterministic"]:
+                    det = cfg == "deterministic"
+                    if not det:
+                        backward.HEURISTIC_BWD[d] = cfg
+                    def run():
+                        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+                        return cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+                    try:
+                        grads = run()
+                        err = max(float(cupy.abs(g.astype(cupy.float32) - cupy.from_dlpack(r).astype(cupy.float32)).max())
+                                  for g, r in zip(grads, ref))
+                        t = tflops(time_ms(run))
+                    except Exception as exc:
+                        err, t = float("nan"), 0.0
+                        print(cfg, "failed:", str(exc)[:400])
+                    name = "deterministic" if det else cfg.short_name()
+                    rows.append([d, n, causal, name, f"{err:.1e}", f"{t:.0f}", f"{peers['flash']:.0f}",
+                                 f"{peers['cudnn']:.0f}", f"{t / peers['flash']:.2f}"])
+                    print(rows[-1], flush=True)
+                backward.HEURISTIC_BWD[d] = CANDIDATES[d][0]
+    print(tabulate(rows, headers=["d", "N", "causal", "config", "maxerr", "cuflash", "flash", "cudnn", "x flash"]))
+
+
+if __name__ == "__main__":
+    main()

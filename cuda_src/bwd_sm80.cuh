@@ -1,0 +1,485 @@
+// FlashAttention-2 backward for sm_80+ (mma.sync m16n8k16, fp32 accumulation).
+//
+// With S = Q K^T, P = softmax(S * scale) recomputed from the forward's
+// logsumexp, and Delta = rowsum(dO o O):
+//   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - Delta),
+//   dK = scale * dS^T Q,   dQ = scale * dS K.
+// Kernels:
+//   bwd_preprocess_kernel  Delta, and the logsumexp in exp2 units (lse2).
+//   bwd_dkdv_kernel        one CTA per K/V block (and kv head): dK, dV summed
+//                          over the query heads of a GQA group, no atomics;
+//                          with ATOMIC_DQ also dQ, added to an fp32 buffer.
+//   bwd_dq_kernel          one CTA per Q block: dQ without atomics
+//                          (deterministic mode; recomputes S and dP).
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+template <bool BF16>
+__device__ __forceinline__ float to_float(u16 x) {
+    if constexpr (BF16) {
+        return __uint_as_float(((u32)x) << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
+}
+
+// ---------------------------------------------------------------- preprocess
+// One warp per query row:
+//   delta[row] = sum_d dO[row, d] * O[row, d]
+//   lse2[row]  = lse[row] * log2(e), or +inf where the row saw no key (so that
+//                2^(S * c - lse2) = 0 there), and for padding rows past nq.
+template <bool BF16>
+__global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __restrict__ dout,
+                                      const float* __restrict__ lse, float* __restrict__ lse2,
+                                      float* __restrict__ delta, int nq, int nq_pad, int d, long long o_sb,
+                                      long long o_sn, long long o_sh, long long do_sb, long long do_sn,
+                                      long long do_sh) {
+    constexpr float LOG2E = 1.4426950408889634f;
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
+    if (row >= nq_pad) return;
+    const long long idx = ((long long)b * nheads + h) * nq_pad + row;
+    if (row >= nq) {
+        if (lane == 0) {
+            lse2[idx] = __int_as_float(0x7f800000u);
+            delta[idx] = 0.f;
+        }
+        return;
+    }
+    const u16* o_row = o + b * o_sb + h * o_sh + row * o_sn;
+    const u16* do_row = dout + b * do_sb + h * do_sh + row * do_sn;
+    float sum = 0.f;
+    for (int c = lane; c < d; c += 32) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+        const float l = lse[((long long)b * nheads + h) * nq + row];
+        lse2[idx] = l == neg_inf() ? __int_as_float(0x7f800000u) : l * LOG2E;
+        delta[idx] = sum;
+    }
+}
+
+// Rows/columns of an m16n8 accumulator: element e of a lane sits at row
+// (lane / 4) + 8 * (e / 2), column 2 * (lane % 4) + (e % 2).
+
+// acc[NT][4] (16 x 8*NT) += A (16 x 16*KS) * B, A fragments read from shared
+// memory through `a_off` (rows a_row0.., row-major [m][k] storage) and B from
+// [n][k] storage (non-transposed ldmatrix) through `b_off`.
+template <bool BF16, int KS, int NT, class AOff, class BOff>
+__device__ __forceinline__ void gemm_ss_nt(float (&acc)[NT][4], u32 a_smem, const AOff& a_off, int a_row0,
+                                           u32 b_smem, const BOff& b_off) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        u32 a[4];
+        ldmatrix_x4(a, a_smem + a_off.at(a_row0, ks * 2));
+#pragma unroll
+        for (int nj = 0; nj < NT / 2; ++nj) {
+            u32 bb[4];
+            ldmatrix_x4(bb, b_smem + b_off.at(nj * 16, ks * 2));
+            mma_16816<BF16>(acc[2 * nj], a, bb[0], bb[1]);
+            mma_16816<BF16>(acc[2 * nj + 1], a, bb[2], bb[3]);
+        }
+    }
+}
+
+// acc[NT][4] += A * B with A from registers (KS k16 fragments) and B from
+// [k][n] storage (transposed ldmatrix), columns starting at chunk b_chunk0.
+template <bool BF16, int KS, int NT, class BOff>
+__device__ __forceinline__ void gemm_rs_nn(float (&acc)[NT][4], const u32 (&a)[KS][4], u32 b_smem, const BOff& b_off,
+                                           int b_chunk0) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int dn = 0; dn < NT / 2; ++dn) {
+            u32 bb[4];
+            ldmatrix_x4_trans(bb, b_smem + b_off.at(kk * 16, b_chunk0 + dn * 2));
+            mma_16816<BF16>(acc[2 * dn], a[kk], bb[0], bb[1]);
+            mma_16816<BF16>(acc[2 * dn + 1], a[kk], bb[2], bb[3]);
+        }
+    }
+}
+
+// Accumulator tiles 2k, 2k+1 of a 16 x 8*NT fp32 accumulator, rounded to
+// 16-bit: the A fragment of k16 step k.
+template <bool BF16, int NT>
+__device__ __forceinline__ void acc_to_a(u32 (&a)[NT / 2][4], const float (&acc)[NT][4]) {
+#pragma unroll
+    for (int k = 0; k < NT / 2; ++k) {
+        a[k][0] = pack2<BF16>(acc[2 * k][0], acc[2 * k][1]);
+        a[k][1] = pack2<BF16>(acc[2 * k][2], acc[2 * k][3]);
+        a[k][2] = pack2<BF16>(acc[2 * k + 1][0], acc[2 * k + 1][1]);
+        a[k][3] = pack2<BF16>(acc[2 * k + 1][2], acc[2 * k + 1][3]);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+}
+
+// Writes a warp's 16 x D fp32 accumulator, times `mul`, as 16-bit values into
+// rows row0.. of a swizzled ROWS x D shared-memory tile.
+template <bool BF16, int ROWS, int D>
+__device__ __forceinline__ void acc_to_smem(u16* tile, const float (&acc)[D / 8][4], int row0, float mul, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + (lane >> 2) + 8 * r;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * (lane & 3);
+            *reinterpret_cast<u32*>(tile + tile_offset<ROWS, D>(row, col >> 3) + (col & 7)) =
+                pack2<BF16>(acc[j][2 * r] * mul, acc[j][2 * r + 1] * mul);
+        }
+    }
+}
+
+template <int D_, int BR_, int WARPS_, int STAGES_, bool ATOMIC_DQ_>
+struct BwdDkdvTraits {
+    static constexpr int D = D_, BR = BR_, WARPS = WARPS_, STAGES = STAGES_;
+    static constexpr bool ATOMIC_DQ = ATOMIC_DQ_;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int BC = 16 * WARPS;  // keys per CTA: 16 per warp
+    static constexpr int KV_ELEMS = BC * D;
+    static constexpr int QB_ELEMS = BR * D;
+    // dQ = dS K splits into 16-row tiles x DQ_SPLIT column slices, one per warp.
+    static constexpr int DQ_SPLIT = WARPS / (BR / 16);
+    static constexpr int DQ_COLS = D / DQ_SPLIT;
+    // K, V, STAGES x (Q, dO), STAGES x (lse2, delta) rows, dS^T (fp16) when dQ is fused.
+    static constexpr int SMEM_BYTES =
+        2 * (2 * KV_ELEMS + 2 * STAGES * QB_ELEMS) + 4 * 2 * STAGES * BR + (ATOMIC_DQ ? 2 * BC * BR : 0);
+
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+    // BR divides 128, the padding of the lse2 / delta / dq_accum rows.
+    static_assert(BR == 32 || BR == 64 || BR == 128, "BR must be 32, 64 or 128");
+    static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
+    static_assert(!ATOMIC_DQ || (WARPS % (BR / 16) == 0 && DQ_COLS % 16 == 0), "dQ warp split must be exact");
+    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+};
+
+template <int D, int BR, int WARPS, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D,
+          bool ATOMIC_DQ>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
+    bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    const u16* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
+                    float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv, int nq, int nk, int d,
+                    int group, int nq_pad, long long q_sb, long long q_sn, long long q_sh, long long k_sb,
+                    long long k_sn, long long k_sh, long long v_sb, long long v_sn, long long v_sh, long long do_sb,
+                    long long do_sn, long long do_sh, long long dk_sb, long long dk_sn, long long dk_sh,
+                    long long dv_sb, long long dv_sn, long long dv_sh, float scale_log2, float scale) {
+    using T = BwdDkdvTraits<D, BR, WARPS, STAGES, ATOMIC_DQ>;
+    constexpr int BC = T::BC, THREADS = T::THREADS;
+    constexpr int NT_Q = BR / 8;   // n8 tiles of S^T (columns = queries)
+    constexpr int KS_Q = BR / 16;  // k16 steps over queries
+    constexpr int KS_D = D / 16;   // k16 steps over the head dim
+    constexpr int NT_D = D / 8;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + T::KV_ELEMS;
+    u16* sQ = sV + T::KV_ELEMS;
+    u16* sdO = sQ + STAGES * T::QB_ELEMS;
+    float* sLse2 = reinterpret_cast<float*>(sdO + STAGES * T::QB_ELEMS);
+    float* sDelta = sLse2 + STAGES * BR;
+    u16* sdS = reinterpret_cast<u16*>(sDelta + STAGES * BR);  // dS^T: [key][query]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int nheads_kv = gridDim.y, nheads = nheads_kv * group;
+    const int n0 = n_block * BC;
+    const int diag = nk - nq;
+
+    // Query blocks [m_begin, m_blocks) see this key block; causal: row i sees key j iff j <= i + diag.
+    const int m_blocks = (nq + BR - 1) / BR;
+    const int m_begin = CAUSAL ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BR) : 0;
+    const int per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
+    const int n_iter = group * per_head;
+
+    float acc_dk[NT_D][4], acc_dv[NT_D][4];
+    zero(acc_dk);
+    zero(acc_dv);
+
+    auto load_q_block = [&](int t) {
+        const int g = t / per_head, m0 = (m_begin + t % per_head) * BR, h = hk * group + g;
+        const int st = t % STAGES;
+        const long long q_off = b * q_sb + h * q_sh + m0 * q_sn, do_off = b * do_sb + h * do_sh + m0 * do_sn;
+        load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sQ + st * T::QB_ELEMS, q + q_off, q_sn, nq - m0, d, tid);
+        load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sdO + st * T::QB_ELEMS, dout + do_off, do_sn, nq - m0, d,
+                                                          tid);
+        // lse2 / delta rows are padded to nq_pad: BR floats are always in range.
+        const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+        for (int c = tid; c < 2 * (BR / 4); c += THREADS) {
+            const bool is_delta = c >= BR / 4;
+            const int cc = is_delta ? c - BR / 4 : c;
+            float* dst = (is_delta ? sDelta : sLse2) + st * BR + cc * 4;
+            cp_async_16(smem_addr(dst), (is_delta ? delta : lse2) + row_off + cc * 4, true);
+        }
+    };
+
+    // K, V tiles with the first query block; then the ring of query blocks.
+    load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, nk - n0, d, tid);
+    load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sV, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, nk - n0, d, tid);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_iter) load_q_block(s);
+        cp_async_commit();
+    }
+
+    // ldmatrix lane offsets (see fwd_sm80.cuh): A from [m][k] storage; B from
+    // [n][k] storage (non-transposed); B from [k][n] storage (transposed).
+    const LaneOffsets<BC, D> kv_a_off(lane & 15, lane >> 4);
+    const LaneOffsets<BR, D> q_b_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LaneOffsets<BR, D> q_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const int warp_key0 = warp * 16;
+
+    for (int t = 0; t < n_iter; ++t) {
+        const int g = t / per_head, m0 = (m_begin + t % per_head) * BR, h = hk * group + g;
+        const int st = t % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // block t landed; every warp is done with block t-1
+        if (t + STAGES - 1 < n_iter) load_q_block(t + STAGES - 1);
+        cp_async_commit();
+
+        const u32 q_smem = smem_addr(sQ + st * T::QB_ELEMS);
+        const u32 do_smem = smem_addr(sdO + st * T::QB_ELEMS);
+        const float* lse2_s = sLse2 + st * BR;
+        const float* delta_s = sDelta + st * BR;
+
+        // S^T = K Q^T: this warp's 16 keys x BR queries
+        float acc_s[NT_Q][4];
+        zero(acc_s);
+        gemm_ss_nt<BF16, KS_D, NT_Q>(acc_s, smem_addr(sK), kv_a_off, warp_key0, q_smem, q_b_off);
+
+        // P^T = 2^(S^T * c - lse2[query]); masked pairs get P = 0
+        const bool masked = (CAUSAL && m0 + diag < n0 + BC - 1) || (!EVEN_N && (m0 + BR > nq || n0 + BC > nk));
+#pragma unroll
+        for (int j = 0; j < NT_Q; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + j * 8 + 2 * (lane & 3));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if (masked) {
+                    const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
+                    const int query = m0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                    bool keep = key < nk && query < nq;
+                    if constexpr (CAUSAL) keep = keep && key <= query + diag;
+                    if (!keep) p = 0.f;
+                }
+                acc_s[j][e] = p;
+            }
+        }
+
+        // dP^T = V dO^T
+        float acc_dp[NT_Q][4];
+        zero(acc_dp);
+        gemm_ss_nt<BF16, KS_D, NT_Q>(acc_dp, smem_addr(sV), kv_a_off, warp_key0, do_smem, q_b_off);
+
+        // dV += P^T dO
+        {
+            u32 p_frag[KS_Q][4];
+            acc_to_a<BF16, NT_Q>(p_frag, acc_s);
+            gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, 0);
+        }
+
+        // dS^T = P^T o (dP^T - delta[query])
+#pragma unroll
+        for (int j = 0; j < NT_Q; ++j) {
+            const float2 dl = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * (lane & 3));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - ((e & 1) ? dl.y : dl.x));
+        }
+        u32 ds_frag[KS_Q][4];
+        acc_to_a<BF16, NT_Q>(ds_frag, acc_dp);
+
+        // dK += dS^T Q   (times scale at the end)
+        gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dk, ds_frag, q_smem, q_bt_off, 0);
+
+        if constexpr (ATOMIC_DQ) {
+            // dS^T to shared memory ([key][query]), then dQ[block] += dS K into the fp32 buffer.
+#pragma unroll
+            for (int kk = 0; kk < KS_Q; ++kk)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int key = warp_key0 + (lane >> 2) + 8 * r;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int col = kk * 16 + half * 8 + 2 * (lane & 3);
+                        *reinterpret_cast<u32*>(sdS + tile_offset<BC, BR>(key, col >> 3) + (col & 7)) =
+                            ds_frag[kk][2 * half + r];
+                    }
+                }
+            __syncthreads();
+            constexpr int NT_DQ = T::DQ_COLS / 8;
+            const int mt = warp / T::DQ_SPLIT, col_chunk0 = (warp % T::DQ_SPLIT) * (T::DQ_COLS / 8);
+            const LaneOffsets<BC, BR> ds_at_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+            const LaneOffsets<BC, D> k_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+            float acc_dq[NT_DQ][4];
+            zero(acc_dq);
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                u32 a[4];  // A = dS (queries x keys), read transposed from dS^T
+                ldmatrix_x4_trans(a, smem_addr(sdS) + ds_at_off.at(kk * 16, mt * 2));
+#pragma unroll
+                for (int dn = 0; dn < NT_DQ / 2; ++dn) {
+                    u32 bb[4];
+                    ldmatrix_x4_trans(bb, smem_addr(sK) + k_bt_off.at(kk * 16, col_chunk0 + dn * 2));
+                    mma_16816<BF16>(acc_dq[2 * dn], a, bb[0], bb[1]);
+                    mma_16816<BF16>(acc_dq[2 * dn + 1], a, bb[2], bb[3]);
+                }
+            }
+            // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
+            float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16) * D + col_chunk0 * 8;
+#pragma unroll
+            for (int j = 0; j < NT_DQ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    atomicAdd(dq_rows + ((lane >> 2) + 8 * (e >> 1)) * D + j * 8 + 2 * (lane & 3) + (e & 1),
+                              acc_dq[j][e]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with K and V: their tiles take dK and dV
+
+    acc_to_smem<BF16, BC, D>(sK, acc_dk, warp_key0, scale, lane);
+    acc_to_smem<BF16, BC, D>(sV, acc_dv, warp_key0, 1.f, lane);
+    __syncthreads();
+    store_tile<BC, D, THREADS>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sn, sK, dk_sn, nk - n0, d, tid);
+    store_tile<BC, D, THREADS>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sn, sV, dv_sn, nk - n0, d, tid);
+}
+
+template <int D_, int WARPS_, int BC_, int STAGES_>
+struct BwdDqTraits {
+    static constexpr int D = D_, WARPS = WARPS_, BC = BC_, STAGES = STAGES_;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int BR = 16 * WARPS;  // queries per CTA: 16 per warp
+    static constexpr int KV_ELEMS = BC * D;
+    static constexpr int QB_ELEMS = BR * D;
+    // Q, dO, STAGES x (K, V)
+    static constexpr int SMEM_BYTES = 2 * (2 * QB_ELEMS + 2 * STAGES * KV_ELEMS);
+
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+    static_assert(BC % 16 == 0, "BC must be a multiple of 16");
+    static_assert(BR == 32 || BR == 64 || BR == 128, "BR (16 x warps) must divide 128, the row padding");
+    static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
+    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+};
+
+template <int D, int WARPS, int BC, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
+    bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  const u16* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
+                  u16* __restrict__ dq, int nq, int nk, int d, int group, int nq_pad, long long q_sb, long long q_sn,
+                  long long q_sh, long long k_sb, long long k_sn, long long k_sh, long long v_sb, long long v_sn,
+                  long long v_sh, long long do_sb, long long do_sn, long long do_sh, long long dq_sb,
+                  long long dq_sn, long long dq_sh, float scale_log2, float scale) {
+    using T = BwdDqTraits<D, WARPS, BC, STAGES>;
+    constexpr int BR = T::BR, THREADS = T::THREADS;
+    constexpr int NT_K = BC / 8, KS_K = BC / 16, KS_D = D / 16, NT_D = D / 8;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sdO = sQ + T::QB_ELEMS;
+    u16* sK = sdO + T::QB_ELEMS;
+    u16* sV = sK + STAGES * T::KV_ELEMS;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
+    const int m0 = m_block * BR;
+    const int diag = nk - nq;
+    const int warp_row0 = warp * 16;
+    u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
+
+    const int n_blocks = (nk + BC - 1) / BC;
+    int n_end = n_blocks;
+    if constexpr (CAUSAL) {
+        const int last_key = m0 + BR - 1 + diag;
+        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
+    }
+
+    const u16* k_head = k + b * k_sb + hk * k_sh;
+    const u16* v_head = v + b * v_sb + hk * v_sh;
+    auto load_kv = [&](int n) {
+        const int st = n % STAGES, kn0 = n * BC;
+        load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK + st * T::KV_ELEMS, k_head + kn0 * k_sn, k_sn, nk - kn0,
+                                                          d, tid);
+        load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sV + st * T::KV_ELEMS, v_head + kn0 * v_sn, v_sn, nk - kn0,
+                                                          d, tid);
+    };
+    load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0, d, tid);
+    load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sdO, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, nq - m0,
+                                                      d, tid);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_end) load_kv(s);
+        cp_async_commit();
+    }
+
+    // Per-row constants of this lane's two rows (padded buffers: always in range).
+    const long long row_base = ((long long)b * nheads + h) * nq_pad + m0 + warp_row0 + (lane >> 2);
+    const float lse2_r[2] = {lse2[row_base], lse2[row_base + 8]};
+    const float delta_r[2] = {delta[row_base], delta[row_base + 8]};
+
+    const LaneOffsets<BR, D> a_off(lane & 15, lane >> 4);
+    const LaneOffsets<BC, D> b_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LaneOffsets<BC, D> bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    float acc_dq[NT_D][4];
+    zero(acc_dq);
+
+    for (int n = 0; n < n_end; ++n) {
+        const int st = n % STAGES, kn0 = n * BC;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (n + STAGES - 1 < n_end) load_kv(n + STAGES - 1);
+        cp_async_commit();
+        const u32 k_smem = smem_addr(sK + st * T::KV_ELEMS), v_smem = smem_addr(sV + st * T::KV_ELEMS);
+
+        // S = Q K^T, P = 2^(S * c - lse2[row]), masked pairs P = 0
+        float acc_s[NT_K][4];
+        zero(acc_s);
+        gemm_ss_nt<BF16, KS_D, NT_K>(acc_s, smem_addr(sQ), a_off, warp_row0, k_smem, b_off);
+        const bool masked = (CAUSAL && kn0 + BC - 1 > m0 + diag) || (!EVEN_N && (kn0 + BC > nk || m0 + BR > nq));
+#pragma unroll
+        for (int j = 0; j < NT_K; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse2_r[e >> 1]));
+                if (masked) {
+                    const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                    const int key = kn0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                    bool keep = key < nk && row < nq;
+                    if constexpr (CAUSAL) keep = keep && key <= row + diag;
+                    if (!keep) p = 0.f;
+                }
+                acc_s[j][e] = p;
+            }
+
+        // dP = dO V^T, dS = P o (dP - delta[row])
+        float acc_dp[NT_K][4];
+        zero(acc_dp);
+        gemm_ss_nt<BF16, KS_D, NT_K>(acc_dp, smem_addr(sdO), a_off, warp_row0, v_smem, b_off);
+#pragma unroll
+        for (int j = 0; j < NT_K; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - delta_r[e >> 1]);
+
+        // dQ += dS K   (times scale at the end)
+        u32 ds_frag[KS_K][4];
+        acc_to_a<BF16, NT_K>(ds_frag, acc_dp);
+        gemm_rs_nn<BF16, KS_K, NT_D>(acc_dq, ds_frag, k_smem, bt_off, 0);
+    }
+    cp_async_wait<0>();
+    // Each warp writes only its own rows of the Q tile, which only it read.
+    acc_to_smem<BF16, BR, D>(sQ, acc_dq, warp_row0, scale, lane);
+    __syncthreads();
+    store_tile<BR, D, THREADS>(dq_tile, sQ, dq_sn, nq - m0, d, tid);
+}
+
+}  // namespace cuflash

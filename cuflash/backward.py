@@ -1,0 +1,152 @@
+"""Attention gradients: FlashAttention-2 backward by recomputation.
+
+The forward keeps only out and the logsumexp (O(N) memory); the backward
+recomputes P tile by tile from them. Kernels are in cuda_src/bwd_sm80.cuh.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from . import api
+from . import compile as _compile
+from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
+
+_LOG2E = 1.4426950408889634
+
+# Kernel head dim -> backward tiles. Measured on an H200 (bench/PERFLOG.md).
+HEURISTIC_BWD = {
+    32: BwdConfig(32, 64, 4, 4, 64),
+    64: BwdConfig(64, 64, 4, 4, 64),
+    96: BwdConfig(96, 32, 4, 4, 64),
+    128: BwdConfig(128, 32, 4, 4, 64),
+    160: BwdConfig(160, 32, 4, 4, 32),
+    192: BwdConfig(192, 32, 4, 4, 32),
+    224: BwdConfig(224, 32, 4, 4, 32),
+    256: BwdConfig(256, 32, 4, 4, 32),
+}
+
+
+def bwd_config(headdim: int) -> BwdConfig:
+    return HEURISTIC_BWD[kernel_headdim(headdim)]
+
+
+def _validate_like(name: str, x, ref, ref_name: str) -> None:
+    api._require_cupy_array(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(f"{name} must have {ref_name}'s shape {ref.shape}, got {x.shape}")
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
+    if not api._last_dim_contiguous(x):
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
+
+
+def _validate_grad_out(name: str, x, ref, ref_name: str) -> None:
+    _validate_like(name, x, ref, ref_name)
+    if not api._aligned(x):
+        raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of attention(q, k, v) given dout = dL/d(out).
+
+    out and lse are the forward's results (`attention(..., return_lse=True)`),
+    with the same causal and softmax_scale. GQA: dk and dv sum over the query
+    heads that share a kv head. deterministic=True computes dq in a separate
+    pass without atomics, so repeated calls give identical bits.
+    dq, dk, dv: optional output arrays (shapes and dtype of q, k, v).
+    """
+    api._require_cupy_array("dout", dout)
+    dtype_name = api._validate_qkv(q, k, v)
+    _validate_like("dout", dout, q, "q")
+    _validate_like("out", out, q, "q")
+    api._require_cupy_array("lse", lse)
+    batch, seqlen_q, nheads, headdim = q.shape
+    if lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, got {lse.shape}")
+    if lse.dtype != numpy.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
+        if x is not None:
+            _validate_grad_out(name, x, ref, ref_name)
+    scale = api._validate_scale(softmax_scale, headdim)
+    causal = bool(causal)
+    api._require_device(q.device.id)
+
+    cupy = api._cupy()
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    with q.device:
+        dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+        if q.size == 0 or k.size == 0:
+            for g in (dq, dk, dv):
+                g.fill(0)
+            return dq, dk, dv
+        q, k, v, dout, out = (x if api._aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout, out))
+        lse = cupy.ascontiguousarray(lse)
+        cfg = bwd_config(headdim)
+        _launch(cfg, dtype_name, causal, deterministic, scale, nheads // nheads_kv, q, k, v, dout, out, lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _strides(*arrays):
+    return [numpy.int64(s) for x in arrays for s in api._elem_strides(x)[:3]]
+
+
+def _launch(cfg, dtype_name, causal, deterministic, scale, group, q, k, v, dout, out, lse, dq, dk, dv):
+    cupy = api._cupy()
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    nq_pad = -(-seqlen_q // BWD_ROW_PAD) * BWD_ROW_PAD
+    even_d = headdim == cfg.headdim
+    ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(group),
+            numpy.int32(nq_pad))
+    scales = (numpy.float32(scale * _LOG2E), numpy.float32(scale))
+
+    # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
+    lse2 = cupy.empty((batch, nheads, nq_pad), cupy.float32)
+    delta = cupy.empty((batch, nheads, nq_pad), cupy.float32)
+    rows_per_cta = 8
+    pre = _compile.get_kernel(cfg.family, BwdConfig.preprocess_name(dtype_name), 0)
+    pre(((nq_pad + rows_per_cta - 1) // rows_per_cta, nheads, batch), (32 * rows_per_cta, 1, 1),
+        (out, dout, lse, lse2, delta, numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim),
+         *_strides(out, dout)))
+
+    atomic_dq = not deterministic
+    dq_accum = cupy.zeros((batch, nheads, nq_pad, cfg.headdim), cupy.float32) if atomic_dq else lse2
+    even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
+    smem = cfg.dkdv_smem_bytes(atomic_dq)
+    dkdv = _compile.get_kernel(cfg.family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq), smem)
+    dkdv((-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch), (32 * cfg.dkdv_warps, 1, 1),
+         (q, k, v, dout, lse2, delta, dq_accum, dk, dv, *ints, *_strides(q, k, v, dout, dk, dv), *scales),
+         shared_mem=smem)
+
+    if atomic_dq:
+        # dq = scale * dq_accum, back to (batch, seqlen, nheads, headdim) in the input dtype
+        dq[...] = (dq_accum[:, :, :seqlen_q, :headdim] * scale).transpose(0, 2, 1, 3).astype(dq.dtype)
+    else:
+        even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
+        smem = cfg.dq_smem_bytes()
+        dq_kernel = _compile.get_kernel(cfg.family, cfg.dq_name(dtype_name, causal, even_n, even_d), smem)
+        dq_kernel((-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_warps, 1, 1),
+                  (q, k, v, dout, lse2, delta, dq, *ints, *_strides(q, k, v, dout, dq), *scales),
+                  shared_mem=smem)
+
+
+def attention_vjp(q, k, v, *, causal=False, softmax_scale=None):
+    """out = attention(q, k, v) and a function dout -> (dq, dk, dv).
+
+    Keeps only q, k, v, out and the logsumexp alive (O(N) extra memory): the
+    glue for jax.custom_vjp, CuPy autodiff or a hand-written training loop.
+    """
+    out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+    def vjp(dout, *, deterministic=False):
+        return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                  deterministic=deterministic)
+
+    return out, vjp
