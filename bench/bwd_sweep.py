@@ -15,11 +15,14 @@ import cuflash
 from cuflash import backward
 from cuflash.config import BwdConfig
 
+# (config, deterministic)
 CANDIDATES = {
-    64: [BwdConfig(64, 64, 4, 4, 64), BwdConfig(64, 128, 8, 4, 64), BwdConfig(64, 64, 8, 8, 64),
-         BwdConfig(64, 32, 4, 4, 64)],
-    128: [BwdConfig(128, 32, 4, 4, 64), BwdConfig(128, 64, 4, 4, 64), BwdConfig(128, 64, 8, 4, 64),
-          BwdConfig(128, 32, 8, 4, 64)],
+    64: [(BwdConfig(64, 64, 4, 4, 64), False), (BwdConfig(64, 128, 8, 4, 64), False),
+         (BwdConfig(64, 64, 8, 4, 64), False), (BwdConfig(64, 64, 8, 4, 64), True),
+         (BwdConfig(64, 64, 8, 8, 64), True), (BwdConfig(64, 64, 8, 4, 128), True)],
+    128: [(BwdConfig(128, 64, 8, 4, 64), False), (BwdConfig(128, 32, 8, 4, 64), False),
+          (BwdConfig(128, 64, 4, 4, 64), False), (BwdConfig(128, 32, 8, 4, 64), True),
+          (BwdConfig(128, 64, 8, 4, 32), True), (BwdConfig(128, 64, 8, 8, 64), True)],
 }
 
 
@@ -67,10 +70,8 @@ def main():
                             ref = [g.transpose(1, 2) for g in step()]
                         peers[name] = tflops(time_ms(step))
                 q, k, v, do = (cupy.from_dlpack(x) for x in (tq, tk, tv, tdo))
-                for cfg in CANDIDATES[d] + ["deterministic"]:
-                    det = cfg == "deterministic"
-                    if not det:
-                        backward.HEURISTIC_BWD[d] = cfg
+                for cfg, det in CANDIDATES[d]:
+                    backward.HEURISTIC_BWD[d] = cfg
                     def run():
                         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                         return cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
@@ -82,11 +83,10 @@ def main():
                     except Exception as exc:
                         err, t = float("nan"), 0.0
                         print(cfg, "failed:", str(exc)[:400])
-                    name = "deterministic" if det else cfg.short_name()
+                    name = cfg.short_name() + ("_det" if det else "")
                     rows.append([d, n, causal, name, f"{err:.1e}", f"{t:.0f}", f"{peers['flash']:.0f}",
                                  f"{peers['cudnn']:.0f}", f"{t / peers['flash']:.2f}"])
                     print(rows[-1], flush=True)
-                backward.HEURISTIC_BWD[d] = CANDIDATES[d][0]
     print(tabulate(rows, headers=["d", "N", "causal", "config", "maxerr", "cuflash", "flash", "cudnn", "x flash"]))
 
 

@@ -9,6 +9,7 @@
 //   bwd_dkdv_kernel        one CTA per K/V block (and kv head): dK, dV summed
 //                          over the query heads of a GQA group, no atomics;
 //                          with ATOMIC_DQ also dQ, added to an fp32 buffer.
+//   bwd_convert_dq_kernel  dQ = scale * fp32 buffer, in the input dtype.
 //   bwd_dq_kernel          one CTA per Q block: dQ without atomics
 //                          (deterministic mode; recomputes S and dP).
 #pragma once
@@ -61,6 +62,34 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
         const float l = lse[((long long)b * nheads + h) * nq + row];
         lse2[idx] = l == neg_inf() ? __int_as_float(0x7f800000u) : l * LOG2E;
         delta[idx] = sum;
+    }
+}
+
+// p[0] += x, p[1] += y in global memory, without reading back; one vector
+// reduction on sm_90+.
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+// One warp per query row: dq[row, :d] = scale * dq_accum[row, :d] in the input dtype.
+template <bool BF16>
+__global__ void bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int nq, int nq_pad,
+                                      int d, int d_pad, long long dq_sb, long long dq_sn, long long dq_sh,
+                                      float scale) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
+    if (row >= nq) return;
+    const float* src = dq_accum + (((long long)b * nheads + h) * nq_pad + row) * d_pad;
+    u16* dst = dq + b * dq_sb + h * dq_sh + row * dq_sn;
+    for (int c = 2 * lane; c < d; c += 64) {
+        const float2 x = *reinterpret_cast<const float2*>(src + c);
+        *reinterpret_cast<u32*>(dst + c) = pack2<BF16>(x.x * scale, x.y * scale);
     }
 }
 
@@ -335,13 +364,12 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 }
             }
             // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
-            float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16) * D + col_chunk0 * 8;
+            float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
+                             col_chunk0 * 8 + 2 * (lane & 3);
 #pragma unroll
             for (int j = 0; j < NT_DQ; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    atomicAdd(dq_rows + ((lane >> 2) + 8 * (e >> 1)) * D + j * 8 + 2 * (lane & 3) + (e & 1),
-                              acc_dq[j][e]);
+                for (int r = 0; r < 2; ++r) red_add_f32x2(dq_rows + 8 * r * D + j * 8, acc_dq[j][2 * r], acc_dq[j][2 * r + 1]);
         }
     }
     cp_async_wait<0>();

@@ -126,8 +126,10 @@ def _launch(cfg, dtype_name, causal, deterministic, scale, group, q, k, v, dout,
          shared_mem=smem)
 
     if atomic_dq:
-        # dq = scale * dq_accum, back to (batch, seqlen, nheads, headdim) in the input dtype
-        dq[...] = (dq_accum[:, :, :seqlen_q, :headdim] * scale).transpose(0, 2, 1, 3).astype(dq.dtype)
+        convert = _compile.get_kernel(cfg.family, BwdConfig.convert_dq_name(dtype_name), 0)
+        convert(((seqlen_q + rows_per_cta - 1) // rows_per_cta, nheads, batch), (32 * rows_per_cta, 1, 1),
+                (dq_accum, dq, numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim),
+                 numpy.int32(cfg.headdim), *_strides(dq), numpy.float32(scale)))
     else:
         even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
         smem = cfg.dq_smem_bytes()

@@ -161,6 +161,10 @@ class BwdConfig:
     def preprocess_name(dtype_name: str) -> str:
         return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
 
+    @staticmethod
+    def convert_dq_name(dtype_name: str) -> str:
+        return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
+
     def short_name(self) -> str:
         return (
             f"d{self.headdim}_dkdv{self.dkdv_block_m}x{self.dkdv_block_n}w{self.dkdv_warps}"
