@@ -12,6 +12,9 @@ With causal=True the mask is aligned to the bottom-right corner of S: query
 i sees key j iff j <= i + seqlen_k - seqlen_q.  When seqlen_q > seqlen_k the
 first seqlen_q - seqlen_k rows see no key at all; such rows get out = 0 and
 lse = -inf.
+
+`attention_backward` gives the gradients (dq, dk, dv) of the same function;
+rows that see no key contribute nothing to them (their dq is 0).
 """
 
 import math
@@ -100,3 +103,84 @@ def attention_naive_lowp(q, k, v, *, causal=False, softmax_scale=None, dtype):
         p, _ = _softmax_rows(s)
         out[b, :, h] = rnd(rnd(p) @ vh)
     return out
+
+
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+    """Gradients of attention in float64, from the closed form.
+
+    For a loss L with dL/dout = dout, per batch and query head:
+
+        P  = softmax(S)                 (rows that see no key: P = 0)
+        dV = P^T dO
+        dP = dO V^T
+        dS = P * (dP - rowsum(dP * P))  (rowsum(dP * P) = rowsum(dO * out))
+        dQ = softmax_scale * dS K
+        dK = softmax_scale * dS^T Q
+
+    With grouped-query attention dK and dV of a kv head are summed over the
+    query heads that read it.  Returns (dq, dk, dv), float64, shaped like
+    (q, k, v).
+    """
+    dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    group = q.shape[2] // k.shape[2]
+    dq = np.zeros(q.shape, dtype=np.float64)
+    dk = np.zeros(k.shape, dtype=np.float64)
+    dv = np.zeros(v.shape, dtype=np.float64)
+    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
+        s = scale * (qh @ kh.T)
+        if mask is not None:
+            s = np.where(mask, s, -np.inf)
+        p, _ = _softmax_rows(s)
+        doh = dout[b, :, h]
+        dp = doh @ vh.T
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        dq[b, :, h] = scale * (ds @ kh)
+        dk[b, :, h // group] += scale * (ds.T @ qh)
+        dv[b, :, h // group] += p.T @ doh
+    return dq, dk, dv
+
+
+def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, dtype):
+    """Gradients of attention computed the naive way in a low-precision dtype.
+
+    What reverse-mode autodiff through `attention_naive_lowp` does in
+    float16/bfloat16: every matmul accumulates in float32 and rounds to
+    dtype, the softmax backward runs in float32 from the rounded P and dP and
+    rounds to dtype, and the scaling of q is differentiated as its own step
+    (dq = round(round(dS K) * scale), dk = round(dS^T round(q * scale))).
+    The kv gradients of a grouped-query head group are summed in float32
+    and rounded once.  Its error against `attention_backward` is the
+    yardstick for the "at most twice the naive error" accuracy rule.
+
+    Returns (dq, dk, dv), float32 arrays whose values are all representable
+    in dtype.
+    """
+    dtype = np.dtype(dtype)
+
+    def rnd(x):
+        return np.asarray(x).astype(dtype).astype(np.float32)
+
+    dout, q, k, v = rnd(dout), rnd(q), rnd(k), rnd(v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    group = q.shape[2] // k.shape[2]
+    dq = np.zeros(q.shape, dtype=np.float32)
+    dk = np.zeros(k.shape, dtype=np.float32)
+    dv = np.zeros(v.shape, dtype=np.float32)
+    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
+        scale = np.float32(scale)
+        qs = rnd(qh * scale)
+        s = rnd(qs @ kh.T)
+        if mask is not None:
+            s = np.where(mask, s, np.float32(-np.inf))
+        p, _ = _softmax_rows(s)
+        p = rnd(p)
+        doh = dout[b, :, h]
+        dp = rnd(doh @ vh.T)
+        ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+        dq[b, :, h] = rnd(rnd(ds @ kh) * scale)
+        dk[b, :, h // group] += rnd(ds.T @ qs)
+        dv[b, :, h // group] += rnd(p.T @ doh)
+    return dq, rnd(dk), rnd(dv)
