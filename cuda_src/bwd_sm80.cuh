@@ -93,6 +93,20 @@ __global__ void bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* _
     }
 }
 
+// One register of two 16-bit values -> two floats (low half first).
+template <bool BF16>
+__device__ __forceinline__ float2 unpack2(u32 x) {
+    if constexpr (BF16) {
+        return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+    } else {
+        float lo, hi;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }\n"
+            : "=f"(lo), "=f"(hi)
+            : "r"(x));
+        return make_float2(lo, hi);
+    }
+}
+
 // Rows/columns of an m16n8 accumulator: element e of a lane sits at row
 // (lane / 4) + 8 * (e / 2), column 2 * (lane % 4) + (e % 2).
 
@@ -305,24 +319,28 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             }
         }
 
+        // P^T rounded to 16 bits: the A operand of dV += P^T dO, and the P of dS
+        // below (as in the naive computation in the input dtype); the fp32
+        // scores die here, which keeps the kernel inside the register file.
+        u32 p_frag[KS_Q][4];
+        acc_to_a<BF16, NT_Q>(p_frag, acc_s);
+        gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, 0);
+
         // dP^T = V dO^T
         float acc_dp[NT_Q][4];
         zero(acc_dp);
         gemm_ss_nt<BF16, KS_D, NT_Q>(acc_dp, smem_addr(sV), kv_a_off, warp_key0, do_smem, q_b_off);
-
-        // dV += P^T dO
-        {
-            u32 p_frag[KS_Q][4];
-            acc_to_a<BF16, NT_Q>(p_frag, acc_s);
-            gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, 0);
-        }
 
         // dS^T = P^T o (dP^T - delta[query])
 #pragma unroll
         for (int j = 0; j < NT_Q; ++j) {
             const float2 dl = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * (lane & 3));
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - ((e & 1) ? dl.y : dl.x));
+            for (int r = 0; r < 2; ++r) {
+                const float2 p = unpack2<BF16>(p_frag[j / 2][2 * (j % 2) + r]);
+                acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);
+                acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dl.y);
+            }
         }
         u32 ds_frag[KS_Q][4];
         acc_to_a<BF16, NT_Q>(ds_frag, acc_dp);
