@@ -1,8 +1,12 @@
 """cuflash: exact FlashAttention for CuPy arrays."""
 
-from . import reference
+from . import dispatch, reference, tune_fwd
 from .api import attention
 from .backward import attention_backward, attention_vjp
+from .tuner import autotune
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "reference"]
+# Tuned configurations take precedence over the heuristic table.
+dispatch.set_cache_lookup(tune_fwd.lookup)
+
+__all__ = ["attention", "attention_backward", "attention_vjp", "autotune", "reference"]
 __version__ = "0.1.0"

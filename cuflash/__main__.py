@@ -1,13 +1,14 @@
-"""Command line: python -m cuflash {check, info, bench}."""
+"""Command line: python -m cuflash {check, info, bench, autotune}."""
 
 import sys
 
 USAGE = """usage: python -m cuflash COMMAND [options]
 
 commands:
-  check   compile every shipped kernel with NVRTC (no GPU needed); report registers and spills
-  info    device, versions, cache locations
-  bench   forward benchmark against naive CuPy and torch SDPA (needs a GPU)
+  check     compile every shipped kernel with NVRTC (no GPU needed); report registers and spills
+  info      device, versions, cache locations, tuned configurations; which config a call would use
+  bench     forward benchmark against naive CuPy and torch SDPA (needs a GPU)
+  autotune  find and cache the fastest kernel configurations for this GPU (needs a GPU)
 """
 
 
@@ -23,6 +24,8 @@ def main(argv=None) -> int:
         from .info import main as run
     elif command == "bench":
         from .benchmark import main as run
+    elif command == "autotune":
+        from .tuner import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ Layout follows flash-attn: q (batch, seqlen_q, nheads, headdim), k and v
 from __future__ import annotations
 
 import math
+import os
 
 import numpy
 
@@ -139,7 +140,7 @@ def _validate_out(out, q):
         raise ValueError("out must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, tune=False):
     """Exact attention softmax(q k^T * softmax_scale) v, FlashAttention style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
@@ -150,6 +151,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     softmax_scale: defaults to 1 / sqrt(headdim).
     Returns out (q's shape and dtype); with return_lse=True, (out, lse) where lse
     is float32 (batch, nheads, seqlen_q), natural log.
+    tune: first autotune this problem at this shape unless the tuning cache
+    already holds it (as does the environment variable CUFLASH_AUTOTUNE=1).
     """
     dtype_name = _validate_qkv(q, k, v)
     scale = _validate_scale(softmax_scale, q.shape[3])
@@ -174,6 +177,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         q_, k_, v_ = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
 
         problem = dispatch.FwdProblem(dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv)
+        if tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0"):
+            from .tuner import tune_call
+
+            tune_call(problem, batch, nheads, nheads_kv)
         cfg, _ = dispatch.fwd_config(problem)
         launch_fwd(cfg, problem, q_, k_, v_, out, lse, scale)
     return (out, lse) if return_lse else out

@@ -83,19 +83,19 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     fn = _functions.get(key)
     if fn is not None:
         return fn
+    # Compiled outside the lock so that threads compile different kernels at
+    # once (NVRTC releases the GIL; the autotuner relies on it). Two threads
+    # asking for the same new kernel both compile it; the first stored wins.
+    module = cupy.RawModule(
+        code=kernel_source(family),
+        options=COMPILE_OPTIONS,
+        name_expressions=[name_expression],
+    )
+    fn = module.get_function(name_expression)
+    if smem_bytes > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem_bytes
     with _modules_lock:
-        fn = _functions.get(key)
-        if fn is None:
-            module = cupy.RawModule(
-                code=kernel_source(family),
-                options=COMPILE_OPTIONS,
-                name_expressions=[name_expression],
-            )
-            fn = module.get_function(name_expression)
-            if smem_bytes > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = smem_bytes
-            _functions[key] = fn
-    return fn
+        return _functions.setdefault(key, fn)
 
 
 # ---------------------------------------------------------------- no GPU needed

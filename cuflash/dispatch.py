@@ -7,6 +7,7 @@ chose it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from .config import FwdConfig, kernel_headdim
@@ -53,11 +54,23 @@ HEURISTIC_FWD = {
 
 # Hook for the autotune cache: a callable (FwdProblem) -> FwdConfig | None.
 _cache_lookup = None
+_cache_enabled = True
 
 
 def set_cache_lookup(lookup) -> None:
     global _cache_lookup
     _cache_lookup = lookup
+
+
+@contextlib.contextmanager
+def heuristic_only():
+    """Within the block fwd_config ignores the autotune cache (the benchmark compares the two)."""
+    global _cache_enabled
+    saved, _cache_enabled = _cache_enabled, False
+    try:
+        yield
+    finally:
+        _cache_enabled = saved
 
 
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig:
@@ -72,7 +85,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig:
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig, str]:
     """The config to run and where it came from ("cache" or "heuristic")."""
-    if _cache_lookup is not None:
+    if _cache_lookup is not None and _cache_enabled:
         cfg = _cache_lookup(problem)
         if cfg is not None:
             return cfg, "cache"

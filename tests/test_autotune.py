@@ -1,0 +1,231 @@
+"""The autotuner without a GPU: its space and filters, the cache key, and the JSON cache."""
+
+import dataclasses
+import json
+import multiprocessing
+import warnings
+
+import pytest
+
+from cuflash import compile as cf_compile
+from cuflash import dispatch, info, tune_cache, tuner
+from cuflash.config import FwdConfig
+from cuflash.dispatch import FwdProblem
+from cuflash.tune_fwd import FWD, QUICK_SPACE, FwdShape, seqlen_bucket
+
+DEVICE = tune_cache.DeviceKey("Test GPU 80GB", "90")
+H100 = tuner.DeviceLimits(DEVICE, smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048,
+                          regs_per_block=65536, l2_bytes=50 << 20)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory and fresh per-process cache state."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune_cache, "_memo", {})
+    monkeypatch.setattr(tune_cache, "_warned", set())
+    return tmp_path
+
+
+def entry(name="d64_x", ms=1.0):
+    return {"config": {"headdim": 64, "block_n": 64, "warps": 4, "m_tiles": 1, "stages": 2}, "config_name": name,
+            "ms": ms, "tflops": 100.0, "heuristic": {"config_name": "h", "ms": 2 * ms, "tflops": 50.0},
+            "space": "quick", "timed": 3, "rejected": []}
+
+
+# ---------------------------------------------------------------- space and filters
+
+
+def test_keep_drops_over_budget_and_invalid():
+    ok = FwdConfig(128, 64, 4, 2, 2, q_in_regs=False)  # 64 KiB
+    assert FWD.keep(ok, H100)
+    small = tuner.DeviceLimits(DEVICE, 48 * 1024, 100 * 1024, 2048, 65536, 1 << 20)
+    assert not FWD.keep(ok, small)  # over the block's shared memory
+    assert FWD.keep(FwdConfig(64, 32, 4, 1, 2), small)
+    assert not FWD.keep(FwdConfig(128, 64, 4, 2, 2, min_blocks=2), small)  # 2 CTAs do not fit an SM
+    assert not FWD.keep(FwdConfig(128, 128, 4, 1, 4), H100)  # over 227 KiB
+    assert not FWD.keep(FwdConfig(64, 24, 4, 1, 2), H100)  # block_n not a multiple of 16
+    assert not FWD.keep(FwdConfig(64, 64, 4, 1, 5), H100)  # too many stages
+    assert not FWD.keep(FwdConfig(64, 64, 8, 2, 2), H100)  # 256-row tiles: larger than the key's alignment
+
+
+def test_space_is_the_product_less_keep():
+    problem = FwdProblem("float16", 128, False, 4096, 4096, 1)
+    raw = FWD.space(problem, quick=True)
+    assert len(raw) == len(set(raw)) == len(QUICK_SPACE["block_n"]) * len(QUICK_SPACE["warps"]) * \
+        len(QUICK_SPACE["m_tiles"]) * len(QUICK_SPACE["stages"]) * len(QUICK_SPACE["q_in_regs"]) * \
+        len(QUICK_SPACE["min_blocks"])
+    assert all(c.headdim == 128 for c in raw)
+    cands = tuner.candidates(FWD, problem, H100, quick=True)
+    assert cands[0] == dispatch.heuristic_fwd_config(problem)
+    assert len(cands) == len(set(cands))
+    assert set(cands[1:]) == {c for c in raw if FWD.keep(c, H100)} - {cands[0]}
+    assert 6 <= len(cands) <= 14
+    full = tuner.candidates(FWD, problem, H100, quick=False)
+    assert len(full) > len(cands)
+
+
+def test_compile_filter_drops_spills_errors_and_register_hogs(monkeypatch):
+    problem = FwdProblem("float16", 64, True, 4096, 4096, 1)
+    heuristic = dispatch.heuristic_fwd_config(problem)
+    clean, spills, broken, hog = (FwdConfig(64, 32, 4, 1, 2), FwdConfig(64, 64, 4, 1, 3),
+                                  FwdConfig(64, 128, 4, 1, 2), FwdConfig(64, 64, 8, 1, 2))
+    real = cf_compile.compile_report(FWD.name, FWD.kernel_names(clean, problem)[0], "sm_90")
+    assert real.ok and real.spills == 0 and tuner.compiled_ok(real, clean, H100) is None
+
+    def fake(family, name, arch):
+        report = cf_compile.CompileReport(name, arch, ok=True, registers=128)
+        if name in FWD.kernel_names(spills, problem):
+            report.spill_stores = 16
+        elif name in FWD.kernel_names(broken, problem):
+            report.ok = False
+        elif name in FWD.kernel_names(hog, problem):
+            report.registers = 255  # x 256 threads > the 32k registers below
+        return report
+
+    monkeypatch.setattr(cf_compile, "compile_report", fake)
+    monkeypatch.setattr(tuner, "_reports", {})
+    limits = tuner.DeviceLimits(DEVICE, 227 * 1024, 228 * 1024, 2048, 32768, 1 << 20)
+    task = tuner.Task(FWD, problem, FwdShape(1, 1, 1), "custom", [heuristic, clean, spills, broken, hog])
+    tuner.compile_filter([task], limits, load=False, jobs=2, progress=False)
+    assert task.candidates == [heuristic, clean]
+
+
+def test_ragged_problems_check_both_length_variants():
+    cfg = FwdConfig(64, 64, 4, 1, 2)
+    even = FWD.kernel_names(cfg, FwdProblem("float16", 64, False, 4096, 4096, 1))
+    ragged = FWD.kernel_names(cfg, FwdProblem("float16", 64, False, 3000, 3000, 1))
+    assert len(even) == 1 and len(ragged) == 2
+    assert ragged[0] == cfg.name_expression("float16", False, False, True)
+    assert ragged[1] == cfg.name_expression("float16", False, True, True)
+
+
+# ---------------------------------------------------------------- keys
+
+
+@pytest.mark.parametrize("n, bucket", [(0, 1), (1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024),
+                                       (1025, 2048), (16384, 16384)])
+def test_seqlen_bucket(n, bucket):
+    assert seqlen_bucket(n) == bucket
+
+
+def test_key():
+    assert FWD.key(FwdProblem("float16", 128, True, 4096, 4096, 1)) == "fwd_sm80/float16/d128/causal/q4096/k4096/even"
+    assert FWD.key(FwdProblem("bfloat16", 72, False, 3000, 100, 4)) == "fwd_sm80/bfloat16/d72/full/q4096/k128/ragged"
+    # Same bucket and class, different GQA ratio and lengths: one entry.
+    assert FWD.key(FwdProblem("float16", 64, False, 2048, 1920, 1)) == FWD.key(
+        FwdProblem("float16", 64, False, 1152, 1152, 8))
+
+
+# ---------------------------------------------------------------- the JSON cache
+
+
+def test_cache_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUFLASH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tune_cache.cache_dir() == tmp_path / "xdg" / "cuflash"
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "mine"))
+    assert tune_cache.cache_dir() == tmp_path / "mine"
+    assert tune_cache.cache_path(DEVICE).name == "test-gpu-80gb-sm90.json"
+
+
+def test_round_trip(cache, monkeypatch):
+    assert tune_cache.get(DEVICE, "a") is None
+    tune_cache.put(DEVICE, {"a": entry("A")})
+    tune_cache.put(DEVICE, {"b": entry("B")})
+    assert tune_cache.get(DEVICE, "a")["config_name"] == "A"  # this process's writes refresh its memo
+    monkeypatch.setattr(tune_cache, "_memo", {})  # a new process reads the file
+    assert {k: e["config_name"] for k, e in tune_cache.entries(DEVICE).items()} == {"a": "A", "b": "B"}
+    data = json.loads(tune_cache.cache_path(DEVICE).read_text())
+    assert data["device"] == DEVICE.name and data["compute_capability"] == "90"
+    assert data["source_hash"] == cf_compile.source_hash() and data["format"] == tune_cache.FORMAT
+    other = tune_cache.DeviceKey("Other GPU", "80")
+    assert tune_cache.get(other, "a") is None
+    tune_cache.clear(DEVICE)
+    assert tune_cache.entries(DEVICE) == {}
+    assert not list(cache.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"format": 1, "entries": 3}',
+                                  '{"format": 999, "entries": {}}', '{"entries": {}}'])
+def test_corrupt_or_foreign_format_file_is_ignored_once_and_rewritten(cache, monkeypatch, text):
+    path = tune_cache.cache_path(DEVICE)
+    path.write_text(text)
+    with pytest.warns(RuntimeWarning, match="ignoring tuning cache"):
+        assert tune_cache.entries(DEVICE) == {}
+    monkeypatch.setattr(tune_cache, "_memo", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second read in the same process stays quiet
+        assert tune_cache.entries(DEVICE) == {}
+        tune_cache.put(DEVICE, {"a": entry()})
+    data = json.loads(path.read_text())
+    assert data["format"] == tune_cache.FORMAT and list(data["entries"]) == ["a"]
+
+
+def test_source_hash_change_invalidates(cache, monkeypatch):
+    tune_cache.put(DEVICE, {"a": entry()})
+    monkeypatch.setattr(cf_compile, "source_hash", lambda: "0123456789abcdef")
+    assert tune_cache.get(DEVICE, "a") is None
+    tune_cache.put(DEVICE, {"b": entry()})
+    data = json.loads(tune_cache.cache_path(DEVICE).read_text())
+    assert list(data["entries"]) == ["b"] and data["source_hash"] == "0123456789abcdef"
+
+
+def test_unwritable_cache_keeps_results_in_process(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(tune_cache, "_memo", {})
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        tune_cache.put(DEVICE, {"a": entry()})
+    assert tune_cache.get(DEVICE, "a") is not None
+
+
+def _writer(directory, prefix, count):
+    import os
+
+    os.environ["CUFLASH_CACHE_DIR"] = directory
+    for i in range(count):
+        tune_cache.put(DEVICE, {f"{prefix}{i}": entry(f"{prefix}{i}")})
+
+
+def test_concurrent_writers_lose_nothing(cache):
+    count = 25
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(cache), prefix, count)) for prefix in ("p", "q")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    data = json.loads(tune_cache.cache_path(DEVICE).read_text())
+    assert set(data["entries"]) == {f"{p}{i}" for p in "pq" for i in range(count)}
+
+
+# ---------------------------------------------------------------- dispatch and info
+
+
+def test_dispatch_uses_the_cache(cache, monkeypatch):
+    monkeypatch.setattr(tune_cache, "current_device", lambda: DEVICE)
+    problem = FwdProblem("float16", 64, False, 2000, 2000, 1)
+    assert dispatch.fwd_config(problem) == (dispatch.heuristic_fwd_config(problem), "heuristic")
+    tuned = FwdConfig(64, 32, 8, 1, 3)
+    tune_cache.put(DEVICE, {FWD.key(problem): {**entry(), "config": dataclasses.asdict(tuned)}})
+    assert dispatch.fwd_config(problem) == (tuned, "cache")
+    # Another call in the same bucket and length class uses it too.
+    assert dispatch.fwd_config(FwdProblem("float16", 64, False, 1100, 1500, 2)) == (tuned, "cache")
+    with dispatch.heuristic_only():
+        assert dispatch.fwd_config(problem)[1] == "heuristic"
+    assert "cache hit" in info.choice_report(problem, has_device=True)
+    report = info.tuning_cache_report(DEVICE)
+    assert "(this device)" in report and FWD.key(problem) in report
+    # An entry whose config this FwdConfig cannot build is ignored.
+    tune_cache.put(DEVICE, {FWD.key(problem): {**entry(), "config": {"headdim": 64, "tile": 3}}})
+    assert dispatch.fwd_config(problem)[1] == "heuristic"
+    assert "does not fit" in info.choice_report(problem, has_device=True)
+
+
+def test_cli_rejects_bad_options():
+    with pytest.raises(SystemExit):
+        tuner.main(["--headdim", "7"])
+    with pytest.raises(SystemExit):
+        tuner.main(["--dtype", "fp8"])
