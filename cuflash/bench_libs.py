@@ -137,21 +137,29 @@ def time_calls(lib, fns, repeats: int, budget_ms: float = 3000.0) -> dict:
 
 
 class Cuflash:
-    name = "cuflash"
+    """cuflash.attention. mode None: as users call it (tuning cache, else the
+    heuristic table); "heuristic": the heuristic table only; "tuned": the
+    shape is tuned in `prepare` unless the cache holds it, then the cache."""
+
     events = CupyEvents()
 
-    def __init__(self):
+    def __init__(self, mode=None):
         import cuflash
+        from cuflash import dispatch
 
+        self.mode = mode
+        self.name = "cuflash-tuned" if mode == "tuned" else "cuflash"
         self._attention = cuflash.attention
+        self._heuristic_only = dispatch.heuristic_only
 
     def prepare(self, q, k, v, causal):
         attention = self._attention
+        if self.mode == "tuned":
+            attention(q, k, v, causal=causal, tune=True)  # tuning happens here, not in the timed calls
         return lambda: attention(q, k, v, causal=causal)
 
-    @staticmethod
-    def context():
-        return contextlib.nullcontext()
+    def context(self):
+        return self._heuristic_only() if self.mode == "heuristic" else contextlib.nullcontext()
 
     @staticmethod
     def to_cupy(out):

@@ -11,6 +11,10 @@ is missing), then timed for cuflash and its peers:
 * ``torch-flash`` / ``torch-cudnn``: ``scaled_dot_product_attention`` pinned to
   the FlashAttention-2 or cuDNN backend, on zero-copy views of the same data.
 
+With ``--tuned`` a ``cuflash-tuned`` column shows cuflash with autotuned
+configurations next to ``cuflash`` on the heuristic table alone (shapes that
+the tuning cache lacks are tuned first, outside the timed calls).
+
 The result is a table of TFLOP/s on stdout (progress goes to stderr), an
 optional JSON file with every raw number, and a second table with the peak
 extra memory of one forward call. The exit status is non-zero if cuflash
@@ -139,6 +143,10 @@ def parse_args(argv):
     parser.add_argument("--no-peers", action="store_true",
                         help="time cuflash only (torch-flash is still the correctness reference)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
+    parser.add_argument("--tuned", action="store_true",
+                        help="add a cuflash-tuned column (autotuned configs; shapes missing from the "
+                             "tuning cache are tuned first); the cuflash column then uses the heuristic "
+                             "table only")
     parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
     args = parser.parse_args(argv)
 
@@ -244,7 +252,8 @@ def time_library(lib, shape, sets, repeats) -> dict:
     return result
 
 
-def run_shape(shape, libs, reference, repeats, l2_bytes) -> dict:
+def run_shape(shape, libs, reference, repeats, l2_bytes, tuned=None) -> dict:
+    """Check and time one shape; `tuned`, one of `libs`, is checked too."""
     dtype = bench_libs.cupy_dtype(shape.dtype)
     per_set = 3 * shape.batch * shape.seqlen * shape.heads * shape.headdim * dtype.itemsize
     n_sets = max(MIN_INPUT_SETS, math.ceil(2 * l2_bytes / per_set))
@@ -255,9 +264,12 @@ def run_shape(shape, libs, reference, repeats, l2_bytes) -> dict:
     row = dataclasses.asdict(shape)
     row.update(heads=shape.heads, batch=shape.batch, flops=shape.flops, input_sets=n_sets)
     row["check"] = check_shape(shape, sets[0], libs[0], reference)
+    if tuned is not None:
+        row["check_tuned"] = check_shape(shape, sets[0], tuned, reference)
     row["libs"] = {lib.name: time_library(lib, shape, sets, repeats) for lib in libs}
-    cuflash = row["libs"][libs[0].name]
-    row["ok"] = bool(row["check"]["ok"]) and "tflops" in cuflash
+    mine = [libs[0]] + ([tuned] if tuned is not None else [])
+    row["ok"] = (all(bool(row.get(c, {"ok": True})["ok"]) for c in ("check", "check_tuned"))
+                 and all("tflops" in row["libs"][lib.name] for lib in mine))
     return row
 
 
@@ -301,6 +313,16 @@ def _seqlen_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def _verdict(check: dict) -> str:
+    return ("ok" if check["ok"] else "MISMATCH") + (
+        f" (max err {check['max_abs_err']:.2e} vs {check['reference']})"
+        if "max_abs_err" in check else f" ({check.get('error')})")
+
+
+def _mark(cell: str, check: dict) -> str:
+    return cell + "!" if not check["ok"] and cell != "ERR" else cell
+
+
 def _ratio(a, b) -> str:
     if a and b and "tflops" in a and "tflops" in b:
         return f"{a['tflops'] / b['tflops']:.2f}"
@@ -317,18 +339,22 @@ def _table(rows, headers, numeric_from) -> str:
 
 
 def speed_table(results) -> str:
-    headers = ["dtype", "hdim", "causal", "seqlen", "cuflash", "naive", "torch-flash",
-               "torch-cudnn", "cuflash/flash", "cuflash/cudnn"]
+    tuned = any("cuflash-tuned" in r["libs"] for r in results)
+    headers = ["dtype", "hdim", "causal", "seqlen", "cuflash",
+               *(["cuflash-tuned", "tuned/cuflash"] if tuned else []),
+               "naive", "torch-flash", "torch-cudnn", "cuflash/flash", "cuflash/cudnn"]
     rows = []
     for r in results:
         libs = r["libs"]
         mine = libs.get("cuflash")
-        cell = _cell(mine)
-        if not r["check"]["ok"] and cell != "ERR":
-            cell += "!"
+        cell = _mark(_cell(mine), r["check"])
+        extra = []
+        if tuned:
+            extra = [_mark(_cell(libs.get("cuflash-tuned")), r.get("check_tuned", {"ok": True})),
+                     _ratio(libs.get("cuflash-tuned"), mine)]
         rows.append([
             SHORT_DTYPE[r["dtype"]], r["headdim"], "yes" if r["causal"] else "no",
-            _seqlen_label(r["seqlen"]), cell,
+            _seqlen_label(r["seqlen"]), cell, *extra,
             # A peer that fails is shown like one that was skipped; the
             # reason is in the log and the JSON.
             *(_cell(libs.get(name), error=DASH) for name in LIBS[1:]),
@@ -368,7 +394,7 @@ def main(argv=None) -> int:
         log(f"cuflash bench: no CUDA device ({describe(exc)})")
         return 2
     try:
-        cuflash = bench_libs.Cuflash()
+        cuflash = bench_libs.Cuflash("heuristic" if args.tuned else None)
     except Exception as exc:
         log(f"cuflash bench: cannot load cuflash.attention ({describe(exc)})")
         return 2
@@ -376,7 +402,9 @@ def main(argv=None) -> int:
     # torch is loaded even with --no-peers: its flash backend is the reference.
     torch_libs = bench_libs.load_torch_libs(log)
     reference = next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
-    libs = [cuflash] if args.no_peers else [cuflash, bench_libs.NaiveCupy(), *torch_libs]
+    tuned = bench_libs.Cuflash("tuned") if args.tuned else None
+    mine = [cuflash] + ([tuned] if tuned else [])
+    libs = mine if args.no_peers else [*mine, bench_libs.NaiveCupy(), *torch_libs]
 
     import cuflash as cuflash_module
 
@@ -402,14 +430,12 @@ def main(argv=None) -> int:
 
     shapes = build_shapes(args)
     for i, shape in enumerate(shapes, 1):
-        row = run_shape(shape, libs, reference, args.repeats, device["l2_bytes"])
+        row = run_shape(shape, libs, reference, args.repeats, device["l2_bytes"], tuned)
         release_memory(torch_libs)
         report["results"].append(row)
         write_json(args.json, report)  # keep partial results if the run is cut short
-        check = row["check"]
-        verdict = ("ok" if check["ok"] else "MISMATCH") + (
-            f" (max err {check['max_abs_err']:.2e} vs {check['reference']})"
-            if "max_abs_err" in check else f" ({check.get('error')})")
+        verdict = "; ".join(_verdict(row[c]) + ("" if c == "check" else " (tuned)")
+                            for c in ("check", "check_tuned") if c in row)
         log(f"[{i}/{len(shapes)}] {SHORT_DTYPE[shape.dtype]} d={shape.headdim} "
             f"{'causal' if shape.causal else 'full'} N={shape.seqlen} B={shape.batch} "
             f"H={shape.heads}: " + ", ".join(
