@@ -367,27 +367,33 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             const int mt = warp / T::DQ_SPLIT, col_chunk0 = (warp % T::DQ_SPLIT) * (T::DQ_COLS / 8);
             const LaneOffsets<BC, BR> ds_at_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
             const LaneOffsets<BC, D> k_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-            float acc_dq[NT_DQ][4];
-            zero(acc_dq);
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-                u32 a[4];  // A = dS (queries x keys), read transposed from dS^T
-                ldmatrix_x4_trans(a, smem_addr(sdS) + ds_at_off.at(kk * 16, mt * 2));
-#pragma unroll
-                for (int dn = 0; dn < NT_DQ / 2; ++dn) {
-                    u32 bb[4];
-                    ldmatrix_x4_trans(bb, smem_addr(sK) + k_bt_off.at(kk * 16, col_chunk0 + dn * 2));
-                    mma_16816<BF16>(acc_dq[2 * dn], a, bb[0], bb[1]);
-                    mma_16816<BF16>(acc_dq[2 * dn + 1], a, bb[2], bb[3]);
-                }
-            }
             // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
             float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
                              col_chunk0 * 8 + 2 * (lane & 3);
+            // Column slices of at most 32 keep the dQ accumulator small next to dK and dV.
+            constexpr int NT_SLICE = NT_DQ < 4 ? NT_DQ : 4;
 #pragma unroll
-            for (int j = 0; j < NT_DQ; ++j)
+            for (int s0 = 0; s0 < NT_DQ; s0 += NT_SLICE) {
+                float acc_dq[NT_SLICE][4];
+                zero(acc_dq);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) red_add_f32x2(dq_rows + 8 * r * D + j * 8, acc_dq[j][2 * r], acc_dq[j][2 * r + 1]);
+                for (int kk = 0; kk < BC / 16; ++kk) {
+                    u32 a[4];  // A = dS (queries x keys), read transposed from dS^T
+                    ldmatrix_x4_trans(a, smem_addr(sdS) + ds_at_off.at(kk * 16, mt * 2));
+#pragma unroll
+                    for (int dn = 0; dn < NT_SLICE / 2; ++dn) {
+                        u32 bb[4];
+                        ldmatrix_x4_trans(bb, smem_addr(sK) + k_bt_off.at(kk * 16, col_chunk0 + s0 + dn * 2));
+                        mma_16816<BF16>(acc_dq[2 * dn], a, bb[0], bb[1]);
+                        mma_16816<BF16>(acc_dq[2 * dn + 1], a, bb[2], bb[3]);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < NT_SLICE; ++j)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        red_add_f32x2(dq_rows + 8 * r * D + (s0 + j) * 8, acc_dq[j][2 * r], acc_dq[j][2 * r + 1]);
+            }
         }
     }
     cp_async_wait<0>();

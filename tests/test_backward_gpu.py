@@ -100,8 +100,8 @@ def check_grads(grads, host, **kwargs):
             raise AssertionError(f"{name}: {exc}") from None
 
 
-def check(host, dev, **kwargs):
-    check_grads(backward(dev, **kwargs), host, **kwargs)
+def check(host, dev, out=None, **kwargs):
+    check_grads(backward(dev, out=out, **kwargs), host, **kwargs)
 
 
 def bits(x):
