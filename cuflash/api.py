@@ -6,6 +6,7 @@ Layout follows flash-attn: q (batch, seqlen_q, nheads, headdim), k and v
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -63,6 +64,12 @@ def _require_device(device_id: int) -> None:
         raise RuntimeError(
             f"cuflash needs compute capability 8.0 (Ampere) or newer; device {device_id} has {cc // 10}.{cc % 10}"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def max_smem_per_block(device_id: int) -> int:
+    """Opt-in dynamic shared memory per block of a device, in bytes."""
+    return int(_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 def _elem_strides(x) -> tuple[int, ...]:
@@ -176,7 +183,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             return (out, lse) if return_lse else out
         q_, k_, v_ = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
 
-        problem = dispatch.FwdProblem(dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv)
+        problem = dispatch.FwdProblem(
+            dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv, max_smem_per_block(q.device.id)
+        )
         if tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0"):
             from .tuner import tune_call
 

@@ -14,12 +14,17 @@ from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
 
 _LOG2E = 1.4426950408889634
 
-# Kernel head dim -> backward tiles. Measured on an H200 (bench/PERFLOG.md).
+# Kernel head dim -> backward tiles. Measured on an H200, fwd+bwd, fp16,
+# 16k tokens, hidden 2048, seqlen 2k / 8k (bench/PERFLOG.md):
+# - d64: 128 query rows x 128 keys, 8 warps: 0.80-0.92x torch flash; the
+#   64 x 64, 4-warp tile 0.81-0.84x.
+# - d128: 128 x 128, 8 warps: 0.86-0.90x; 64 x 128: 0.81-0.89x; 64 x 64 4 warps 0.82-0.83x.
+# - other head dims: unmeasured; the tiles that fit the shared memory.
 HEURISTIC_BWD = {
-    32: BwdConfig(32, 64, 4, 4, 64),
-    64: BwdConfig(64, 64, 4, 4, 64),
-    96: BwdConfig(96, 32, 4, 4, 64),
-    128: BwdConfig(128, 32, 4, 4, 64),
+    32: BwdConfig(32, 128, 8, 4, 64),
+    64: BwdConfig(64, 128, 8, 4, 64),
+    96: BwdConfig(96, 64, 8, 4, 64),
+    128: BwdConfig(128, 128, 8, 4, 64),
     160: BwdConfig(160, 32, 4, 4, 32),
     192: BwdConfig(192, 32, 4, 4, 32),
     224: BwdConfig(224, 32, 4, 4, 32),
@@ -27,8 +32,18 @@ HEURISTIC_BWD = {
 }
 
 
-def bwd_config(headdim: int) -> BwdConfig:
-    return HEURISTIC_BWD[kernel_headdim(headdim)]
+def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
+    """Smaller tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB)."""
+    return (BwdConfig(kd, 64, 4, 4, 64), BwdConfig(kd, 32, 4, 4, 32), BwdConfig(kd, 32, 2, 2, 16))
+
+
+def bwd_config(headdim: int, max_smem: int) -> BwdConfig:
+    """The table's tiles, or smaller ones where the device has less shared memory per block."""
+    kd = kernel_headdim(headdim)
+    for cfg in (HEURISTIC_BWD[kd], *bwd_fallbacks(kd)):
+        if max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem:
+            return cfg
+    raise RuntimeError(f"cuflash: no backward kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
 
 
 def _validate_like(name: str, x, ref, ref_name: str) -> None:
@@ -88,7 +103,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             return dq, dk, dv
         q, k, v, dout, out = (x if api._aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout, out))
         lse = cupy.ascontiguousarray(lse)
-        cfg = bwd_config(headdim)
+        cfg = bwd_config(headdim, api.max_smem_per_block(q.device.id))
         _launch(cfg, dtype_name, causal, deterministic, scale, nheads // nheads_kv, q, k, v, dout, out, lse, dq, dk, dv)
     return dq, dk, dv
 

@@ -2,7 +2,8 @@
 NVRTC (no GPU needed) and report registers, shared memory and spills.
 
 Exits non-zero on any compile error, or on any spill in a head-dim 64/128
-kernel (the fast paths).
+forward kernel (the fast paths). Backward kernels are compiled and their
+spills reported; they are not yet spill-free (bench/PERFLOG.md).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import sys
 from tabulate import tabulate
 
 from . import compile as _compile
-from .config import DTYPE_NAMES
-from .dispatch import HEURISTIC_FWD
+from .backward import bwd_fallbacks, HEURISTIC_BWD
+from .config import DTYPE_NAMES, BwdConfig
+from .dispatch import HEURISTIC_FWD, small_fwd_configs
 
 FAST_PATH_HEADDIMS = (64, 128)
+# Families whose fast-path kernels must compile without spills.
+SPILL_FREE_FAMILIES = ("fwd_sm80",)
 
 
 def shipped_specialisations():
@@ -31,8 +35,40 @@ def shipped_specialisations():
             specs.append((fast, fast.name_expression(dtype_name, causal, True, True)))
             for even_n, even_d in itertools.product((True, False), repeat=2):
                 specs.append((general, general.name_expression(dtype_name, causal, even_n, even_d)))
+    for cfg in HEURISTIC_BWD.values():
+        # Every length/head-dim variant for the fast paths, the even ones elsewhere.
+        variants = (
+            list(itertools.product((True, False), repeat=2)) if cfg.headdim in FAST_PATH_HEADDIMS else [(True, True)]
+        )
+        for dtype_name, causal in itertools.product(DTYPE_NAMES, (False, True)):
+            for even_n, even_d in variants:
+                for atomic_dq in (True, False):
+                    specs.append((cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq)))
+                specs.append((cfg, cfg.dq_name(dtype_name, causal, even_n, even_d)))
+    # Fallbacks for GPUs with less shared memory: one representative variant each.
+    for kd in HEURISTIC_FWD:
+        for cfg in small_fwd_configs(kd):
+            specs.append((cfg, cfg.name_expression("float16", True, False, False)))
+        for cfg in bwd_fallbacks(kd):
+            specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True)))
+            specs.append((cfg, cfg.dq_name("float16", True, False, False)))
+    any_bwd = next(iter(HEURISTIC_BWD.values()))
+    for dtype_name in DTYPE_NAMES:
+        specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name)))
+        specs.append((any_bwd, BwdConfig.convert_dq_name(dtype_name)))
     unique = {name: cfg for cfg, name in specs}
     return [(cfg.family, cfg, name) for name, cfg in unique.items()]
+
+
+def smem_bytes(cfg, name: str) -> int:
+    """Dynamic shared memory of one kernel (0 for the backward's row-wise helpers)."""
+    if cfg.family == "fwd_sm80":
+        return cfg.smem_bytes()
+    if "bwd_dkdv_kernel" in name:
+        return cfg.dkdv_smem_bytes(atomic_dq=name.rstrip("> ").endswith("true"))
+    if "bwd_dq_kernel" in name:
+        return cfg.dq_smem_bytes()
+    return 0
 
 
 def _compile_one(job):
@@ -62,18 +98,19 @@ def main(argv=None) -> int:
         fast = cfg.headdim in FAST_PATH_HEADDIMS
         if not report.ok:
             failures.append(f"compile error: {report.name} ({report.arch})\n{report.log}")
-        elif report.spills and fast:
+        elif report.spills and fast and cfg.family in SPILL_FREE_FAMILIES:
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
         if args.verbose or not report.ok or report.spills:
-            rows.append([report.arch, report.name, report.registers, cfg.smem_bytes(), report.stack_bytes,
-                         report.spills, "fast" if fast else ""])
+            rows.append([report.arch, report.name, report.registers, smem_bytes(cfg, report.name),
+                         report.stack_bytes, report.spills, "fast" if fast else ""])
     summary = {}
     for report in reports:
-        key = (report.arch, cfg_of[report.name].short_name())
+        kernel = report.name.split("<")[0].removeprefix("cuflash::")
+        key = (report.arch, kernel, cfg_of[report.name].short_name())
         regs, spills, count = summary.get(key, (0, 0, 0))
         summary[key] = (max(regs, report.registers), max(spills, report.spills), count + 1)
-    print(tabulate([[a, c, n, r, s] for (a, c), (r, s, n) in sorted(summary.items())],
-                   headers=["arch", "config", "kernels", "max registers", "max spill bytes"]))
+    print(tabulate([[a, k, c, n, r, s] for (a, k, c), (r, s, n) in sorted(summary.items())],
+                   headers=["arch", "kernel", "config", "variants", "max registers", "max spill bytes"]))
     if rows:
         print()
         print(tabulate(rows, headers=["arch", "kernel", "registers", "smem bytes", "stack", "spill bytes", "path"]))

@@ -23,6 +23,7 @@ class FwdProblem:
     seqlen_q: int
     seqlen_k: int
     group: int  # query heads per kv head
+    max_smem: int = 227 * 1024  # the device's opt-in shared memory per block
 
     @property
     def kernel_headdim(self) -> int:
@@ -73,6 +74,11 @@ def heuristic_only():
         _cache_enabled = saved
 
 
+def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
+    """Fallbacks for GPUs with less shared memory per block than Hopper or A100 (e.g. 99 KB on sm_86/89)."""
+    return (FwdConfig(kd, 32, 4, 1, 2, q_in_regs=False), FwdConfig(kd, 16, 4, 1, 2, q_in_regs=False))
+
+
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig:
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
     even = (
@@ -80,7 +86,13 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig:
         and problem.seqlen_q % fast.block_m == 0
         and problem.seqlen_k % fast.block_n == 0
     )
-    return fast if even else general
+    choices = ((fast,) if even else ()) + (general,) + small_fwd_configs(problem.kernel_headdim)
+    for cfg in choices:
+        if cfg.smem_bytes() <= problem.max_smem:
+            return cfg
+    raise RuntimeError(
+        f"cuflash: no forward kernel for head dim {problem.headdim} fits in {problem.max_smem} bytes of shared memory"
+    )
 
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig, str]:
