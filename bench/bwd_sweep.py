@@ -17,11 +17,10 @@ from cuflash.config import BwdConfig
 
 # (config, deterministic)
 # (config, deterministic)
+# (config, deterministic)
 CANDIDATES = {
-    64: [(BwdConfig(64, 64, 4, 4, 64), False), (BwdConfig(64, 128, 8, 4, 64), False),
-         (BwdConfig(64, 64, 8, 4, 64), False), (BwdConfig(64, 64, 8, 4, 64), True)],
-    128: [(BwdConfig(128, 64, 8, 4, 64), False), (BwdConfig(128, 64, 4, 4, 64), False),
-          (BwdConfig(128, 128, 8, 4, 64), False), (BwdConfig(128, 64, 8, 8, 64), True)],
+    64: [(BwdConfig(64, 128, 8, 4, 64), False), (BwdConfig(64, 64, 4, 4, 64), False)],
+    128: [(BwdConfig(128, 128, 8, 4, 64), False), (BwdConfig(128, 64, 8, 4, 64), False)],
 }
 
 
