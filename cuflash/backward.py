@@ -15,16 +15,18 @@ from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
 _LOG2E = 1.4426950408889634
 
 # Kernel head dim -> backward tiles. Measured on an H200, fwd+bwd, fp16,
-# 16k tokens, hidden 2048, seqlen 2k / 8k (bench/PERFLOG.md):
-# - d64: 128 query rows x 128 keys, 8 warps: 0.80-0.92x torch flash; the
-#   64 x 64, 4-warp tile 0.81-0.84x.
-# - d128: 128 x 128, 8 warps: 0.86-0.90x; 64 x 128: 0.81-0.89x; 64 x 64 4 warps 0.82-0.83x.
-# - other head dims: unmeasured; the tiles that fit the shared memory.
+# 16k tokens, hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same
+# run (bench/PERFLOG.md):
+# - d64: 128 query rows x 128 keys, 8 warps: 0.92-0.93x non-causal, 0.83-0.90x
+#   causal; the 64 x 64, 4-warp tile 0.83-0.85x.
+# - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
+#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal.
+# - other head dims: unmeasured; tiles that fit the shared memory.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
     64: BwdConfig(64, 128, 8, 4, 64),
     96: BwdConfig(96, 64, 8, 4, 64),
-    128: BwdConfig(128, 128, 8, 4, 64),
+    128: BwdConfig(128, 64, 8, 4, 64),
     160: BwdConfig(160, 32, 4, 4, 32),
     192: BwdConfig(192, 32, 4, 4, 32),
     224: BwdConfig(224, 32, 4, 4, 32),
