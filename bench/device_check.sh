@@ -3,11 +3,13 @@
 #
 #   bench/device_check.sh [bench options...]      e.g. bench/device_check.sh --quick
 #
-# Steps: list the GPUs, print the environment, self-check the kernels, run the
-# GPU tests, then benchmark (extra arguments go to the benchmark). A failing
-# step does not stop the later ones, so one call always yields benchmark
-# numbers; the exit status is non-zero if any step failed. Logs and bench.json
-# go to $OUT (./bench_out when OUT is unset).
+# Steps: list the GPUs and print the environment, self-check the kernels, run
+# the GPU tests, then benchmark the forward and then forward+backward (extra
+# arguments go to both benchmarks). A failing step does not stop the later
+# ones, so one call always yields benchmark numbers; the exit status is
+# non-zero if any step failed. Logs, bench.json and bench_bwd.json go to $OUT
+# (./bench_out when OUT is unset): 7 files, info.log check.log tests.log
+# bench.log bench.json bench_bwd.log bench_bwd.json.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 
@@ -37,11 +39,19 @@ step() {
     fi
 }
 
-step gpus nvidia-smi -L
-step info "$PYTHON" -m cuflash info
+# nvidia-smi and cuflash info share one log; fails if either fails.
+gpus_and_info() {
+    nvidia-smi -L
+    local rc=$?
+    "$PYTHON" -m cuflash info || return
+    return $rc
+}
+
+step info gpus_and_info
 step check "$PYTHON" -m cuflash check --arch sm_90
 step tests "$PYTHON" -m pytest -q -m gpu tests
 step bench "$PYTHON" -m cuflash bench --json "$OUT/bench.json" "$@"
+step bench_bwd "$PYTHON" -m cuflash bench --backward --json "$OUT/bench_bwd.json" "$@"
 
 echo
 if [ ${#failed[@]} -ne 0 ]; then

@@ -11,6 +11,11 @@ Every library is wrapped in the same small interface so the driver in
 * ``to_cupy(out)`` turns an output into a CuPy array in (B, N, H, D) layout;
 * ``events`` creates/reads CUDA events on the stream the library launches on.
 
+The forward+backward wrappers (``CuflashFwdBwd``, ``TorchSdpaFwdBwd``) take a
+fourth input, the output gradient: ``prepare(q, k, v, dout, causal)`` returns
+a callable that runs one forward and one backward pass, and ``to_cupy`` turns
+its result into the CuPy gradients (dq, dk, dv), each (B, N, H, D).
+
 Raising :class:`Skip` from ``prepare`` means "this library does not run this
 shape" and is shown as a dash, never as a failure.
 """
@@ -62,6 +67,12 @@ def random_qkv(batch, seqlen, heads, headdim, dtype, seed):
         rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
         for _ in range(3)
     )
+
+
+def random_dout(batch, seqlen, heads, headdim, dtype, seed):
+    """A (B, N, H, D) output gradient, standard normal, independent of ``random_qkv(..., seed)``."""
+    rng = cupy.random.default_rng(1_000_003 + seed)
+    return rng.standard_normal((batch, seqlen, heads, headdim), dtype=cupy.float32).astype(dtype)
 
 
 # --------------------------------------------------------------------------
@@ -237,6 +248,46 @@ def naive_attention(q, k, v, causal: bool, dtype=None):
     return out.reshape(batch, heads, nq, d).transpose(0, 2, 1, 3)  # (B, Nq, H, D)
 
 
+def naive_attention_backward(dout, q, k, v, causal: bool):
+    """float32 gradients (dq, dk, dv) of softmax(Q K^T / sqrt(D)) V, N x N per head.
+
+    The fallback correctness reference when torch is missing: one (batch,
+    head) at a time, so memory stays at a few N x N float32 matrices. Same
+    bottom-right causal alignment as :func:`naive_attention`; Nq == Nk
+    assumed for the causal mask (every benchmark shape), equal head counts.
+    """
+    batch, nq, heads, d = q.shape
+    nk = k.shape[1]
+    scale = 1.0 / math.sqrt(d)
+    bias = None
+    if causal:
+        row = cupy.arange(nq)[:, None]
+        col = cupy.arange(nk)[None, :]
+        bias = cupy.where(col > row + (nk - nq), -numpy.inf, 0.0).astype(cupy.float32)
+    dq, dk, dv = (cupy.empty(x.shape, cupy.float32) for x in (q, k, v))
+    for b in range(batch):
+        for h in range(heads):
+            qh, kh, vh, doh = (cupy.ascontiguousarray(x[b, :, h], dtype=cupy.float32)
+                               for x in (q, k, v, dout))
+            p = qh @ kh.T
+            p *= scale
+            if bias is not None:
+                p += bias
+            p -= p.max(axis=1, keepdims=True)
+            cupy.exp(p, out=p)
+            p /= p.sum(axis=1, keepdims=True)
+            delta = (doh * (p @ vh)).sum(axis=1, keepdims=True)  # rowsum(dO o O)
+            dv[b, :, h] = p.T @ doh
+            ds = doh @ vh.T  # dP
+            ds -= delta
+            ds *= p
+            del p
+            dq[b, :, h] = (ds @ kh) * scale
+            dk[b, :, h] = (ds.T @ qh) * scale
+            del ds
+    return dq, dk, dv
+
+
 class NaiveCupy:
     name = "naive-cupy"
     events = CupyEvents()
@@ -263,6 +314,37 @@ class NaiveCupy:
     @staticmethod
     def to_cupy(out):
         return out
+
+
+class CuflashFwdBwd:
+    """cuflash.attention (return_lse=True) then cuflash.attention_backward."""
+
+    events = CupyEvents()
+
+    def __init__(self, deterministic=False):
+        import cuflash
+
+        self.deterministic = bool(deterministic)
+        self.name = "cuflash-det" if deterministic else "cuflash"
+        self._attention = cuflash.attention
+        self._backward = cuflash.attention_backward
+
+    def prepare(self, q, k, v, dout, causal):
+        attention, backward, deterministic = self._attention, self._backward, self.deterministic
+
+        def run():
+            out, lse = attention(q, k, v, causal=causal, return_lse=True)
+            return backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+
+        return run
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(grads):
+        return tuple(grads)
 
 
 class TorchSdpa:
@@ -307,12 +389,47 @@ class TorchSdpa:
         return cupy.from_dlpack(out.transpose(1, 2).contiguous())
 
 
-def load_torch_libs(log) -> list:
-    """The torch peers, or an empty list when torch is missing or unusable."""
+class TorchSdpaFwdBwd(TorchSdpa):
+    """SDPA forward plus ``torch.autograd.grad`` on one pinned backend.
+
+    q, k, v are leaf tensors that require grad: (B, H, N, D) views of the CuPy
+    inputs, made once in ``prepare``; the timed call is the forward and
+    ``torch.autograd.grad(out, (q, k, v), dout)``.
+    """
+
+    def prepare(self, q, k, v, dout, causal):
+        torch = self._torch
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        tdout = torch.from_dlpack(dout).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        grad = torch.autograd.grad
+
+        def run():
+            out = sdpa(tq, tk, tv, is_causal=causal)
+            return grad(out, (tq, tk, tv), tdout)
+
+        try:
+            with self.context():
+                run()
+        except RuntimeError as exc:
+            raise Skip(str(exc).splitlines()[0]) from exc
+        return run
+
+    @staticmethod
+    def to_cupy(grads):
+        return tuple(cupy.from_dlpack(g.transpose(1, 2).contiguous()) for g in grads)
+
+
+def load_torch_libs(log, backward=False) -> list:
+    """The torch peers, or an empty list when torch is missing or unusable.
+
+    backward: the forward+backward wrappers instead of the forward ones.
+    """
     libs = []
+    cls = TorchSdpaFwdBwd if backward else TorchSdpa
     for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
         try:
-            libs.append(TorchSdpa(name, backend))
+            libs.append(cls(name, backend))
         except Exception as exc:  # ImportError, no CUDA build, old torch...
             log(f"{name}: unavailable ({type(exc).__name__}: {exc})")
     return libs
@@ -336,8 +453,41 @@ def compare(out, ref, atol: float, rtol: float) -> dict:
     return {"max_abs_err": max_abs, "atol": atol, "rtol": rtol, "ok": ok}
 
 
-def peak_extra_bytes(lib, q, k, v, causal=False) -> int:
-    """Peak device memory one forward call allocates beyond its inputs.
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+def compare_grads(grads, refs, rel: float, atol: float) -> dict:
+    """Max-abs error of each gradient; passes if it is <= rel * max|ref| + atol.
+
+    Gradients are larger than outputs and grow with the sequence length, so
+    the tolerance scales with the reference's magnitude. NaN or Inf fails.
+    """
+    result = {"ok": True, "rel": rel, "atol": atol}
+    worst = 0.0
+    for name, g, r in zip(GRAD_NAMES, grads, refs):
+        g32 = g.astype(cupy.float32)
+        r32 = r.astype(cupy.float32)
+        max_abs = float(cupy.abs(g32 - r32).max())
+        ref_max = float(cupy.abs(r32).max())
+        tol = rel * ref_max + atol
+        ok = math.isfinite(max_abs) and max_abs <= tol
+        result[name] = {"max_abs_err": max_abs, "ref_max_abs": ref_max, "tol": tol, "ok": ok}
+        result["ok"] = result["ok"] and ok
+        worst = max(worst, max_abs / tol) if math.isfinite(max_abs) else math.inf
+    result["max_err_over_tol"] = worst
+    return result
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality of two arrays of one 2-byte dtype (NaN payloads included)."""
+    return a.shape == b.shape and bool(cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)))
+
+
+def peak_extra_bytes(lib, q, k, v, causal=False, dout=None) -> int:
+    """Peak device memory one call allocates beyond its inputs.
+
+    A forward call, or with ``dout`` a forward+backward call (``dout`` is an
+    input too; the gradients it returns count as its output).
 
     One warm-up call first, so one-time costs (compilation, cached workspaces)
     are excluded. For CuPy-based libraries the measured call allocates from a
@@ -345,7 +495,8 @@ def peak_extra_bytes(lib, q, k, v, causal=False) -> int:
     freed blocks, so its total afterwards is the call's high-water mark (output
     included). For torch, its allocator's peak statistics give the same.
     """
-    fn = lib.prepare(q, k, v, causal)
+    inputs = (q, k, v) if dout is None else (q, k, v, dout)
+    fn = lib.prepare(*inputs, causal)
     with lib.context():
         lib.to_cupy(fn())
     synchronize()

@@ -19,6 +19,22 @@ The result is a table of TFLOP/s on stdout (progress goes to stderr), an
 optional JSON file with every raw number, and a second table with the peak
 extra memory of one forward call. The exit status is non-zero if cuflash
 failed or disagreed with the reference on any shape.
+
+With ``--backward`` the timed call is one forward (``return_lse=True``) plus
+one backward for a fixed random output gradient, counted as 3.5 forward
+passes of FLOPs, on the same shapes:
+
+* ``cuflash`` / ``cuflash-det``: ``cuflash.attention_backward`` with
+  ``deterministic=False`` / ``True`` (the ``det cost`` column is the time of
+  the second over the first);
+* ``torch-flash`` / ``torch-cudnn``: SDPA on that backend, then
+  ``torch.autograd.grad`` with respect to leaf-tensor views of the inputs.
+
+There is no naive column in this mode. Each shape is checked once: cuflash's
+and cuflash-det's dq, dk, dv against torch-flash's (against a float32 CuPy
+backward on one batch entry and a few heads when torch is missing), and two
+cuflash-det calls must give bitwise identical gradients. The memory table
+then gives the peak extra memory of one forward+backward call.
 """
 
 from __future__ import annotations
@@ -67,6 +83,21 @@ MEMORY_HEADDIM = 128
 LIBS = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn")
 DASH = "\u2013"
 
+# --backward: forward+backward FLOPs per forward FLOP, the FlashAttention
+# papers' convention: the forward's 2 GEMMs plus the backward's 5 (S
+# recomputed, dP, dV, dQ, dK) = 7 = 3.5 x 2.
+BWD_FLOPS_FACTOR = 3.5
+BWD_LIBS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn")
+# Gradient check: max |grad - ref| <= GRAD_REL * max |ref| + GRAD_ATOL, per
+# gradient. Gradients are larger than outputs and grow with the sequence
+# length (dk, dv sum over all query rows), hence the relative bound.
+GRAD_REL = 2e-2
+GRAD_ATOL = 1e-3
+# Time spent per library and shape before repeats are cut (default 3 s):
+# a forward+backward call costs ~3.5 forwards, and the default run stays at
+# ~2-3 minutes on an H100.
+BWD_BUDGET_MS = 1500.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -85,8 +116,14 @@ class Shape:
 
     @property
     def flops(self) -> float:
+        """Forward FLOPs."""
         flops = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.headdim
         return flops / 2 if self.causal else flops
+
+    @property
+    def bwd_flops(self) -> float:
+        """Forward+backward FLOPs."""
+        return BWD_FLOPS_FACTOR * self.flops
 
 
 def log(message: str) -> None:
@@ -125,8 +162,14 @@ def _list(parser, values, convert, option):
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m cuflash bench",
-        description="Forward attention benchmark: cuflash vs naive CuPy and torch SDPA.",
+        description="Attention benchmark: cuflash vs naive CuPy and torch SDPA (forward), "
+                    "or cuflash vs torch SDPA (forward+backward, --backward).",
     )
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward+backward (one forward with lse + one backward) instead "
+                             "of the forward alone; cuflash, cuflash-det (deterministic=True), "
+                             "torch-flash and torch-cudnn; gradients are checked against torch-flash "
+                             "and cuflash-det for bitwise reproducibility")
     parser.add_argument("--headdim", action="append", metavar="D",
                         help="head dimension(s), e.g. 64,128 (default: both)")
     parser.add_argument("--seqlen", action="append", metavar="N",
@@ -141,12 +184,13 @@ def parse_args(argv):
                         help="timed calls per library and shape; the median is reported "
                              "(fewer for very slow calls) (default: 30)")
     parser.add_argument("--no-peers", action="store_true",
-                        help="time cuflash only (torch-flash is still the correctness reference)")
+                        help="time cuflash only (and cuflash-det with --backward); torch-flash is "
+                             "still the correctness reference")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
     parser.add_argument("--tuned", action="store_true",
                         help="add a cuflash-tuned column (autotuned configs; shapes missing from the "
                              "tuning cache are tuned first); the cuflash column then uses the heuristic "
-                             "table only")
+                             "table only (forward only: ignored with --backward)")
     parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
     args = parser.parse_args(argv)
 
@@ -237,10 +281,12 @@ def check_shape(shape, qkv, cuflash, reference) -> dict:
     return result
 
 
-def time_library(lib, shape, sets, repeats) -> dict:
+def time_library(lib, shape, sets, repeats, flops=None, budget_ms=3000.0) -> dict:
+    """Time `lib` on `sets` (tuples of prepare's inputs); flops default to the forward's."""
+    flops = shape.flops if flops is None else flops
     try:
-        fns = [lib.prepare(*qkv, shape.causal) for qkv in sets]
-        result = bench_libs.time_calls(lib, fns, repeats)
+        fns = [lib.prepare(*inputs, shape.causal) for inputs in sets]
+        result = bench_libs.time_calls(lib, fns, repeats, budget_ms)
     except Skip as exc:
         return {"skipped": str(exc)}
     except Exception as exc:
@@ -248,7 +294,7 @@ def time_library(lib, shape, sets, repeats) -> dict:
     finally:
         fns = None
         bench_libs.synchronize()
-    result["tflops"] = shape.flops / (result["ms"] * 1e-3) / 1e12
+    result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
     return result
 
 
@@ -270,6 +316,77 @@ def run_shape(shape, libs, reference, repeats, l2_bytes, tuned=None) -> dict:
     mine = [libs[0]] + ([tuned] if tuned is not None else [])
     row["ok"] = (all(bool(row.get(c, {"ok": True})["ok"]) for c in ("check", "check_tuned"))
                  and all("tflops" in row["libs"][lib.name] for lib in mine))
+    return row
+
+
+def _grads(lib, inputs, causal):
+    with lib.context():
+        grads = lib.to_cupy(lib.prepare(*inputs, causal)())
+    bench_libs.synchronize()
+    return grads
+
+
+def check_shape_bwd(shape, inputs, cuflash, cuflash_det, reference) -> dict:
+    """Gradients of cuflash and cuflash-det against the reference, and the
+    bitwise reproducibility of cuflash-det. Returns check, check_det, determinism."""
+    result = {}
+    grads = {}
+    try:
+        grads["check"] = _grads(cuflash, inputs, shape.causal)
+    except Exception as exc:
+        result["check"] = {"ok": False, "reference": None, "error": describe(exc)}
+    try:
+        first = _grads(cuflash_det, inputs, shape.causal)
+        second = _grads(cuflash_det, inputs, shape.causal)
+        same = all(bench_libs.same_bits(a, b) for a, b in zip(first, second))
+        result["determinism"] = "det ok" if same else "NONDET"
+        grads["check_det"] = first
+        del second
+    except Exception as exc:
+        result["check_det"] = {"ok": False, "reference": None, "error": describe(exc)}
+        result["determinism"] = "error: " + describe(exc)
+    if not grads:
+        return result
+
+    ref = None
+    if reference is not None:
+        try:
+            ref = _grads(reference, inputs, shape.causal)
+            name = reference.name
+        except Exception as exc:
+            log(f"  {reference.name} reference unavailable ({describe(exc)}); using float32 CuPy")
+    if ref is None:
+        sub = tuple(x[:1, :, :REFERENCE_HEADS] for x in inputs)
+        q, k, v, dout = sub
+        ref = bench_libs.naive_attention_backward(dout, q, k, v, shape.causal)
+        grads = {key: tuple(g[:1, :, :REFERENCE_HEADS] for g in gs) for key, gs in grads.items()}
+        name = "naive-cupy-fp32"
+    for key, gs in grads.items():
+        result[key] = bench_libs.compare_grads(gs, ref, GRAD_REL, GRAD_ATOL)
+        result[key]["reference"] = name
+    return result
+
+
+def run_shape_bwd(shape, libs, reference, repeats, l2_bytes) -> dict:
+    """Check and time one shape forward+backward; libs[0] is cuflash, libs[1] cuflash-det."""
+    dtype = bench_libs.cupy_dtype(shape.dtype)
+    dims = (shape.batch, shape.seqlen, shape.heads, shape.headdim)
+    per_set = 4 * math.prod(dims) * dtype.itemsize  # q, k, v, dout
+    n_sets = max(MIN_INPUT_SETS, math.ceil(2 * l2_bytes / per_set))
+    sets = [
+        (*bench_libs.random_qkv(*dims, dtype, seed), bench_libs.random_dout(*dims, dtype, seed))
+        for seed in range(n_sets)
+    ]
+    row = dataclasses.asdict(shape)
+    row.update(heads=shape.heads, batch=shape.batch, flops=shape.bwd_flops, fwd_flops=shape.flops,
+               input_sets=n_sets)
+    row.update(check_shape_bwd(shape, sets[0], libs[0], libs[1], reference))
+    row["libs"] = {
+        lib.name: time_library(lib, shape, sets, repeats, shape.bwd_flops, BWD_BUDGET_MS) for lib in libs
+    }
+    row["ok"] = (all(row.get(c, {"ok": True})["ok"] for c in ("check", "check_det"))
+                 and row.get("determinism") == "det ok"
+                 and all("tflops" in row["libs"][lib.name] for lib in libs[:2]))
     return row
 
 
@@ -296,6 +413,44 @@ def run_memory(libs) -> list[dict]:
             f"{name} {_cell(r, 'extra_mib', '.0f')}" for name, r in entry["libs"].items()))
         entries.append(entry)
         del q, k, v
+    return entries
+
+
+def run_memory_bwd(libs) -> list[dict]:
+    """Peak extra memory of one non-causal fp16 forward+backward call, batch 1.
+
+    Inputs (q, k, v, dout) are excluded; the peak includes what the call
+    returns (dq, dk, dv) and the forward's out and lse, recorded separately.
+    """
+    dtype = bench_libs.cupy_dtype("float16")
+    entries = []
+    for seqlen in MEMORY_SEQLENS:
+        dims = (1, seqlen, MEMORY_HEADS, MEMORY_HEADDIM)
+        q, k, v = bench_libs.random_qkv(*dims, dtype, seed=0)
+        dout = bench_libs.random_dout(*dims, dtype, seed=0)
+        entry = {
+            "dtype": "float16", "causal": False, "batch": 1, "heads": MEMORY_HEADS,
+            "headdim": MEMORY_HEADDIM, "seqlen": seqlen,
+            "inputs_mib": 3 * q.nbytes / MiB, "dout_mib": dout.nbytes / MiB,
+            "grads_mib": 3 * q.nbytes / MiB,  # dq + dk + dv: the call's output, inside extra_mib
+            "out_lse_mib": (q.nbytes + 4 * MEMORY_HEADS * seqlen) / MiB,  # fp16 out + fp32 lse
+            "scores_mib": MEMORY_HEADS * seqlen * seqlen * dtype.itemsize / MiB,  # one N x N, for scale
+            "libs": {},
+        }
+        for lib in libs:
+            try:
+                peak = bench_libs.peak_extra_bytes(lib, q, k, v, causal=False, dout=dout)
+                entry["libs"][lib.name] = {"extra_mib": peak / MiB,
+                                           "extra_minus_grads_mib": peak / MiB - entry["grads_mib"]}
+            except Skip as exc:
+                entry["libs"][lib.name] = {"skipped": str(exc)}
+            except Exception as exc:
+                entry["libs"][lib.name] = {"error": describe(exc)}
+            bench_libs.synchronize()
+        log(f"memory fwd+bwd N={seqlen}: " + ", ".join(
+            f"{name} {_cell(r, 'extra_mib', '.0f')}" for name, r in entry["libs"].items()))
+        entries.append(entry)
+        del q, k, v, dout
     return entries
 
 
@@ -363,6 +518,58 @@ def speed_table(results) -> str:
     return _table(rows, headers, 4)
 
 
+def _grad_verdict(check: dict) -> str:
+    if "error" in check:
+        return f"ERROR ({check['error']})"
+    detail = "" if check["ok"] else ", " + ", ".join(
+        f"{g} err {check[g]['max_abs_err']:.1e} tol {check[g]['tol']:.1e}" for g in bench_libs.GRAD_NAMES)
+    return (("ok" if check["ok"] else "MISMATCH")
+            + f" (max err/tol {check['max_err_over_tol']:.2f}{detail} vs {check['reference']})")
+
+
+def bwd_verdict(row: dict) -> str:
+    parts = []
+    if "check" in row:
+        parts.append("cuflash " + _grad_verdict(row["check"]))
+    if "check_det" in row:
+        parts.append("cuflash-det " + _grad_verdict(row["check_det"]))
+    parts.append(row.get("determinism", "determinism not checked"))
+    return "; ".join(parts)
+
+
+def bwd_speed_table(results) -> str:
+    headers = ["dtype", "hdim", "causal", "seqlen", *BWD_LIBS,
+               "cuflash/flash", "cuflash/cudnn", "det cost"]
+    rows = []
+    for r in results:
+        libs = r["libs"]
+        mine, det = libs.get("cuflash"), libs.get("cuflash-det")
+        det_cell = _mark(_cell(det), r.get("check_det", {"ok": True}))
+        if r.get("determinism") not in (None, "det ok") and det_cell != "ERR":
+            det_cell += " NONDET"
+        cost = f"{det['ms'] / mine['ms']:.2f}" if mine and det and "ms" in mine and "ms" in det else DASH
+        rows.append([
+            SHORT_DTYPE[r["dtype"]], r["headdim"], "yes" if r["causal"] else "no",
+            _seqlen_label(r["seqlen"]),
+            _mark(_cell(mine), r.get("check", {"ok": True})), det_cell,
+            *(_cell(libs.get(name), error=DASH) for name in BWD_LIBS[2:]),
+            _ratio(mine, libs.get("torch-flash")), _ratio(mine, libs.get("torch-cudnn")), cost,
+        ])
+    return _table(rows, headers, 4)
+
+
+def bwd_memory_table(entries) -> str:
+    headers = ["seqlen", "inputs", "grads", "N x N", *BWD_LIBS]
+    rows = [
+        [_seqlen_label(e["seqlen"]), f"{e['inputs_mib']:.0f}", f"{e['grads_mib']:.0f}",
+         f"{e['scores_mib']:.0f}"]
+        + [_cell(e["libs"].get(name), "extra_mib", ".0f", error="ERR" if name.startswith("cuflash") else DASH)
+           for name in BWD_LIBS]
+        for e in entries
+    ]
+    return _table(rows, headers, 1)
+
+
 def memory_table(entries) -> str:
     headers = ["seqlen", "inputs", "cuflash", "naive", "torch-flash", "torch-cudnn"]
     rows = [
@@ -393,23 +600,35 @@ def main(argv=None) -> int:
     except Exception as exc:
         log(f"cuflash bench: no CUDA device ({describe(exc)})")
         return 2
+    if args.backward and args.tuned:
+        log("cuflash bench: --tuned applies to the forward benchmark only; ignored with --backward")
+        args.tuned = False
     try:
-        cuflash = bench_libs.Cuflash("heuristic" if args.tuned else None)
+        if args.backward:
+            cuflash = bench_libs.CuflashFwdBwd(deterministic=False)
+            cuflash_det = bench_libs.CuflashFwdBwd(deterministic=True)
+        else:
+            cuflash = bench_libs.Cuflash("heuristic" if args.tuned else None)
     except Exception as exc:
-        log(f"cuflash bench: cannot load cuflash.attention ({describe(exc)})")
+        log(f"cuflash bench: cannot load cuflash ({describe(exc)})")
         return 2
 
     # torch is loaded even with --no-peers: its flash backend is the reference.
-    torch_libs = bench_libs.load_torch_libs(log)
+    torch_libs = bench_libs.load_torch_libs(log, backward=args.backward)
     reference = next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
     tuned = bench_libs.Cuflash("tuned") if args.tuned else None
-    mine = [cuflash] + ([tuned] if tuned else [])
-    libs = mine if args.no_peers else [*mine, bench_libs.NaiveCupy(), *torch_libs]
+    if args.backward:
+        mine = [cuflash, cuflash_det]
+        libs = mine if args.no_peers else [*mine, *torch_libs]
+    else:
+        mine = [cuflash] + ([tuned] if tuned else [])
+        libs = mine if args.no_peers else [*mine, bench_libs.NaiveCupy(), *torch_libs]
 
     import cuflash as cuflash_module
 
     torch_version = torch_libs[0]._torch.__version__ if torch_libs else None
     report = {
+        "mode": "fwd+bwd" if args.backward else "fwd",
         "device": device,
         "versions": {
             "cuflash": getattr(cuflash_module, "__version__", None),
@@ -424,18 +643,25 @@ def main(argv=None) -> int:
         "results": [],
         "memory": [],
     }
+    if args.backward:
+        report["flops_per_forward_flop"] = BWD_FLOPS_FACTOR
+        report["grad_tolerance"] = {"rel": GRAD_REL, "atol": GRAD_ATOL}
     log(f"device: {device['name']} (sm_{device['compute_capability']}, "
         f"{device['sm_count']} SMs, L2 {device['l2_bytes'] / MiB:.0f} MiB); "
-        f"libraries: {', '.join(report['libraries'])}")
+        f"{report['mode']}; libraries: {', '.join(report['libraries'])}")
 
     shapes = build_shapes(args)
     for i, shape in enumerate(shapes, 1):
-        row = run_shape(shape, libs, reference, args.repeats, device["l2_bytes"], tuned)
+        if args.backward:
+            row = run_shape_bwd(shape, libs, reference, args.repeats, device["l2_bytes"])
+            verdict = bwd_verdict(row)
+        else:
+            row = run_shape(shape, libs, reference, args.repeats, device["l2_bytes"], tuned)
+            verdict = "; ".join(_verdict(row[c]) + ("" if c == "check" else " (tuned)")
+                                for c in ("check", "check_tuned") if c in row)
         release_memory(torch_libs)
         report["results"].append(row)
         write_json(args.json, report)  # keep partial results if the run is cut short
-        verdict = "; ".join(_verdict(row[c]) + ("" if c == "check" else " (tuned)")
-                            for c in ("check", "check_tuned") if c in row)
         log(f"[{i}/{len(shapes)}] {SHORT_DTYPE[shape.dtype]} d={shape.headdim} "
             f"{'causal' if shape.causal else 'full'} N={shape.seqlen} B={shape.batch} "
             f"H={shape.heads}: " + ", ".join(
@@ -445,27 +671,47 @@ def main(argv=None) -> int:
                 log(f"    {name}: {r.get('error') or 'skipped: ' + r['skipped']}")
 
     if not args.no_memory:
-        memory_libs = [cuflash] if args.no_peers else [
-            cuflash, bench_libs.NaiveCupy(max_seqlen=None), *torch_libs]
-        report["memory"] = run_memory(memory_libs)
+        if args.backward:
+            report["memory"] = run_memory_bwd([*mine] if args.no_peers else [*mine, *torch_libs])
+        else:
+            memory_libs = [cuflash] if args.no_peers else [
+                cuflash, bench_libs.NaiveCupy(max_seqlen=None), *torch_libs]
+            report["memory"] = run_memory(memory_libs)
         release_memory(torch_libs)
 
     failed = [r for r in report["results"] if not r["ok"]]
-    failed += [m for m in report["memory"] if "error" in m["libs"].get("cuflash", {})]
-    report["ok"] = not failed
+    mem_failed = [m for m in report["memory"]
+                  if any("error" in m["libs"].get(lib.name, {}) for lib in mine if lib is not tuned)]
+    report["ok"] = not failed and not mem_failed
     write_json(args.json, report)
 
-    print(f"\nForward TFLOP/s on {device['name']}: median of up to {args.repeats} calls; "
-          f"batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
-          f"'!' cuflash mismatch, 'ERR' cuflash failed, '{DASH}' not run.")
-    print(speed_table(report["results"]))
-    if report["memory"]:
+    if args.backward:
+        print(f"\nForward+backward TFLOP/s on {device['name']}: median of up to {args.repeats} calls "
+              f"(one forward with lse + one backward; FLOPs = {BWD_FLOPS_FACTOR} x forward); "
+              f"batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
+              f"'!' gradients mismatch, 'NONDET' cuflash-det not bitwise reproducible, "
+              f"'ERR' failed, '{DASH}' not run; det cost = cuflash-det time / cuflash time.")
+        print(bwd_speed_table(report["results"]))
+    else:
+        print(f"\nForward TFLOP/s on {device['name']}: median of up to {args.repeats} calls; "
+              f"batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
+              f"'!' cuflash mismatch, 'ERR' cuflash failed, '{DASH}' not run.")
+        print(speed_table(report["results"]))
+    if report["memory"] and args.backward:
+        print(f"\nPeak extra device memory of one forward+backward call, MiB "
+              f"(fp16, batch 1, {MEMORY_HEADS} heads, hdim {MEMORY_HEADDIM}, non-causal). "
+              f"Inputs q+k+v ('inputs') and dout are excluded; each peak includes the returned "
+              f"gradients dq+dk+dv ('grads') and the forward's out and lse. "
+              f"'N x N' is the size of one fp16 score matrix per head, for scale:")
+        print(bwd_memory_table(report["memory"]))
+    elif report["memory"]:
         print(f"\nPeak extra device memory of one forward call, MiB "
               f"(fp16, batch 1, {MEMORY_HEADS} heads, hdim {MEMORY_HEADDIM}, non-causal; "
               f"'inputs' is q+k+v):")
         print(memory_table(report["memory"]))
-    if failed:
-        print(f"\nFAILED: {len(failed)} cuflash row(s) failed or mismatched")
+    if failed or mem_failed:
+        print(f"\nFAILED: {len(failed)} cuflash row(s) failed or mismatched"
+              + (f", {len(mem_failed)} memory measurement(s) failed" if mem_failed else ""))
         return 1
     return 0
 
