@@ -7,7 +7,7 @@ USAGE = """usage: python -m cuflash COMMAND [options]
 commands:
   check     compile every shipped kernel with NVRTC (no GPU needed); report registers and spills
   info      device, versions, cache locations, tuned configurations; which config a call would use
-  bench     forward benchmark against naive CuPy and torch SDPA (needs a GPU)
+  bench     forward benchmark (--backward: forward+backward) against naive CuPy and torch SDPA (needs a GPU)
   autotune  find and cache the fastest kernel configurations for this GPU (needs a GPU)
 """
 
