@@ -379,8 +379,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
             float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
                              col_chunk0 * 8 + 2 * (lane & 3);
-            // Column slices of at most 32 keep the dQ accumulator small next to dK and dV.
-            constexpr int NT_SLICE = NT_DQ < 4 ? NT_DQ : 4;
+            // Column slices of 32 (or 16) keep the dQ accumulator small next to dK and dV.
+            constexpr int NT_SLICE = NT_DQ % 4 == 0 ? 4 : 2;
+            static_assert(NT_DQ % NT_SLICE == 0, "dQ slices must tile the warp's columns");
 #pragma unroll
             for (int s0 = 0; s0 < NT_DQ; s0 += NT_SLICE) {
                 float acc_dq[NT_SLICE][4];
