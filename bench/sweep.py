@@ -12,26 +12,22 @@ import numpy
 from tabulate import tabulate
 
 from cuflash import api, dispatch
-from cuflash.config import FwdConfig
+from cuflash.config import FwdConfig, FwdSm90Config
 
 CANDIDATES = {
     64: [
-        FwdConfig(64, 64, 4, 1, 2),
-        FwdConfig(64, 128, 4, 1, 2),
-        FwdConfig(64, 64, 8, 1, 2),
-        FwdConfig(64, 128, 8, 1, 2),
         FwdConfig(64, 64, 4, 2, 2),
-        FwdConfig(64, 64, 4, 2, 2, q_in_regs=False),
-        FwdConfig(64, 64, 4, 1, 3),
+        FwdSm90Config(64, 128, 2, 2),
+        FwdSm90Config(64, 64, 2, 2),
+        FwdSm90Config(64, 128, 1, 2),
+        FwdSm90Config(64, 128, 2, 3),
     ],
     128: [
-        FwdConfig(128, 64, 4, 1, 2),
-        FwdConfig(128, 32, 4, 1, 2),
-        FwdConfig(128, 64, 8, 1, 2),
-        FwdConfig(128, 32, 8, 1, 2),
         FwdConfig(128, 64, 4, 2, 2, q_in_regs=False),
-        FwdConfig(128, 64, 4, 1, 3),
-        FwdConfig(128, 64, 8, 1, 3),
+        FwdSm90Config(128, 128, 2, 2),
+        FwdSm90Config(128, 64, 2, 2),
+        FwdSm90Config(128, 128, 1, 2),
+        FwdSm90Config(128, 64, 2, 3),
     ],
 }
 

@@ -8,6 +8,12 @@ namespace cuflash {
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// A bool as a type, to select a template branch from a generic lambda's argument.
+template <bool B>
+struct BoolConst {
+    static constexpr bool value = B;
+};
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {

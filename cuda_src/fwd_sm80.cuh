@@ -40,11 +40,6 @@ struct FwdTraits {
     static_assert(SMEM_BYTES <= 227 * 1024, "tile does not fit in shared memory");
 };
 
-template <bool B>
-struct BoolConst {
-    static constexpr bool value = B;
-};
-
 // Rows of one warp's accumulators: element e of an m16n8 accumulator sits at
 // row (lane / 4) + 8 * (e / 2) and column 2 * (lane % 4) + (e % 2).
 

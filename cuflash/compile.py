@@ -21,7 +21,10 @@ from pathlib import Path
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 # Kernel family -> entry header in cuda_src/.
-FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh", "bwd_sm80": "bwd_sm80.cuh"}
+FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh", "bwd_sm80": "bwd_sm80.cuh", "fwd_sm90": "fwd_sm90.cuh"}
+
+# Families built for one architecture only: wgmma needs the sm_90a target.
+FAMILY_ARCH = {"fwd_sm90": "sm_90a"}
 
 # -default-device: the kernels use local lambdas, which NVRTC otherwise takes for host code.
 COMPILE_OPTIONS = ("-std=c++17", "-default-device")
@@ -86,9 +89,10 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     # Compiled outside the lock so that threads compile different kernels at
     # once (NVRTC releases the GIL; the autotuner relies on it). Two threads
     # asking for the same new kernel both compile it; the first stored wins.
+    arch = FAMILY_ARCH.get(family)
     module = cupy.RawModule(
         code=kernel_source(family),
-        options=COMPILE_OPTIONS,
+        options=COMPILE_OPTIONS + ((f"-arch={arch}",) if arch else ()),
         name_expressions=[name_expression],
     )
     fn = module.get_function(name_expression)
