@@ -47,21 +47,33 @@ __device__ __forceinline__ u64 desc_mn_major(u32 tile_addr, int ks) {
 // Global -> shared copy of a ROWS x D tile into the core-matrix layout. Lanes
 // 0-7 of a warp fill the 8 rows of one core matrix (128 contiguous bytes: no
 // bank conflicts) and consecutive groups of 8 lanes the next 16-byte column
-// chunk, so a warp reads 8 rows x 64 bytes of global memory. Rows at or past
-// rows_valid and columns at or past d are zero-filled.
+// chunks, so a warp reads 8 rows x 64 bytes of global memory. Each thread's
+// addresses advance by constant steps (few live registers: the producer
+// warpgroup runs on a small register budget). Rows at or past rows_valid and
+// columns at or past d are zero-filled.
 template <int ROWS, int D, int THREADS, bool CHECK_ROWS, bool CHECK_COLS>
 __device__ __forceinline__ void load_tile_cm_async(u32 smem, const u16* gmem, long long row_stride, int rows_valid,
                                                    int d, int tid) {
-    constexpr int CHUNKS = D / 8;
-    constexpr int TOTAL = ROWS * CHUNKS;
-    static_assert(TOTAL % THREADS == 0, "threads must tile the copy");
+    constexpr int CHUNKS = D / 8, GROUPS = THREADS / 8;
+    static_assert(GROUPS % CHUNKS == 0 || CHUNKS % GROUPS == 0, "lane groups must tile the column chunks");
+    constexpr int RG_STEP = GROUPS >= CHUNKS ? GROUPS / CHUNKS : 1;  // row groups advanced per pass
+    constexpr int CREP = GROUPS >= CHUNKS ? 1 : CHUNKS / GROUPS;      // chunks per thread per row group
+    static_assert((ROWS / 8) % RG_STEP == 0, "lane groups must tile the row groups");
+    const int g = tid >> 3, r8 = tid & 7;
+    const int chunk0 = g % CHUNKS, rg0 = GROUPS >= CHUNKS ? g / CHUNKS : 0;
+    const u16* src = gmem + (rg0 * 8 + r8) * row_stride + chunk0 * 8;
+    u32 dst = smem + cm_offset_bytes<D>(rg0 * 8 + r8, chunk0 * 8);
 #pragma unroll
-    for (int it = 0; it < TOTAL / THREADS; ++it) {
-        const int i = tid + it * THREADS;
-        const int r8 = i & 7, chunk = (i >> 3) % CHUNKS, row = ((i >> 3) / CHUNKS) * 8 + r8;
-        const bool valid = (!CHECK_ROWS || row < rows_valid) && (!CHECK_COLS || chunk * 8 < d);
-        cp_async_16(smem + cm_offset_bytes<D>(row, chunk * 8), valid ? gmem + row * row_stride + chunk * 8 : gmem,
-                    valid);
+    for (int rg = rg0; rg < ROWS / 8; rg += RG_STEP) {
+        const int row = rg * 8 + r8;
+#pragma unroll
+        for (int cj = 0; cj < CREP; ++cj) {
+            const int chunk = chunk0 + cj * GROUPS;
+            const bool valid = (!CHECK_ROWS || row < rows_valid) && (!CHECK_COLS || chunk * 8 < d);
+            cp_async_16(dst + cj * GROUPS * 128, valid ? src + cj * GROUPS * 8 : gmem, valid);
+        }
+        src += RG_STEP * 8 * row_stride;
+        dst += RG_STEP * CHUNKS * 128;
     }
 }
 
@@ -69,6 +81,43 @@ __device__ __forceinline__ void load_tile_cm_async(u32 smem, const u16* gmem, lo
 // reads by the tensor cores' async proxy (wgmma); a barrier must follow.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------- mbarriers
+// A barrier completes a phase when `count` arrivals have happened; waiters
+// name the phase by its parity (0 for the 1st, 3rd, ... completion).
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once all of this thread's earlier cp.async copies have
+// landed; the arrival is counted in the barrier's initial count (.noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Hand registers from the producer warpgroup to the consumers (sm_90a; needs a
+// register cap at kernel entry, from __launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 }  // namespace cuflash

@@ -107,51 +107,43 @@ SM90_HEADDIMS = (64, 128, 256)
 
 @dataclasses.dataclass(frozen=True, order=True)
 class FwdSm90Config:
-    """Tile shape of the Hopper (sm_90a, wgmma) forward kernel.
+    """Tile shape of the Hopper (sm_90a, wgmma, warp-specialised) forward kernel.
 
     headdim: kernel head dim (64, 128 or 256).
     block_n: keys per K/V tile (64 or 128).
-    warpgroups: warpgroups per CTA; each owns 64 query rows.
-    stages: K/V tiles in flight in the cp.async ring.
+    stages: K/V tiles in flight in the producer's ring.
+    Query rows per CTA are fixed at 128: two consumer warpgroups of 64 rows,
+    plus one producer warpgroup.
     """
 
     headdim: int
     block_n: int
-    warpgroups: int
     stages: int = 2
 
     family = "fwd_sm90"
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.warpgroups
-
-    @property
-    def threads(self) -> int:
-        return 128 * self.warpgroups
+    block_m = 128
+    threads = 384
 
     def smem_bytes(self) -> int:
-        return 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
+        return 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
 
     def is_valid(self) -> bool:
         return (
             self.headdim in SM90_HEADDIMS
             and self.block_n in (64, 128)
-            and 1 <= self.warpgroups <= 3
-            and 1 <= self.stages <= 3
-            and (self.block_n * self.headdim // 8) % self.threads == 0
+            and 1 <= self.stages <= 4
             and self.smem_bytes() <= 227 * 1024
         )
 
     def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
         if dtype_name not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
-        args = [self.headdim, self.block_n, self.warpgroups, self.stages, _cpp_bool(dtype_name == "bfloat16"),
-                _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d)]
+        args = [self.headdim, self.block_n, self.stages, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal),
+                _cpp_bool(even_n), _cpp_bool(even_d)]
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
-        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_wg{self.warpgroups}_s{self.stages}"
+        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
 
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every

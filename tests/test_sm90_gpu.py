@@ -115,7 +115,7 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk):
     dq_, dk_, dv_ = (cupy.asarray(x) for x in (q, k, v))
     out = cupy.full(q.shape, np.nan, dtype=dq_.dtype)
     lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
-    cfg = FwdSm90Config(headdim, 64 if headdim == 256 else 128, 2, 2)
+    cfg = FwdSm90Config(headdim, 64 if headdim == 256 else 128, 2)
     scale = 1 / math.sqrt(headdim)
     problem = dispatch.FwdProblem(dtype, headdim, causal, nq, nk, nheads // nheads_kv)
     api.launch_fwd(cfg, problem, dq_, dk_, dv_, out, lse, scale)
