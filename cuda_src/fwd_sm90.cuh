@@ -7,8 +7,9 @@
 // and refills a stage once the consumers have arrived on its "empty" barrier.
 // It gives its registers to the consumers (setmaxnreg). Warpgroups 1 and 2
 // are the consumers; consumer c owns rows 64c .. 64c+63 (each warp 16 rows, as
-// in fwd_sm80.cuh). The two consumers never wait for each other, so the
-// softmax of one overlaps the tensor-core work of the other.
+// in fwd_sm80.cuh). The consumers take turns issuing S = Q K^T (two named
+// barriers, "ping-pong"), so that one's softmax runs while the other's GEMMs
+// keep the tensor cores busy.
 //   S = Q K^T:  wgmma m64nBCk16, Q and K from shared memory (both K-major).
 //   O += P V:   wgmma m64nDk16, P from registers (the S accumulators rounded to
 //               16 bits are already in the A-fragment layout), V from shared
@@ -120,6 +121,12 @@ __global__ void __launch_bounds__(384, 1)
         float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
         mbar_wait(full_q, 0);
 
+        // Ping-pong: consumer c issues its S GEMM after a sync on barrier 1 + c,
+        // then lets the other consumer issue. Consumer 1 opens the first turn
+        // for consumer 0, and skips its last hand-over so that every arrival
+        // has a matching sync.
+        if (c == 1) named_bar_arrive<256>(1);
+
         auto step = [&](int t, auto masked) {
             constexpr bool MASK = decltype(masked)::value;
             const int n0 = block_of(t) * BC;
@@ -129,12 +136,14 @@ __global__ void __launch_bounds__(384, 1)
             mbar_wait(full_k(st), parity);
             fence_proxy_async();
             float acc_s[NT_S * 4];
+            named_bar_sync<256>(1 + c);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks)
                 Wgmma<BC, BF16>::ss(acc_s, desc_k_major<D>(sQ, c * 64, ks), desc_k_major<D>(sK + st * T::KV_BYTES, 0, ks),
                                     ks > 0);
             wgmma_commit();
+            if (c == 0 || t + 1 < n_end) named_bar_arrive<256>(2 - c);
             wgmma_wait<0>();
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_k(st));

@@ -109,6 +109,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
         : "memory");
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads): `threads` counts the
+// threads that sync plus those that arrive.
+template <int THREADS>
+__device__ __forceinline__ void named_bar_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void named_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
+
 // Hand registers from the producer warpgroup to the consumers (sm_90a; needs a
 // register cap at kernel entry, from __launch_bounds__(threads, 1)).
 template <int N>
