@@ -15,8 +15,10 @@ from cuflash import api, dispatch
 from cuflash.config import FwdConfig, FwdSm90Config
 
 CANDIDATES = {
-    64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 2), FwdSm90Config(64, 128, 3)],
-    128: [FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdSm90Config(128, 128, 2), FwdSm90Config(128, 128, 3)],
+    64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 2, 0), FwdSm90Config(64, 128, 2, 1),
+         FwdSm90Config(64, 128, 2, 2)],
+    128: [FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdSm90Config(128, 128, 2, 0),
+          FwdSm90Config(128, 128, 2, 1), FwdSm90Config(128, 128, 2, 2)],
 }
 
 

@@ -14,6 +14,11 @@ struct BoolConst {
     static constexpr bool value = B;
 };
 
+template <int N>
+struct IntConst {
+    static constexpr int value = N;
+};
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {

@@ -43,7 +43,7 @@ struct FwdSm90Traits {
     static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
 };
 
-template <int D, int BC, int STAGES, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D>
+template <int D, int BC, int STAGES, int LAYOUT, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D>
 __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     u16* __restrict__ o, float* __restrict__ lse, int nq, int nk, int d, int group, long long q_sb,
@@ -64,6 +64,36 @@ __global__ void __launch_bounds__(384, 1)
     auto full_v = [&](int s) { return bars + 8 * (1 + STAGES + s); };
     auto empty_k = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
     auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+
+    // Shared-memory layout of the tiles: LAYOUT 0 = core matrices without
+    // swizzle (sm90_tiles.cuh); 1, 2 = the 128-byte-swizzled panels of
+    // common.cuh, with the V descriptor's two strides in either order.
+    auto tile_bytes = [&](auto rows_c, int row, int col) -> u32 {
+        constexpr int ROWS = decltype(rows_c)::value;
+        if constexpr (LAYOUT == 0) return cm_offset_bytes<D>(row, col);
+        else return 2 * (tile_offset<ROWS, D>(row, col >> 3) + (col & 7));
+    };
+    auto load_tile = [&](auto rows_c, u32 dst, const u16* src, long long stride, int rows, int tid_) {
+        constexpr int ROWS = decltype(rows_c)::value;
+        if constexpr (LAYOUT == 0)
+            load_tile_cm_async<ROWS, D, 128, !EVEN_N, !EVEN_D>(dst, src, stride, rows, d, tid_);
+        else
+            load_tile_async<ROWS, D, 128, !EVEN_N, !EVEN_D>(
+                reinterpret_cast<u16*>(smem_raw + (dst - smem_addr(smem_raw))), src, stride, rows, d, tid_);
+    };
+    auto q_desc = [&](int row0, int ks) -> u64 {
+        if constexpr (LAYOUT == 0) return desc_k_major<D>(sQ, row0, ks);
+        else return desc_k_major_sw128<BR>(sQ, row0, ks);
+    };
+    auto k_desc = [&](u32 tile, int ks) -> u64 {
+        if constexpr (LAYOUT == 0) return desc_k_major<D>(tile, 0, ks);
+        else return desc_k_major_sw128<BC>(tile, 0, ks);
+    };
+    auto v_desc = [&](u32 tile, int ks) -> u64 {
+        if constexpr (LAYOUT == 0) return desc_mn_major<D>(tile, ks);
+        else if constexpr (LAYOUT == 1) return desc_mn_major_sw128<BC, BC * 128, 1024>(tile, ks);
+        else return desc_mn_major_sw128<BC, 1024, BC * 128>(tile, ks);
+    };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
@@ -140,7 +170,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks)
-                Wgmma<BC, BF16>::ss(acc_s, desc_k_major<D>(sQ, c * 64, ks), desc_k_major<D>(sK + st * T::KV_BYTES, 0, ks),
+                Wgmma<BC, BF16>::ss(acc_s, q_desc(c * 64, ks), k_desc(sK + st * T::KV_BYTES, ks),
                                     ks > 0);
             wgmma_commit();
             if (c == 0 || t + 1 < n_end) named_bar_arrive<256>(2 - c);
@@ -202,7 +232,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk)
-                Wgmma<D, BF16>::template rs<true>(acc_o, p_frag[kk], desc_mn_major<D>(sV + st * T::KV_BYTES, kk));
+                Wgmma<D, BF16>::template rs<true>(acc_o, p_frag[kk], v_desc(sV + st * T::KV_BYTES, kk));
             wgmma_commit();
             wgmma_wait<0>();
             __syncwarp();
@@ -228,7 +258,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int j = 0; j < NT_O; ++j) {
                 const int col = j * 8 + 2 * (lane & 3);
-                *reinterpret_cast<u32*>(smem_q + cm_offset_bytes<D>(row, col)) =
+                *reinterpret_cast<u32*>(smem_q + tile_bytes(IntConst<BR>{}, row, col)) =
                     pack2<BF16>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
             }
         }
@@ -237,7 +267,7 @@ __global__ void __launch_bounds__(384, 1)
             const int row = warp_row0 + i / (D / 8), chunk = i % (D / 8);
             if (row < rows_valid && chunk * 8 < d)
                 *reinterpret_cast<uint4*>(o_tile + row * o_sn + chunk * 8) =
-                    *reinterpret_cast<const uint4*>(smem_q + cm_offset_bytes<D>(row, chunk * 8));
+                    *reinterpret_cast<const uint4*>(smem_q + tile_bytes(IntConst<BR>{}, row, chunk * 8));
         }
     };
 
@@ -246,18 +276,15 @@ __global__ void __launch_bounds__(384, 1)
         setmaxnreg_dec<T::PRODUCER_REGS>();
         const u16* k_head = k + b * k_sb + hk * k_sh;
         const u16* v_head = v + b * v_sb + hk * v_sh;
-        load_tile_cm_async<BR, D, 128, !EVEN_N, !EVEN_D>(sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid,
-                                                         d, tid);
+        load_tile(IntConst<BR>{}, sQ, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, rows_valid, tid);
         mbar_arrive_cp_async(full_q);
         for (int t = 0; t < n_end; ++t) {
             const int st = t % STAGES, use = t / STAGES, n0 = block_of(t) * BC;
             if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
-            load_tile_cm_async<BC, D, 128, !EVEN_N, !EVEN_D>(sK + st * T::KV_BYTES, k_head + n0 * k_sn, k_sn,
-                                                             nk - n0, d, tid);
+            load_tile(IntConst<BC>{}, sK + st * T::KV_BYTES, k_head + n0 * k_sn, k_sn, nk - n0, tid);
             mbar_arrive_cp_async(full_k(st));
             if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
-            load_tile_cm_async<BC, D, 128, !EVEN_N, !EVEN_D>(sV + st * T::KV_BYTES, v_head + n0 * v_sn, v_sn,
-                                                             nk - n0, d, tid);
+            load_tile(IntConst<BC>{}, sV + st * T::KV_BYTES, v_head + n0 * v_sn, v_sn, nk - n0, tid);
             mbar_arrive_cp_async(full_v(st));
         }
         cp_async_wait<0>();

@@ -44,6 +44,30 @@ __device__ __forceinline__ u64 desc_mn_major(u32 tile_addr, int ks) {
     return smem_desc(tile_addr + cm_offset_bytes<D>(ks * 16, 0), D * 16, 128);
 }
 
+// ---------------------------------------------------------------- 128B swizzle
+// The tiles of common.cuh (tile_offset, D % 64 == 0) are exactly wgmma's
+// 128-byte-swizzled layout: 64-column panels of ROWS rows, row r at r * 128 B,
+// 16-byte chunk c at ((c ^ (r % 8)) * 16); each 8-row group is a 1024-byte
+// swizzle atom (tile bases must be 1024-byte aligned).
+__device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lead_bytes, u32 stride_bytes) {
+    return smem_desc(addr, lead_bytes, stride_bytes) | (1ull << 62);
+}
+
+// K-major operand, k16 step `ks`, rows row0 .. (row0 a multiple of 8): k
+// steps advance 32 B inside the panel's atoms; 8-row groups are 1024 B apart.
+template <int ROWS>
+__device__ __forceinline__ u64 desc_k_major_sw128(u32 tile_addr, int row0, int ks) {
+    return smem_desc_sw128(tile_addr + (ks >> 2) * (ROWS * 128) + row0 * 128 + (ks & 3) * 32, 16, 1024);
+}
+
+// MN-major B operand (K = tile rows, N = tile columns), k16 step `ks`: rows
+// ks*16 .. +15 of every panel. LEAD / STRIDE: byte distances of the
+// descriptor (tests/test_sm90_gpu.py::test_wgmma_layouts fixes which is which).
+template <int ROWS, int LEAD, int STRIDE>
+__device__ __forceinline__ u64 desc_mn_major_sw128(u32 tile_addr, int ks) {
+    return smem_desc_sw128(tile_addr + ks * 16 * 128, LEAD, STRIDE);
+}
+
 // Global -> shared copy of a ROWS x D tile into the core-matrix layout. Lanes
 // 0-7 of a warp fill the 8 rows of one core matrix (128 contiguous bytes: no
 // bank conflicts) and consecutive groups of 8 lanes the next 16-byte column
