@@ -15,10 +15,10 @@ from cuflash import api, dispatch
 from cuflash.config import FwdConfig, FwdSm90Config
 
 CANDIDATES = {
-    64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 2, 0), FwdSm90Config(64, 128, 2, 1),
-         FwdSm90Config(64, 128, 2, 2)],
-    128: [FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdSm90Config(128, 128, 2, 0),
-          FwdSm90Config(128, 128, 2, 1), FwdSm90Config(128, 128, 2, 2)],
+    64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 2), FwdSm90Config(64, 128, 3), FwdSm90Config(64, 64, 3)],
+    128: [FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdSm90Config(128, 128, 2), FwdSm90Config(128, 64, 3),
+          FwdSm90Config(128, 128, 3)],
+    256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2), FwdSm90Config(256, 64, 3)],
 }
 
 
@@ -45,6 +45,7 @@ def main():
     p.add_argument("--headdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--dtype", default="float16")
+    p.add_argument("--only", default="", help="run only configs whose name contains this text")
     a = p.parse_args()
     rows = []
     for d in map(int, a.headdim.split(",")):
@@ -66,7 +67,7 @@ def main():
                 problem = dispatch.FwdProblem(a.dtype, d, causal, n, n, 1)
                 out = cupy.empty_like(q)
                 lse = cupy.empty((b, h, n), dtype=cupy.float32)
-                for cfg in CANDIDATES[d]:
+                for cfg in [c for c in CANDIDATES[d] if a.only in c.short_name()]:
                     run = lambda: api.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(d))
                     try:
                         out.fill(float("nan"))

@@ -59,7 +59,7 @@ def _require_device(device_id: int) -> None:
         raise RuntimeError(f"cuflash needs a CUDA GPU: {exc}") from None
     if count == 0:
         raise RuntimeError("cuflash needs a CUDA GPU; none was found")
-    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    cc = compute_capability(device_id)
     if cc < MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(
             f"cuflash needs compute capability 8.0 (Ampere) or newer; device {device_id} has {cc // 10}.{cc % 10}"
@@ -70,6 +70,12 @@ def _require_device(device_id: int) -> None:
 def max_smem_per_block(device_id: int) -> int:
     """Opt-in dynamic shared memory per block of a device, in bytes."""
     return int(_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    """Compute capability of a device as major * 10 + minor (90 for H100/H200)."""
+    return int(_cupy().cuda.Device(device_id).compute_capability)
 
 
 def _elem_strides(x) -> tuple[int, ...]:
@@ -184,7 +190,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         q_, k_, v_ = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
 
         problem = dispatch.FwdProblem(
-            dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv, max_smem_per_block(q.device.id)
+            dtype_name,
+            headdim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            nheads // nheads_kv,
+            max_smem_per_block(q.device.id),
+            compute_capability(q.device.id),
         )
         if tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0"):
             from .tuner import tune_call

@@ -19,11 +19,11 @@ from tabulate import tabulate
 from . import compile as _compile
 from .backward import bwd_fallbacks, HEURISTIC_BWD
 from .config import DTYPE_NAMES, BwdConfig
-from .dispatch import HEURISTIC_FWD, small_fwd_configs
+from .dispatch import HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
 
 FAST_PATH_HEADDIMS = (64, 128)
 # Families whose fast-path kernels must compile without spills.
-SPILL_FREE_FAMILIES = ("fwd_sm80",)
+SPILL_FREE_FAMILIES = ("fwd_sm80", "fwd_sm90")
 
 
 def shipped_specialisations():
@@ -52,6 +52,10 @@ def shipped_specialisations():
         for cfg in bwd_fallbacks(kd):
             specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True)))
             specs.append((cfg, cfg.dq_name("float16", True, False, False)))
+    for cfg in HEURISTIC_SM90.values():
+        for dtype_name, causal, even_n, even_d in itertools.product(DTYPE_NAMES, (False, True), (True, False),
+                                                                    (True, False)):
+            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n, even_d)))
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name in DTYPE_NAMES:
         specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name)))
@@ -62,7 +66,7 @@ def shipped_specialisations():
 
 def smem_bytes(cfg, name: str) -> int:
     """Dynamic shared memory of one kernel (0 for the backward's row-wise helpers)."""
-    if cfg.family == "fwd_sm80":
+    if cfg.family in ("fwd_sm80", "fwd_sm90"):
         return cfg.smem_bytes()
     if "bwd_dkdv_kernel" in name:
         return cfg.dkdv_smem_bytes(atomic_dq=name.rstrip("> ").endswith("true"))
@@ -85,7 +89,14 @@ def main(argv=None) -> int:
     archs = args.arch or ["sm_80", "sm_90"]
 
     specs = shipped_specialisations()
-    jobs = [(family, name, arch) for arch in archs for family, _, name in specs]
+    # A family tied to one target (fwd_sm90: sm_90a) compiles once, when its
+    # architecture is among those asked for.
+    jobs = sorted({
+        (family, name, _compile.FAMILY_ARCH.get(family, arch))
+        for arch in archs
+        for family, _, name in specs
+        if family not in _compile.FAMILY_ARCH or _compile.FAMILY_ARCH[family].startswith(arch)
+    })
     print(f"compiling {len(jobs)} kernel specialisations for {', '.join(archs)} with {args.jobs} processes ...",
           flush=True)
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

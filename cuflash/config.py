@@ -119,11 +119,11 @@ class FwdSm90Config:
     headdim: int
     block_n: int
     stages: int = 2
-    layout: int = 0
 
     family = "fwd_sm90"
     block_m = 128
     threads = 384
+    min_blocks = 1
 
     def smem_bytes(self) -> int:
         return 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
@@ -139,12 +139,12 @@ class FwdSm90Config:
     def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
         if dtype_name not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
-        args = [self.headdim, self.block_n, self.stages, self.layout, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal),
+        args = [self.headdim, self.block_n, self.stages, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal),
                 _cpp_bool(even_n), _cpp_bool(even_d)]
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
-        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}_l{self.layout}"
+        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
 
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every

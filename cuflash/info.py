@@ -11,6 +11,7 @@ exit status is still 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -223,6 +224,12 @@ def main(argv=None) -> int:
     print()
     print(tuning_cache_report(tune_cache.current_device() if has_device else None))
     if problem is not None:
+        if has_device:  # the call as this device would see it (shared memory, Hopper kernels)
+            from . import api
+
+            device_id = cupy.cuda.Device().id
+            problem = dataclasses.replace(problem, max_smem=api.max_smem_per_block(device_id),
+                                          arch=api.compute_capability(device_id))
         print()
         print(choice_report(problem, has_device))
     return 0

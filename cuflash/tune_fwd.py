@@ -14,7 +14,7 @@ import math
 import numpy
 
 from . import api, dispatch, tune_cache
-from .config import FwdConfig
+from .config import FwdConfig, FwdSm90Config
 
 # Every value of every FwdConfig field the tuner tries; the product, less what
 # keep() drops, is the space. QUICK_SPACE is the subset `--quick` tries.
@@ -34,6 +34,9 @@ QUICK_SPACE = {
     "q_in_regs": (True, False),
     "min_blocks": (1,),
 }
+
+# Hopper kernel candidates (compute capability 9.0 only), per field.
+SPACE_SM90 = {"block_n": (64, 128), "stages": (2, 3)}
 
 # No tile side in the space exceeds this. Lengths that are multiples of it run
 # every candidate's even-length kernel, so the cache keeps those problems apart
@@ -125,8 +128,12 @@ class FwdTuning:
     def space(self, problem: dispatch.FwdProblem, quick: bool) -> list[FwdConfig]:
         values = QUICK_SPACE if quick else SPACE
         fields = list(values)
-        return [FwdConfig(problem.kernel_headdim, **dict(zip(fields, combo)))
-                for combo in itertools.product(*values.values())]
+        space = [FwdConfig(problem.kernel_headdim, **dict(zip(fields, combo)))
+                 for combo in itertools.product(*values.values())]
+        if problem.arch == 90 and problem.kernel_headdim in dispatch.HEURISTIC_SM90:
+            space += [FwdSm90Config(problem.kernel_headdim, **dict(zip(SPACE_SM90, combo)))
+                      for combo in itertools.product(*SPACE_SM90.values())]
+        return space
 
     def keep(self, cfg: FwdConfig, limits) -> bool:
         """Static filter: the traits' asserts, tile sides, this device's shared memory and threads."""
@@ -168,11 +175,15 @@ class FwdTuning:
 
     def config_from_dict(self, fields, problem: dispatch.FwdProblem) -> FwdConfig | None:
         """The cached config, or None if it no longer fits this FwdConfig or this problem."""
-        try:
-            cfg = FwdConfig(**fields)
-        except TypeError:
-            return None
-        return cfg if cfg.is_valid() and cfg.headdim == problem.kernel_headdim else None
+        for config_class in (FwdConfig, FwdSm90Config):
+            try:
+                cfg = config_class(**fields)
+            except TypeError:  # another family's fields
+                continue
+            if config_class is FwdSm90Config and problem.arch != 90:
+                return None
+            return cfg if cfg.is_valid() and cfg.headdim == problem.kernel_headdim else None
+        return None
 
     def cached(self, problem: dispatch.FwdProblem) -> tuple[dict | None, FwdConfig | None]:
         """(the cache entry for `problem` on the current device, its usable config)."""

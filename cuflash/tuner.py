@@ -183,12 +183,13 @@ def compile_filter(tasks: Sequence[Task], limits: DeviceLimits, *, load: bool, j
             names = task.family.kernel_names(cfg, task.problem)
             for i, name in enumerate(names):
                 spec = (device_id, cfg.smem_bytes()) if load and i == 0 else None
-                work[(task.family.name, name)] = work.get((task.family.name, name)) or spec
+                work[(cfg.family, name)] = work.get((cfg.family, name)) or spec
     jobs = jobs or os.cpu_count() or 1
     reports = {}
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_compile_job, family, name, limits.arch, spec): (family, name)
+        futures = {pool.submit(_compile_job, family, name, _compile.FAMILY_ARCH.get(family, limits.arch), spec):
+                   (family, name)
                    for (family, name), spec in work.items()}
         for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="compiling",
                            unit="kernel", disable=not progress, file=sys.stderr, leave=False):
@@ -201,7 +202,7 @@ def compile_filter(tasks: Sequence[Task], limits: DeviceLimits, *, load: bool, j
         kept = []
         for cfg in rest:
             names = task.family.kernel_names(cfg, task.problem)
-            if not any(compiled_ok(reports[(task.family.name, n)], cfg, limits) for n in names):
+            if not any(compiled_ok(reports[(cfg.family, n)], cfg, limits) for n in names):
                 kept.append(cfg)
         task.candidates = [heuristic, *kept]
 
@@ -373,7 +374,8 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
         for headdim in headdims:
             for is_causal in causal:
                 for seqlen in seqlens:
-                    problem = FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1)
+                    problem = FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, limits.smem_per_block,
+                                         int(limits.device.compute_capability))
                     key = FWD.key(problem)
                     entry = tune_cache.get(limits.device, key)
                     if _covers(entry, space):

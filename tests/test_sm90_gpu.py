@@ -26,31 +26,34 @@ def _is_hopper():
 
 hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 
-# One warpgroup: S = Q K^T through two K-major descriptors, then O = P V with
-# P (given) in A-fragment registers and V through an MN-major descriptor.
+# One warpgroup: S = Q K^T (64 x 64, k = 128: the k steps cross the two
+# 64-column panels) through K-major descriptors, then O = P V (64 x 128: n
+# crosses both panels) with P (given) in A-fragment registers and V through the
+# MN-major descriptor the kernel uses. Tiles in common.cuh's swizzled layout.
 PROBE = r"""
-#include "sm90_tiles.cuh"
-#include "wgmma.cuh"
 using namespace cuflash;
-template <int V_LEAD, int V_STRIDE>
 __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, float* s_out, float* o_out) {
-    constexpr int D = 64;
-    __shared__ __align__(128) u16 sq[64 * D], sk[64 * D], sv[64 * D];
+    constexpr int D = 128;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    u16* sq = reinterpret_cast<u16*>(smem);
+    u16* sk = sq + 64 * D;
+    u16* sv = sk + 64 * D;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    load_tile_cm_async<64, D, 128, false, false>(smem_addr(sq), q, D, 64, D, tid);
-    load_tile_cm_async<64, D, 128, false, false>(smem_addr(sk), k, D, 64, D, tid);
-    load_tile_cm_async<64, D, 128, false, false>(smem_addr(sv), v, D, 64, D, tid);
+    load_tile_async<64, D, 128, false, false>(sq, q, D, 64, D, tid);
+    load_tile_async<64, D, 128, false, false>(sk, k, D, 64, D, tid);
+    load_tile_async<64, D, 128, false, false>(sv, v, D, 64, D, tid);
     cp_async_commit();
     cp_async_wait<0>();
-    fence_proxy_async();
     __syncthreads();
-    float s[32], o[32];
+    fence_proxy_async();
+    float s[32], o[64];
     wgmma_fence();
     for (int ks = 0; ks < D / 16; ++ks)
-        Wgmma<64, false>::ss(s, desc_k_major<D>(smem_addr(sq), 0, ks), desc_k_major<D>(smem_addr(sk), 0, ks), ks > 0);
+        Wgmma<64, false>::ss(s, desc_k_major_sw128<64>(smem_addr(sq), 0, ks), desc_k_major_sw128<64>(smem_addr(sk), 0, ks),
+                             ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
-    for (int i = 0; i < 32; ++i) o[i] = 0.f;
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
     const int r0 = warp * 16 + (lane >> 2), c0 = 2 * (lane & 3);
     wgmma_fence();
     for (int kk = 0; kk < 4; ++kk) {
@@ -60,16 +63,15 @@ __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, fl
         a[1] = *(const unsigned*)(pr + 8 * 64);
         a[2] = *(const unsigned*)(pr + 8);
         a[3] = *(const unsigned*)(pr + 8 * 64 + 8);
-        const u32 addr = smem_addr(sv) + cm_offset_bytes<D>(kk * 16, 0);
-        Wgmma<64, false>::rs<true>(o, a, smem_desc(addr, V_LEAD, V_STRIDE));
+        Wgmma<128, false>::rs<true>(o, a, desc_mn_major_sw128<64 * 128, 1024>(smem_addr(sv), kk));
     }
     wgmma_commit();
     wgmma_wait<0>();
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 16; ++j)
         for (int e = 0; e < 4; ++e) {
             const int row = r0 + 8 * (e >> 1), col = j * 8 + c0 + (e & 1);
-            s_out[row * 64 + col] = s[j * 4 + e];
-            o_out[row * 64 + col] = o[j * 4 + e];
+            if (j < 8) s_out[row * 64 + col] = s[j * 4 + e];
+            o_out[row * 128 + col] = o[j * 4 + e];
         }
 }
 """
@@ -77,21 +79,18 @@ __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, fl
 
 @hopper
 def test_wgmma_layouts():
-    # MN-major V: leading byte offset = distance between core matrices along K
-    # (D * 16 B), stride = along N (128 B); the swapped pair faults.
-    v_lead, v_stride = 64 * 16, 128
     rng = np.random.default_rng(0)
-    q, k, p, v = (rng.standard_normal((64, 64)).astype(np.float16) for _ in range(4))
-    source = "\n".join(
-        cf_compile._inline(cf_compile.cuda_src_dir() / name, set()) for name in ("sm90_tiles.cuh", "wgmma.cuh")
-    ) + PROBE.split('#include "wgmma.cuh"', 1)[1]
-    name = f"probe<{v_lead}, {v_stride}>"
-    module = cupy.RawModule(code=source, options=(*cf_compile.COMPILE_OPTIONS, "-arch=sm_90a"), name_expressions=[name])
-    fn = module.get_function(name)
+    q, k, v = (rng.standard_normal((64, 128)).astype(np.float16) for _ in range(3))
+    p = rng.standard_normal((64, 64)).astype(np.float16)
+    source = cf_compile.kernel_source("fwd_sm90") + PROBE
+    module = cupy.RawModule(code=source, options=(*cf_compile.COMPILE_OPTIONS, "-arch=sm_90a"),
+                            name_expressions=["probe"])
+    fn = module.get_function("probe")
+    fn.max_dynamic_shared_size_bytes = 3 * 64 * 128 * 2
     dq, dk, dp, dv = (cupy.asarray(x) for x in (q, k, p, v))
     s_out = cupy.full((64, 64), np.nan, np.float32)
-    o_out = cupy.full((64, 64), np.nan, np.float32)
-    fn((1,), (128,), (dq, dk, dp, dv, s_out, o_out))
+    o_out = cupy.full((64, 128), np.nan, np.float32)
+    fn((1,), (128,), (dq, dk, dp, dv, s_out, o_out), shared_mem=3 * 64 * 128 * 2)
     s_ref = q.astype(np.float64) @ k.astype(np.float64).T
     o_ref = p.astype(np.float64) @ v.astype(np.float64)
     np.testing.assert_allclose(s_out.get(), s_ref, atol=1e-2, rtol=1e-3)
@@ -115,7 +114,7 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk):
     dq_, dk_, dv_ = (cupy.asarray(x) for x in (q, k, v))
     out = cupy.full(q.shape, np.nan, dtype=dq_.dtype)
     lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
-    cfg = FwdSm90Config(headdim, 64 if headdim == 256 else 128, 2)
+    cfg = dispatch.HEURISTIC_SM90[headdim]
     scale = 1 / math.sqrt(headdim)
     problem = dispatch.FwdProblem(dtype, headdim, causal, nq, nk, nheads // nheads_kv)
     api.launch_fwd(cfg, problem, dq_, dk_, dv_, out, lse, scale)
