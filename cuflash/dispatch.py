@@ -77,10 +77,11 @@ def heuristic_only():
 
 # Hopper (compute capability 9.0 exactly: wgmma is sm_90a-only), kernel head
 # dim -> config. Measured on an H200, fp16, 16k tokens, hidden 2048, N = 8k
-# (bench/PERFLOG.md): hdim 128 577 TFLOP/s (1.62x torch flash, 0.89x cuDNN),
-# hdim 64 394 (1.31x flash), against 342 / 296 for the sm_80 kernel.
+# (bench/PERFLOG.md): hdim 128 577 TFLOP/s (1.62x torch flash, 0.89x cuDNN);
+# hdim 64 405 with 3 stages (364 with 2; 296 for the sm_80 kernel); hdim 256
+# 610 (1.87x flash, against 221 for the sm_80 kernel).
 HEURISTIC_SM90 = {
-    64: FwdSm90Config(64, 128, 2),
+    64: FwdSm90Config(64, 128, 3),
     128: FwdSm90Config(128, 128, 2),
     256: FwdSm90Config(256, 64, 2),
 }

@@ -103,7 +103,7 @@ class FwdInputs:
 class FwdTuning:
     """The forward family as the tuner sees it (see cuflash.tuner.Family)."""
 
-    name = FwdConfig.family
+    name = "fwd"  # forward kernels of every family (sm_80 and, on Hopper, sm_90a) compete per key
 
     def key(self, problem: dispatch.FwdProblem) -> str:
         # The user's head dim, not the kernel's: it decides whether the

@@ -70,7 +70,7 @@ def test_compile_filter_drops_spills_errors_and_register_hogs(monkeypatch):
     heuristic = dispatch.heuristic_fwd_config(problem)
     clean, spills, broken, hog = (FwdConfig(64, 32, 4, 1, 2), FwdConfig(64, 64, 4, 1, 3),
                                   FwdConfig(64, 128, 4, 1, 2), FwdConfig(64, 64, 8, 1, 2))
-    real = cf_compile.compile_report(FWD.name, FWD.kernel_names(clean, problem)[0], "sm_90")
+    real = cf_compile.compile_report(clean.family, FWD.kernel_names(clean, problem)[0], "sm_90")
     assert real.ok and real.spills == 0 and tuner.compiled_ok(real, clean, H100) is None
 
     def fake(family, name, arch):
@@ -110,8 +110,8 @@ def test_seqlen_bucket(n, bucket):
 
 
 def test_key():
-    assert FWD.key(FwdProblem("float16", 128, True, 4096, 4096, 1)) == "fwd_sm80/float16/d128/causal/q4096/k4096/even"
-    assert FWD.key(FwdProblem("bfloat16", 72, False, 3000, 100, 4)) == "fwd_sm80/bfloat16/d72/full/q4096/k128/ragged"
+    assert FWD.key(FwdProblem("float16", 128, True, 4096, 4096, 1)) == "fwd/float16/d128/causal/q4096/k4096/even"
+    assert FWD.key(FwdProblem("bfloat16", 72, False, 3000, 100, 4)) == "fwd/bfloat16/d72/full/q4096/k128/ragged"
     # Same bucket and class, different GQA ratio and lengths: one entry.
     assert FWD.key(FwdProblem("float16", 64, False, 2048, 1920, 1)) == FWD.key(
         FwdProblem("float16", 64, False, 1152, 1152, 8))

@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import dispatch, tune_cache, tuner
+from cuflash import api, dispatch, tune_cache, tuner
 from cuflash.config import FwdConfig
 from cuflash.dispatch import FwdProblem
 from cuflash.tune_fwd import FWD
@@ -30,15 +30,23 @@ print(entry["config_name"], entry["tuned_at"], entry["timed"])
 
 USE = """
 import cupy, cuflash
-from cuflash import dispatch, tune_cache, tuner
+from cuflash import api, dispatch, tune_cache, tuner
 tuner.run = lambda *args, **kwargs: print("tuned again")  # any tuning would show up here
-problem = dispatch.FwdProblem("float16", 64, False, 512, 512, 1)
+dev = cupy.cuda.Device().id
+problem = dispatch.FwdProblem("float16", 64, False, 512, 512, 1, api.max_smem_per_block(dev),
+                              api.compute_capability(dev))
 cfg, source = dispatch.fwd_config(problem)
 q = cupy.random.standard_normal((2, 512, 4, 64)).astype(cupy.float16)
 cuflash.attention(q, q, q, tune=True)
 (entry,) = tune_cache.entries(tune_cache.current_device()).values()
 print(cfg.short_name(), source, entry["tuned_at"])
 """
+
+
+def device_problem(*fields):
+    """A FwdProblem as cuflash.attention builds it on the current device (its shared memory and arch)."""
+    dev = cupy.cuda.Device().id
+    return FwdProblem(*fields, api.max_smem_per_block(dev), api.compute_capability(dev))
 
 
 @pytest.fixture
@@ -60,12 +68,12 @@ def test_new_process_uses_the_tuned_entry(tmp_path):
     name, tuned_at, timed = _python(TUNE, tmp_path)
     assert timed == "2"  # the heuristic and the one candidate
     assert name in (FwdConfig(64, 32, 4, 1, 2).short_name(),
-                    dispatch.heuristic_fwd_config(FwdProblem("float16", 64, False, 512, 512, 1)).short_name())
+                    dispatch.heuristic_fwd_config(device_problem("float16", 64, False, 512, 512, 1)).short_name())
     assert _python(USE, tmp_path) == [name, "cache", tuned_at]
 
 
 def test_wrong_candidates_are_rejected(cache):
-    problem = FwdProblem("float16", 64, True, 256, 256, 1)
+    problem = device_problem("float16", 64, True, 256, 256, 1)
     heuristic = dispatch.heuristic_fwd_config(problem)
     off, nan = FwdConfig(64, 32, 4, 1, 2), FwdConfig(64, 64, 4, 1, 2)
 
@@ -94,7 +102,7 @@ def test_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     with dispatch.heuristic_only():
         expected = cuflash.attention(q, k, v, causal=True)
     out = cuflash.attention(q, k, v, causal=True, tune=True)
-    problem = FwdProblem("float16", 64, True, 300, 200, 2)
+    problem = device_problem("float16", 64, True, 300, 200, 2)
     entry = tune_cache.get(tune_cache.current_device(), FWD.key(problem))
     assert entry["shape"] == {**entry["shape"], "batch": 1, "nheads": 4, "nheads_kv": 2, "seqlen_q": 300}
     assert dispatch.fwd_config(problem)[1] == "cache"
