@@ -5,10 +5,9 @@ Each config's gradients are checked against torch's flash backward first.
 """
 
 import argparse
-import math
 
 import cupy
-import numpy
+from sweep import time_ms  # bench/ is the script's directory
 from tabulate import tabulate
 
 import cuflash
@@ -16,26 +15,10 @@ from cuflash import backward
 from cuflash.config import BwdConfig
 
 # (config, deterministic)
-# (config, deterministic)
-# (config, deterministic)
 CANDIDATES = {
     64: [(BwdConfig(64, 128, 8, 4, 64), False), (BwdConfig(64, 64, 4, 4, 64), False)],
     128: [(BwdConfig(128, 128, 8, 4, 64), False), (BwdConfig(128, 64, 8, 4, 64), False)],
 }
-
-
-def time_ms(fn, repeats=10):
-    for _ in range(2):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(numpy.median(times))
 
 
 def main():
@@ -77,7 +60,7 @@ def main():
                         grads = run()
                         err = max(float(cupy.abs(g.astype(cupy.float32) - cupy.from_dlpack(r).astype(cupy.float32)).max())
                                   for g, r in zip(grads, ref))
-                        t = tflops(time_ms(run))
+                        t = tflops(time_ms(run, repeats=10))
                     except Exception as exc:
                         err, t = float("nan"), 0.0
                         print(cfg, "failed:", str(exc)[:400])

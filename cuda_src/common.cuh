@@ -200,4 +200,39 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, long long
     }
 }
 
+// ---------------------------------------------------------------- forward blocks
+// Key blocks a block of BR query rows starting at m0 visits: [0, end), of
+// which [unmasked, end) need the causal and/or sequence-end mask. Causal is
+// aligned bottom-right: query i sees keys j <= i + nk - nq.
+struct KeyBlocks {
+    int end, unmasked;
+};
+template <int BR, int BC, bool CAUSAL, bool EVEN_N>
+__device__ __forceinline__ KeyBlocks forward_key_blocks(int m0, int nq, int nk) {
+    const int diag = nk - nq;
+    const int n_blocks = (nk + BC - 1) / BC;
+    KeyBlocks kb{n_blocks, n_blocks};
+    if constexpr (CAUSAL) {
+        const int last_key = m0 + BR - 1 + diag;  // last key seen by the block's last row
+        kb.end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
+        const int first_limit = m0 + diag + 1;  // keys [0, first_limit) are seen by every row
+        kb.unmasked = first_limit <= 0 ? 0 : min(kb.end, first_limit / BC);
+    }
+    if constexpr (!EVEN_N) kb.unmasked = min(kb.unmasked, nk / BC);
+    return kb;
+}
+
+// Output of query rows that see no key: O = 0, lse = -inf.
+template <int BR, int D, int THREADS>
+__device__ __forceinline__ void write_empty_rows(u16* o_tile, long long o_sn, float* lse_rows, int rows_valid,
+                                                 int d, int tid) {
+    for (int i = tid; i < BR * (D / 8); i += THREADS) {
+        const int row = i / (D / 8), chunk = i % (D / 8);
+        if (row < rows_valid && chunk * 8 < d)
+            *reinterpret_cast<uint4*>(o_tile + row * o_sn + chunk * 8) = make_uint4(0, 0, 0, 0);
+    }
+    for (int row = tid; row < BR; row += THREADS)
+        if (row < rows_valid) lse_rows[row] = neg_inf();
+}
+
 }  // namespace cuflash

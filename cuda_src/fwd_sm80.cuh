@@ -75,28 +75,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     u16* o_tile = o + b * o_sb + h * o_sh + m0 * o_sn;
     float* lse_rows = lse + ((long long)b * nheads + h) * nq + m0;
 
-    // Key blocks [0, n_end) are visited; blocks [n_unmasked, n_end) need the
-    // causal and/or sequence-end mask. Causal is aligned bottom-right: query i
-    // sees keys j <= i + nk - nq.
     const int diag = nk - nq;
-    const int n_blocks = (nk + BC - 1) / BC;
-    int n_end = n_blocks, n_unmasked = n_blocks;
-    if constexpr (CAUSAL) {
-        const int last_key = m0 + BR - 1 + diag;  // last key seen by the block's last row
-        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
-        const int first_limit = m0 + diag + 1;  // keys [0, first_limit) are seen by every row
-        n_unmasked = first_limit <= 0 ? 0 : min(n_end, first_limit / BC);
-    }
-    if constexpr (!EVEN_N) n_unmasked = min(n_unmasked, nk / BC);
-
-    if (n_end == 0) {  // no row of this block sees a key: O = 0, lse = -inf
-        for (int i = tid; i < BR * (D / 8); i += THREADS) {
-            const int row = i / (D / 8), chunk = i % (D / 8);
-            if (row < rows_valid && chunk * 8 < d)
-                *reinterpret_cast<uint4*>(o_tile + row * o_sn + chunk * 8) = make_uint4(0, 0, 0, 0);
-        }
-        for (int row = tid; row < BR; row += THREADS)
-            if (row < rows_valid) lse_rows[row] = neg_inf();
+    const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(m0, nq, nk);
+    const int n_end = blocks.end, n_unmasked = blocks.unmasked;
+    if (n_end == 0) {  // no row of this block sees a key
+        write_empty_rows<BR, D, THREADS>(o_tile, o_sn, lse_rows, rows_valid, d, tid);
         return;
     }
 

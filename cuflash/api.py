@@ -14,7 +14,6 @@ import numpy
 
 from . import compile as _compile
 from . import dispatch
-from .config import DTYPE_NAMES
 
 try:  # CuPy holds bfloat16 arrays through ml_dtypes
     import ml_dtypes

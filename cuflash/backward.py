@@ -94,7 +94,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     api._require_device(q.device.id)
 
     cupy = api._cupy()
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    nheads_kv = k.shape[2]
     with q.device:
         dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, k.dtype) if dk is None else dk

@@ -104,7 +104,6 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
 
 # ---------------------------------------------------------------- no GPU needed
 
-_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 

@@ -12,7 +12,6 @@ cupy = pytest.importorskip("cupy")
 
 from cuflash import api, dispatch, reference  # noqa: E402
 from cuflash import compile as cf_compile  # noqa: E402
-from cuflash.config import FwdSm90Config  # noqa: E402
 
 from .numerics import assert_close_2x  # noqa: E402
 
