@@ -39,6 +39,23 @@ def test_smem_bytes_match_cpp_traits():
     assert ok, log
 
 
+def test_sm90_smem_bytes_match_cpp_traits():
+    from cuflash.dispatch import HEURISTIC_SM90
+
+    asserts = "\n".join(
+        f"static_assert(cuflash::FwdSm90Traits<{c.headdim}, {c.block_n}, {c.stages}>::SMEM_BYTES == {c.smem_bytes()},"
+        f" \"{c.short_name()}\");"
+        for c in HEURISTIC_SM90.values()
+    )
+    prog = nvrtc.createProgram(cf_compile.kernel_source("fwd_sm90") + "\n" + asserts, "check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])
+    except nvrtc.NVRTCError:
+        pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def test_traits_mismatch_is_detected():
     cfg = HEURISTIC_FWD[128][0]
     source = cf_compile.kernel_source("fwd_sm80") + f"\nstatic_assert({_traits(cfg)}::SMEM_BYTES == 1, \"x\");"

@@ -1,0 +1,54 @@
+"""Kernel choice without a GPU: family per architecture, shared-memory fallbacks."""
+
+import pytest
+
+from cuflash import backward, dispatch
+from cuflash.config import KERNEL_HEADDIMS, FwdConfig, FwdSm90Config
+
+H200_SMEM = 227 * 1024
+ADA_SMEM = 99 * 1024  # sm_86 / sm_89 opt-in shared memory per block
+
+
+def problem(headdim, *, arch=80, max_smem=H200_SMEM, seqlen=4096, causal=False):
+    return dispatch.FwdProblem("float16", headdim, causal, seqlen, seqlen, 1, max_smem, arch)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256, 120])
+def test_hopper_takes_the_sm90_kernel(headdim):
+    cfg = dispatch.heuristic_fwd_config(problem(headdim, arch=90))
+    assert isinstance(cfg, FwdSm90Config) and cfg.headdim >= headdim
+
+
+@pytest.mark.parametrize("headdim", [32, 72, 96, 160, 192])
+def test_hopper_falls_back_where_no_sm90_kernel(headdim):
+    assert isinstance(dispatch.heuristic_fwd_config(problem(headdim, arch=90)), FwdConfig)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 100])
+def test_other_gpus_take_the_sm80_kernel(arch):
+    assert isinstance(dispatch.heuristic_fwd_config(problem(128, arch=arch)), FwdConfig)
+
+
+def test_even_lengths_take_the_fast_config_and_ragged_ones_the_general():
+    fast, general = dispatch.HEURISTIC_FWD[128]
+    assert dispatch.heuristic_fwd_config(problem(128, seqlen=4096)) == fast
+    assert dispatch.heuristic_fwd_config(problem(128, seqlen=4000)) == general
+    assert dispatch.heuristic_fwd_config(problem(120, seqlen=4096)) == general  # padded head dim
+
+
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
+@pytest.mark.parametrize("max_smem", [ADA_SMEM, 163 * 1024, H200_SMEM])
+def test_every_choice_fits_the_shared_memory(headdim, max_smem):
+    for arch in (80, 90):
+        for seqlen in (4096, 4000):
+            assert dispatch.heuristic_fwd_config(problem(headdim, arch=arch, max_smem=max_smem,
+                                                         seqlen=seqlen)).smem_bytes() <= max_smem
+    cfg = backward.bwd_config(headdim, max_smem)
+    assert max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
+
+
+def test_no_kernel_fits_raises_clearly():
+    with pytest.raises(RuntimeError, match="shared memory"):
+        dispatch.heuristic_fwd_config(problem(256, max_smem=16 * 1024))
+    with pytest.raises(RuntimeError, match="shared memory"):
+        backward.bwd_config(256, 16 * 1024)
