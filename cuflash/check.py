@@ -27,14 +27,15 @@ SPILL_FREE_FAMILIES = ("fwd_sm80", "fwd_sm90")
 
 
 def shipped_specialisations():
-    """(family, config, name expression) of every kernel the dispatcher can launch."""
+    """(family, config, name expression, dynamic shared-memory bytes) of every kernel the dispatcher can launch."""
     specs = []
     for fast, general in HEURISTIC_FWD.values():
         for dtype_name, causal in itertools.product(DTYPE_NAMES, (False, True)):
             # The fast config runs only on even lengths with d equal to its head dim.
-            specs.append((fast, fast.name_expression(dtype_name, causal, True, True)))
+            specs.append((fast, fast.name_expression(dtype_name, causal, True, True), fast.smem_bytes()))
             for even_n, even_d in itertools.product((True, False), repeat=2):
-                specs.append((general, general.name_expression(dtype_name, causal, even_n, even_d)))
+                specs.append((general, general.name_expression(dtype_name, causal, even_n, even_d),
+                              general.smem_bytes()))
     for cfg in HEURISTIC_BWD.values():
         # Every length/head-dim variant for the fast paths, the even ones elsewhere.
         variants = (
@@ -43,36 +44,26 @@ def shipped_specialisations():
         for dtype_name, causal in itertools.product(DTYPE_NAMES, (False, True)):
             for even_n, even_d in variants:
                 for atomic_dq in (True, False):
-                    specs.append((cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq)))
-                specs.append((cfg, cfg.dq_name(dtype_name, causal, even_n, even_d)))
+                    specs.append((cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq),
+                                  cfg.dkdv_smem_bytes(atomic_dq)))
+                specs.append((cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes()))
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):
-            specs.append((cfg, cfg.name_expression("float16", True, False, False)))
+            specs.append((cfg, cfg.name_expression("float16", True, False, False), cfg.smem_bytes()))
         for cfg in bwd_fallbacks(kd):
-            specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True)))
-            specs.append((cfg, cfg.dq_name("float16", True, False, False)))
+            specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True), cfg.dkdv_smem_bytes(True)))
+            specs.append((cfg, cfg.dq_name("float16", True, False, False), cfg.dq_smem_bytes()))
     for cfg in HEURISTIC_SM90.values():
         for dtype_name, causal, even_n, even_d in itertools.product(DTYPE_NAMES, (False, True), (True, False),
                                                                     (True, False)):
-            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n, even_d)))
+            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n, even_d), cfg.smem_bytes()))
     any_bwd = next(iter(HEURISTIC_BWD.values()))
-    for dtype_name in DTYPE_NAMES:
-        specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name)))
-        specs.append((any_bwd, BwdConfig.convert_dq_name(dtype_name)))
-    unique = {name: cfg for cfg, name in specs}
-    return [(cfg.family, cfg, name) for name, cfg in unique.items()]
-
-
-def smem_bytes(cfg, name: str) -> int:
-    """Dynamic shared memory of one kernel (0 for the backward's row-wise helpers)."""
-    if cfg.family in ("fwd_sm80", "fwd_sm90"):
-        return cfg.smem_bytes()
-    if "bwd_dkdv_kernel" in name:
-        return cfg.dkdv_smem_bytes(atomic_dq=name.rstrip("> ").endswith("true"))
-    if "bwd_dq_kernel" in name:
-        return cfg.dq_smem_bytes()
-    return 0
+    for dtype_name in DTYPE_NAMES:  # row-wise helpers: no dynamic shared memory
+        specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name), 0))
+        specs.append((any_bwd, BwdConfig.convert_dq_name(dtype_name), 0))
+    unique = {name: (cfg, smem) for cfg, name, smem in specs}
+    return [(cfg.family, cfg, name, smem) for name, (cfg, smem) in unique.items()]
 
 
 def _compile_one(job):
@@ -94,7 +85,7 @@ def main(argv=None) -> int:
     jobs = sorted({
         (family, name, _compile.FAMILY_ARCH.get(family, arch))
         for arch in archs
-        for family, _, name in specs
+        for family, _, name, _ in specs
         if family not in _compile.FAMILY_ARCH or _compile.FAMILY_ARCH[family].startswith(arch)
     })
     print(f"compiling {len(jobs)} kernel specialisations for {', '.join(archs)} with {args.jobs} processes ...",
@@ -102,7 +93,8 @@ def main(argv=None) -> int:
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         reports = pool.map(_compile_one, jobs, chunksize=1)
 
-    cfg_of = {name: cfg for _, cfg, name in specs}
+    cfg_of = {name: cfg for _, cfg, name, _ in specs}
+    smem_of = {name: smem for _, _, name, smem in specs}
     rows, failures = [], []
     for report in reports:
         cfg = cfg_of[report.name]
@@ -112,7 +104,7 @@ def main(argv=None) -> int:
         elif report.spills and fast and cfg.family in SPILL_FREE_FAMILIES:
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
         if args.verbose or not report.ok or report.spills:
-            rows.append([report.arch, report.name, report.registers, smem_bytes(cfg, report.name),
+            rows.append([report.arch, report.name, report.registers, smem_of[report.name],
                          report.stack_bytes, report.spills, "fast" if fast else ""])
     summary = {}
     for report in reports:
