@@ -138,18 +138,24 @@ def _validate_qkv(q, k, v) -> str:
     return dtype_name
 
 
-def _validate_out(out, q):
-    _require_cupy_array("out", out)
-    if out.shape != q.shape:
-        raise ValueError(f"out must have q's shape {q.shape}, got {out.shape}")
-    if out.dtype != q.dtype:
-        raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-    if out.device != q.device:
-        raise ValueError(f"out is on device {out.device.id}, q on device {q.device.id}")
-    if not _last_dim_contiguous(out):
-        raise ValueError(f"out must be contiguous in its last dim, got strides {out.strides}")
-    if not _aligned(out):
-        raise ValueError("out must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
+def validate_like(name: str, x, ref, ref_name: str) -> None:
+    """x must be a CuPy array with ref's shape, dtype and device and a contiguous last dim."""
+    _require_cupy_array(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(f"{name} must have {ref_name}'s shape {ref.shape}, got {x.shape}")
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
+    if not _last_dim_contiguous(x):
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
+
+
+def validate_output(name: str, x, ref, ref_name: str) -> None:
+    """An output array the kernels write in place (never copied): validate_like plus alignment."""
+    validate_like(name, x, ref, ref_name)
+    if not _aligned(x):
+        raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, tune=False):
@@ -169,7 +175,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     dtype_name = _validate_qkv(q, k, v)
     scale = _validate_scale(softmax_scale, q.shape[3])
     if out is not None:
-        _validate_out(out, q)
+        validate_output("out", out, q, "q")
     causal = bool(causal)
     cupy = _cupy()
     _require_device(q.device.id)

@@ -48,24 +48,6 @@ def bwd_config(headdim: int, max_smem: int) -> BwdConfig:
     raise RuntimeError(f"cuflash: no backward kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
 
 
-def _validate_like(name: str, x, ref, ref_name: str) -> None:
-    api._require_cupy_array(name, x)
-    if x.shape != ref.shape:
-        raise ValueError(f"{name} must have {ref_name}'s shape {ref.shape}, got {x.shape}")
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
-    if not api._last_dim_contiguous(x):
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
-
-
-def _validate_grad_out(name: str, x, ref, ref_name: str) -> None:
-    _validate_like(name, x, ref, ref_name)
-    if not api._aligned(x):
-        raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
-
-
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
                        dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of attention(q, k, v) given dout = dL/d(out).
@@ -78,8 +60,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     api._require_cupy_array("dout", dout)
     dtype_name = api._validate_qkv(q, k, v)
-    _validate_like("dout", dout, q, "q")
-    _validate_like("out", out, q, "q")
+    api.validate_like("dout", dout, q, "q")
+    api.validate_like("out", out, q, "q")
     api._require_cupy_array("lse", lse)
     batch, seqlen_q, nheads, headdim = q.shape
     if lse.shape != (batch, nheads, seqlen_q):
@@ -88,7 +70,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise TypeError(f"lse must be float32, got {lse.dtype}")
     for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
-            _validate_grad_out(name, x, ref, ref_name)
+            api.validate_output(name, x, ref, ref_name)
     scale = api._validate_scale(softmax_scale, headdim)
     causal = bool(causal)
     api._require_device(q.device.id)

@@ -1,4 +1,7 @@
 import functools
+import zlib
+
+import numpy as np
 
 import pytest
 
@@ -23,3 +26,9 @@ def require_gpu(request):
     """Skip tests marked `gpu` when no CUDA device is usable."""
     if request.node.get_closest_marker("gpu") and not gpu_available():
         pytest.skip("no usable CUDA device")
+
+
+@pytest.fixture
+def rng(request):
+    """Different inputs for every case, reproducible from the test id."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -18,3 +18,8 @@ def assert_close_2x(out, ref64, naive, atol):
         f"max abs error {err:.3e} > bound {bound:.3e} "
         f"(naive low-precision error {naive_err:.3e}, atol {atol:.1e})"
     )
+
+
+def randn(rng, shape, dtype):
+    """Standard normal host array rounded to dtype."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)

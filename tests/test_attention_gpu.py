@@ -8,7 +8,6 @@ Inputs are built on the host in the low-precision dtype and copied to the
 device, so the references see exactly the values the kernel sees.
 """
 
-import zlib
 
 import cupy
 import ml_dtypes
@@ -18,23 +17,12 @@ import pytest
 import cuflash
 from cuflash.reference import attention as reference
 from cuflash.reference import attention_naive_lowp
-from tests.numerics import assert_close_2x
+from tests.numerics import assert_close_2x, randn
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [np.float16, ml_dtypes.bfloat16]
 ATOL = {np.dtype(np.float16): 1e-3, np.dtype(ml_dtypes.bfloat16): 5e-3}
-
-
-@pytest.fixture
-def rng(request):
-    # Different inputs for every case, reproducible from the test id.
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def randn(rng, shape, dtype):
-    """Standard normal host array rounded to dtype."""
-    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
 def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):

@@ -24,7 +24,6 @@ device, so the references see exactly the values the kernel sees.
 import functools
 import os
 import sys
-import zlib
 
 import cupy
 import ml_dtypes
@@ -34,7 +33,7 @@ import pytest
 import cuflash
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
-from tests.numerics import assert_close_2x
+from tests.numerics import assert_close_2x, randn
 
 DTYPES = [np.float16, ml_dtypes.bfloat16]
 ABS_FLOOR = 1e-5
@@ -48,17 +47,6 @@ try:
     import jax.numpy as jnp
 except ImportError:
     jax = None
-
-
-@pytest.fixture
-def rng(request):
-    # Different inputs for every case, reproducible from the test id.
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def randn(rng, shape, dtype):
-    """Standard normal host array rounded to dtype."""
-    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
 def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
