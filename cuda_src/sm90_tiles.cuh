@@ -1,12 +1,15 @@
-// Hopper helpers: wgmma shared-memory descriptors for the 128-byte-swizzled
-// tiles of common.cuh, the async-proxy fence, mbarriers, named barriers and
-// setmaxnreg.
+// Hopper helpers: element types, wgmma shared-memory descriptors for the
+// 128-byte-swizzled tiles of common.cuh, bulk tensor copies (TMA), the
+// async-proxy fence, mbarriers, named barriers and setmaxnreg.
 #pragma once
 #include "common.cuh"
 
 namespace cuflash {
 
 typedef unsigned long long u64;
+
+// Element types of the Hopper kernels (the DTYPE template argument).
+enum : int { F16 = 0, BF16 = 1, E4M3 = 2 };
 
 // wgmma shared-memory matrix descriptor: start address, leading and stride
 // byte offsets, each encoded >> 4 (swizzle mode in bits 62-63, set below).
@@ -46,19 +49,45 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// ---------------------------------------------------------------- bulk tensor copies
+// A CUtensorMap (cuTensorMapEncodeTiled, cuflash/tma.py): 128 opaque bytes,
+// passed by value as a __grid_constant__ kernel parameter so that its
+// generic address is valid for cp.async.bulk.tensor.
+struct alignas(64) TmaDesc {
+    u64 opaque[16];
+};
+
+// Copies the box at coordinates (c0 innermost .. c3) of the tensor map into
+// shared memory at `dst`; the bytes are counted on mbarrier `bar`
+// (out-of-range elements arrive as zeros and are counted too).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc& map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc& map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&map)) : "memory");
+}
+
 // ---------------------------------------------------------------- mbarriers
 // A barrier completes a phase when `count` arrivals have happened; waiters
 // name the phase by its parity (0 for the 1st, 3rd, ... completion).
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+// Makes initialised barriers visible to the async proxy (the TMA unit).
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrives on `bar` once all of this thread's earlier cp.async copies have
-// landed; the arrival is counted in the barrier's initial count (.noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+// Arrives on `bar` and adds `bytes` to the transfer count its phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
     asm volatile(

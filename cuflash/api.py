@@ -13,7 +13,8 @@ import os
 import numpy
 
 from . import compile as _compile
-from . import dispatch
+from . import dispatch, fp8, tma
+from .config import FP8_DTYPE_NAME
 
 try:  # CuPy holds bfloat16 arrays through ml_dtypes
     import ml_dtypes
@@ -25,9 +26,10 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 _LOG2E = 1.4426950408889634
 MAX_HEADDIM = 256
 MIN_COMPUTE_CAPABILITY = 80
-# cp.async moves 16-byte chunks: base pointers and the batch/seq/head strides
-# must be multiples of 16 bytes (8 elements).
-_ALIGN_ELEMS = 8
+# cp.async and TMA move 16-byte chunks: base pointers and the batch/seq/head
+# strides must be multiples of 16 bytes.
+_ALIGN_BYTES = 16
+HOPPER = 90
 
 
 def _cupy():
@@ -41,7 +43,14 @@ def _dtype_name(dtype) -> str | None:
         return "float16"
     if _BF16 is not None and dtype == _BF16:
         return "bfloat16"
+    if fp8.is_e4m3(dtype):
+        return FP8_DTYPE_NAME
     return None
+
+
+def out_dtype(dtype_name: str, in_dtype):
+    """The output dtype: the input's, bfloat16 for fp8 inputs."""
+    return _BF16 if dtype_name == FP8_DTYPE_NAME else in_dtype
 
 
 def _require_cupy_array(name: str, x) -> None:
@@ -87,9 +96,9 @@ def _last_dim_contiguous(x) -> bool:
 
 
 def _aligned(x) -> bool:
-    if x.data.ptr % (_ALIGN_ELEMS * x.itemsize) != 0:
+    if x.data.ptr % _ALIGN_BYTES != 0:
         return False
-    return all(s % _ALIGN_ELEMS == 0 for s in _elem_strides(x)[:3])
+    return all(s * x.itemsize % _ALIGN_BYTES == 0 for s in _elem_strides(x)[:3])
 
 
 def _validate_scale(softmax_scale, headdim: int) -> float:
@@ -103,15 +112,18 @@ def _validate_scale(softmax_scale, headdim: int) -> float:
     return scale
 
 
-def _validate_qkv(q, k, v) -> str:
+def _validate_qkv(q, k, v, allow_fp8: bool = False) -> str:
+    """The dtype name of valid q, k, v (fp8 only where allow_fp8: the forward)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require_cupy_array(name, x)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim), got shape {x.shape}")
     dtype_name = _dtype_name(q.dtype)
+    if dtype_name == FP8_DTYPE_NAME and not allow_fp8:
+        raise TypeError(f"q must be float16 or bfloat16 (fp8 attention is forward-only), got {q.dtype}")
     if dtype_name is None:
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+        raise TypeError(f"q must be float16, bfloat16 or fp8 e4m3 (uint8 bits), got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
@@ -124,6 +136,8 @@ def _validate_qkv(q, k, v) -> str:
         raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
     if headdim % 8 != 0 or not 8 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {MAX_HEADDIM}, got {headdim}")
+    if dtype_name == FP8_DTYPE_NAME and headdim % 16 != 0:
+        raise ValueError(f"q: fp8 head dim must be a multiple of 16 (16-byte rows), got {headdim}")
     nheads_kv = k.shape[2]
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
@@ -138,12 +152,15 @@ def _validate_qkv(q, k, v) -> str:
     return dtype_name
 
 
-def validate_like(name: str, x, ref, ref_name: str) -> None:
-    """x must be a CuPy array with ref's shape, dtype and device and a contiguous last dim."""
+def validate_like(name: str, x, ref, ref_name: str, dtype=None) -> None:
+    """x must be a CuPy array with ref's shape, dtype (or `dtype`) and device and a contiguous last dim."""
     _require_cupy_array(name, x)
     if x.shape != ref.shape:
         raise ValueError(f"{name} must have {ref_name}'s shape {ref.shape}, got {x.shape}")
-    if x.dtype != ref.dtype:
+    if dtype is not None:
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must be {numpy.dtype(dtype).name}, got {x.dtype}")
+    elif x.dtype != ref.dtype:
         raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
     if x.device != ref.device:
         raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
@@ -151,40 +168,52 @@ def validate_like(name: str, x, ref, ref_name: str) -> None:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
 
 
-def validate_output(name: str, x, ref, ref_name: str) -> None:
+def validate_output(name: str, x, ref, ref_name: str, dtype=None) -> None:
     """An output array the kernels write in place (never copied): validate_like plus alignment."""
-    validate_like(name, x, ref, ref_name)
+    validate_like(name, x, ref, ref_name, dtype)
     if not _aligned(x):
         raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, tune=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, tune=False,
+              q_descale=None, k_descale=None, v_descale=None):
     """Exact attention softmax(q k^T * softmax_scale) v, FlashAttention style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
     cupy float16 or bfloat16, last dim contiguous. nheads must be a multiple of
     nheads_kv (GQA/MQA: query head h reads kv head h // (nheads // nheads_kv)).
+    fp8: q, k, v as uint8 arrays holding float8 e4m3 bits (Hopper only, head
+    dim a multiple of 16); the real inputs are q * q_descale, k * k_descale,
+    v * v_descale with float32 descales of shape (batch, nheads_kv) (ones when
+    None); out is bfloat16.
     causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned);
     a row that sees no key gets output 0 and lse -inf.
     softmax_scale: defaults to 1 / sqrt(headdim).
     Returns out (q's shape and dtype); with return_lse=True, (out, lse) where lse
     is float32 (batch, nheads, seqlen_q), natural log.
     tune: first autotune this problem at this shape unless the tuning cache
-    already holds it (as does the environment variable CUFLASH_AUTOTUNE=1).
+    already holds it (as does the environment variable CUFLASH_AUTOTUNE=1;
+    fp8 problems run the heuristic's kernel).
     """
-    dtype_name = _validate_qkv(q, k, v)
+    dtype_name = _validate_qkv(q, k, v, allow_fp8=True)
+    is_fp8 = dtype_name == FP8_DTYPE_NAME
     scale = _validate_scale(softmax_scale, q.shape[3])
+    result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
-        validate_output("out", out, q, "q")
+        validate_output("out", out, q, "q", result_dtype)
     causal = bool(causal)
     cupy = _cupy()
     _require_device(q.device.id)
+    if is_fp8 and compute_capability(q.device.id) != HOPPER:
+        raise RuntimeError(f"cuflash: fp8 attention needs a Hopper GPU (compute capability 9.0); device "
+                           f"{q.device.id} has {compute_capability(q.device.id) / 10:.1f}")
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    descale = fp8.validate_descales(q_descale, k_descale, v_descale, batch, nheads_kv, is_fp8, q.device)
     with q.device:
         if out is None:
-            out = cupy.empty(q.shape, dtype=q.dtype)
+            out = cupy.empty(q.shape, dtype=result_dtype)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
         if seqlen_q == 0 or batch == 0 or nheads == 0:
             return (out, lse) if return_lse else out
@@ -204,17 +233,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             max_smem_per_block(q.device.id),
             compute_capability(q.device.id),
         )
-        if tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0"):
+        if not is_fp8 and (tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0")):
             from .tuner import tune_call
 
             tune_call(problem, batch, nheads, nheads_kv)
         cfg, _ = dispatch.fwd_config(problem)
-        launch_fwd(cfg, problem, q_, k_, v_, out, lse, scale)
+        launch_fwd(cfg, problem, q_, k_, v_, out, lse, scale, descale)
     return (out, lse) if return_lse else out
 
 
-def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float) -> None:
-    """Launch the forward kernel `cfg` on CuPy's current stream (arguments already validated)."""
+def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None) -> None:
+    """Launch the forward kernel `cfg` on CuPy's current stream (arguments validated and 16-byte aligned).
+
+    descale: for fp8 inputs, the (q, k, v) descale arrays of fp8.validate_descales.
+    """
+    if cfg.family == "fwd_sm90":
+        _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale, descale)
+        return
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
@@ -237,3 +272,43 @@ def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float) -> None:
         numpy.float32(scale * _LOG2E),
     )
     kernel(grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
+
+
+def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> None:
+    """The Hopper kernel: Q, K, V (fp8: Vt) reach it as tensor maps (cuflash/tma.py)."""
+    cupy = _cupy()
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    q, k, v = (x if tma.usable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+    even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+    name = cfg.name_expression(problem.dtype_name, problem.causal, even_n)
+    smem = cfg.smem_bytes(problem.dtype_name)
+    kernel = _compile.get_kernel(cfg.family, name, smem)
+    map_q = tma.seq_major_map(q, cfg.block_m)
+    map_k = tma.seq_major_map(k, cfg.block_n)
+    if problem.dtype_name == FP8_DTYPE_NAME:
+        vt = fp8.transpose_v(v)
+        map_v = tma.keys_major_map(vt, cfg.block_n, cfg.headdim)
+        descale_q, descale_k, descale_v = descale
+    else:
+        map_v = tma.seq_major_map(v, cfg.block_n)
+        descale_q = descale_k = descale_v = lse  # not read by 16-bit kernels
+    o_strides = [numpy.int64(s) for s in _elem_strides(out)[:3]]
+    grid = ((seqlen_q + cfg.block_m - 1) // cfg.block_m, nheads, batch)
+    args = (
+        map_q,
+        map_k,
+        map_v,
+        out,
+        lse,
+        descale_q,
+        descale_k,
+        descale_v,
+        numpy.int32(seqlen_q),
+        numpy.int32(seqlen_k),
+        numpy.int32(headdim),
+        numpy.int32(problem.group),
+        *o_strides,
+        numpy.float32(scale * _LOG2E),
+    )
+    kernel(grid, (cfg.threads, 1, 1), args, shared_mem=smem)

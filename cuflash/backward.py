@@ -144,6 +144,7 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None):
     Keeps only q, k, v, out and the logsumexp alive (O(N) extra memory): the
     glue for jax.custom_vjp, CuPy autodiff or a hand-written training loop.
     """
+    api._validate_qkv(q, k, v)  # 16-bit only: no fp8 backward
     out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
 
     def vjp(dout, *, deterministic=False):

@@ -170,6 +170,9 @@ def parse_args(argv):
                              "of the forward alone; cuflash, cuflash-det (deterministic=True), "
                              "torch-flash and torch-cudnn; gradients are checked against torch-flash "
                              "and cuflash-det for bitwise reproducibility")
+    parser.add_argument("--fp8", action="store_true",
+                        help="fp8 e4m3 forward (Hopper): cuflash-fp8 next to cuflash and torch-cudnn on "
+                             "bf16 inputs, then fp8 and bf16 errors against float64 (cuflash/bench_fp8.py)")
     parser.add_argument("--headdim", action="append", metavar="D",
                         help="head dimension(s), e.g. 64,128 (default: both)")
     parser.add_argument("--seqlen", action="append", metavar="N",
@@ -600,6 +603,10 @@ def main(argv=None) -> int:
     except Exception as exc:
         log(f"cuflash bench: no CUDA device ({describe(exc)})")
         return 2
+    if args.fp8:
+        from cuflash import bench_fp8
+
+        return bench_fp8.main(args, device)
     if args.backward and args.tuned:
         log("cuflash bench: --tuned applies to the forward benchmark only; ignored with --backward")
         args.tuned = False

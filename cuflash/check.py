@@ -18,8 +18,9 @@ from tabulate import tabulate
 
 from . import compile as _compile
 from .backward import bwd_fallbacks, HEURISTIC_BWD
-from .config import DTYPE_NAMES, BwdConfig
-from .dispatch import HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
+from .config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
+from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
+from .fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
 # Families whose fast-path kernels must compile without spills.
@@ -54,16 +55,22 @@ def shipped_specialisations():
         for cfg in bwd_fallbacks(kd):
             specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True), cfg.dkdv_smem_bytes(True)))
             specs.append((cfg, cfg.dq_name("float16", True, False, False), cfg.dq_smem_bytes()))
-    for cfg in HEURISTIC_SM90.values():
-        for dtype_name, causal, even_n, even_d in itertools.product(DTYPE_NAMES, (False, True), (True, False),
-                                                                    (True, False)):
-            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n, even_d), cfg.smem_bytes()))
+    sm90 = [(cfg, dtype_name) for cfg in HEURISTIC_SM90.values() for dtype_name in DTYPE_NAMES]
+    sm90 += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
+    for cfg, dtype_name in sm90:
+        for causal, even_n in itertools.product((False, True), (True, False)):
+            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name)))
+    specs.append((HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0))
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name in DTYPE_NAMES:  # row-wise helpers: no dynamic shared memory
         specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name), 0))
         specs.append((any_bwd, BwdConfig.convert_dq_name(dtype_name), 0))
     unique = {name: (cfg, smem) for cfg, name, smem in specs}
-    return [(cfg.family, cfg, name, smem) for name, (cfg, smem) in unique.items()]
+    return [(_family(cfg, name), cfg, name, smem) for name, (cfg, smem) in unique.items()]
+
+
+def _family(cfg, name: str) -> str:
+    return "fp8_prep" if name == TRANSPOSE_V_KERNEL else cfg.family
 
 
 def _compile_one(job):

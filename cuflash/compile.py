@@ -21,7 +21,12 @@ from pathlib import Path
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 # Kernel family -> entry header in cuda_src/.
-FAMILY_HEADERS = {"fwd_sm80": "fwd_sm80.cuh", "bwd_sm80": "bwd_sm80.cuh", "fwd_sm90": "fwd_sm90.cuh"}
+FAMILY_HEADERS = {
+    "fwd_sm80": "fwd_sm80.cuh",
+    "bwd_sm80": "bwd_sm80.cuh",
+    "fwd_sm90": "fwd_sm90.cuh",
+    "fp8_prep": "fp8_prep.cuh",
+}
 
 # Families built for one architecture only: wgmma needs the sm_90a target.
 FAMILY_ARCH = {"fwd_sm90": "sm_90a"}
@@ -118,6 +123,7 @@ class CompileReport:
     spill_stores: int = 0
     spill_loads: int = 0
     log: str = ""
+    cubin: bytes = b""
 
     @property
     def spills(self) -> int:
@@ -138,10 +144,10 @@ def compile_report(family: str, name_expression: str, arch: str) -> CompileRepor
         except nvrtc.NVRTCError:
             return CompileReport(name_expression, arch, ok=False, log=nvrtc.getProgramLog(prog))
         log = nvrtc.getProgramLog(prog)
-        nvrtc.getCUBIN(prog)
+        cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    report = CompileReport(name_expression, arch, ok=True, log=log)
+    report = CompileReport(name_expression, arch, ok=True, log=log, cubin=cubin)
     regs = _PTXAS_REGS.search(log)
     stack = _PTXAS_STACK.search(log)
     if regs is None or stack is None:

@@ -14,6 +14,10 @@ import dataclasses
 KERNEL_HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 DTYPE_NAMES = ("float16", "bfloat16")
+# fp8 e4m3 inputs (bf16 output) run on the Hopper kernel only.
+FP8_DTYPE_NAME = "float8_e4m3"
+# The Hopper kernels' DTYPE template argument (cuda_src/sm90_tiles.cuh).
+SM90_DTYPES = {"float16": 0, "bfloat16": 1, FP8_DTYPE_NAME: 2}
 
 
 def kernel_headdim(d: int) -> int:
@@ -107,10 +111,10 @@ SM90_HEADDIMS = (64, 128, 256)
 
 @dataclasses.dataclass(frozen=True, order=True)
 class FwdSm90Config:
-    """Tile shape of the Hopper (sm_90a, wgmma, warp-specialised) forward kernel.
+    """Tile shape of the Hopper (sm_90a, wgmma, TMA, warp-specialised) forward kernel.
 
     headdim: kernel head dim (64, 128 or 256).
-    block_n: keys per K/V tile (64 or 128).
+    block_n: keys per K/V tile (64 or 128; 128 for fp8).
     stages: K/V tiles in flight in the producer's ring.
     Query rows per CTA are fixed at 128: two consumer warpgroups of 64 rows,
     plus one producer warpgroup.
@@ -125,8 +129,14 @@ class FwdSm90Config:
     threads = 384
     min_blocks = 1
 
-    def smem_bytes(self) -> int:
-        return 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
+    def smem_bytes(self, dtype_name: str = "float16") -> int:
+        """FwdSm90Traits::SMEM_BYTES: the Q region (also the 16-bit output tile), the K/V ring, the barriers."""
+        elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
+        return 2 * self.block_m * self.headdim + 2 * self.stages * self.block_n * self.headdim * elem \
+            + 8 * (1 + 4 * self.stages)
+
+    def supports(self, dtype_name: str) -> bool:
+        return dtype_name != FP8_DTYPE_NAME or (self.block_n == 128 and self.headdim >= 128)
 
     def is_valid(self) -> bool:
         return (
@@ -136,11 +146,12 @@ class FwdSm90Config:
             and self.smem_bytes() <= 227 * 1024
         )
 
-    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
-        if dtype_name not in DTYPE_NAMES:
-            raise ValueError(f"unsupported dtype {dtype_name!r}")
-        args = [self.headdim, self.block_n, self.stages, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal),
-                _cpp_bool(even_n), _cpp_bool(even_d)]
+    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool = True) -> str:
+        """The kernel for these inputs; even_d is not a template argument (TMA zero-fills columns past d)."""
+        if dtype_name not in SM90_DTYPES or not self.supports(dtype_name):
+            raise ValueError(f"unsupported dtype {dtype_name!r} for {self.short_name()}")
+        args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
+                _cpp_bool(even_n)]
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
@@ -162,6 +173,9 @@ class BwdConfig:
     dq_warps: warps of the deterministic dQ kernel; each owns 16 query rows.
     dq_block_n: keys per step of the dQ kernel.
     stages: tiles in flight in the cp.async rings of both kernels.
+    min_blocks: CTAs per SM promised to the register allocator (__launch_bounds__).
+    dkdv_chunk_m: query rows whose scores the dK/dV kernel holds in registers at
+        once (a multiple of 16 dividing dkdv_block_m); 0 means the whole block.
     """
 
     headdim: int
@@ -171,12 +185,17 @@ class BwdConfig:
     dq_block_n: int
     stages: int = 2
     min_blocks: int = 1
+    dkdv_chunk_m: int = 0
 
     family = "bwd_sm80"
 
     @property
     def dkdv_block_n(self) -> int:
         return 16 * self.dkdv_warps
+
+    @property
+    def dkdv_chunk(self) -> int:
+        return self.dkdv_chunk_m or self.dkdv_block_m
 
     @property
     def dq_block_m(self) -> int:
@@ -193,7 +212,7 @@ class BwdConfig:
         return 2 * (2 * self.dq_block_m * self.headdim + 2 * self.stages * self.dq_block_n * self.headdim)
 
     def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
-        args = [self.headdim, self.dkdv_block_m, self.dkdv_warps, self.stages, self.min_blocks,
+        args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),
                 _cpp_bool(atomic_dq)]
         return "cuflash::bwd_dkdv_kernel<" + ", ".join(str(a) for a in args) + ">"
@@ -215,4 +234,6 @@ class BwdConfig:
         return (
             f"d{self.headdim}_dkdv{self.dkdv_block_m}x{self.dkdv_block_n}w{self.dkdv_warps}"
             f"_dq{self.dq_block_m}x{self.dq_block_n}_s{self.stages}"
+            + (f"_c{self.dkdv_chunk}" if self.dkdv_chunk != self.dkdv_block_m else "")
+            + (f"_b{self.min_blocks}" if self.min_blocks != 1 else "")
         )

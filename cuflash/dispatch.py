@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from .config import FwdConfig, FwdSm90Config, kernel_headdim
+from .config import FP8_DTYPE_NAME, FwdConfig, FwdSm90Config, kernel_headdim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +87,32 @@ HEURISTIC_SM90 = {
 }
 
 
+# fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
+# 128 kernel (zero-filled columns), larger ones on the 256 kernel.
+HEURISTIC_FP8 = {
+    128: FwdSm90Config(128, 128, 2),
+    256: FwdSm90Config(256, 128, 2),
+}
+
+
+def fp8_config(problem: FwdProblem) -> FwdSm90Config:
+    if problem.arch != 90:
+        raise RuntimeError("cuflash: fp8 attention needs a Hopper GPU (compute capability 9.0)")
+    cfg = HEURISTIC_FP8[128 if problem.headdim <= 128 else 256]
+    if cfg.smem_bytes(FP8_DTYPE_NAME) > problem.max_smem:
+        raise RuntimeError(f"cuflash: the fp8 kernel needs {cfg.smem_bytes(FP8_DTYPE_NAME)} bytes of shared memory "
+                           f"per block; the device has {problem.max_smem}")
+    return cfg
+
+
 def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
     """Fallbacks for GPUs with less shared memory per block than Hopper or A100 (e.g. 99 KB on sm_86/89)."""
     return (FwdConfig(kd, 32, 4, 1, 2, q_in_regs=False), FwdConfig(kd, 16, 4, 1, 2, q_in_regs=False))
 
 
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
+    if problem.dtype_name == FP8_DTYPE_NAME:
+        return fp8_config(problem)
     sm90 = HEURISTIC_SM90.get(problem.kernel_headdim) if problem.arch == 90 else None
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90

@@ -105,6 +105,49 @@ def attention_naive_lowp(q, k, v, *, causal=False, softmax_scale=None, dtype):
     return out
 
 
+def fp8_quantize(x, per_axes=(1, 3)):
+    """Symmetric e4m3 quantisation of a float array with one scale per remaining axis.
+
+    x: (batch, seqlen, heads, headdim). Returns (bits as uint8, descale float32 of
+    shape (batch, heads)) with x ~ e4m3(bits) * descale; amax maps to 448.
+    """
+    amax = np.abs(np.asarray(x, dtype=np.float64)).max(axis=per_axes)
+    descale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    scaled = np.asarray(x, dtype=np.float64) / descale[:, None, :, None]
+    return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), descale
+
+
+def fp8_dequantize(bits, descale):
+    """float64 values of e4m3 `bits` (batch, seqlen, heads, headdim) times descale (batch, heads)."""
+    values = np.asarray(bits).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return values * np.asarray(descale, dtype=np.float64)[:, None, :, None]
+
+
+def attention_naive_fp8(q, k, v, *, causal=False, softmax_scale=None):
+    """Attention on fp8 operands computed the straightforward way with fp8 GEMMs.
+
+    q, k, v: the dequantised float values (exactly representable as e4m3 times
+    their descale). S = q k^T in float32; P = exp(S - row max) in float32,
+    rounded to e4m3 (the operand of an fp8 P V GEMM); out = (P V) / rowsum(P)
+    in float32, rounded to bfloat16, the output dtype. The yardstick of the fp8
+    accuracy rule.
+    """
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q, k, v = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
+    out = np.zeros(q.shape, dtype=np.float32)
+    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
+        s = np.float32(scale) * (qh @ kh.T)
+        if mask is not None:
+            s = np.where(mask, s, np.float32(-np.inf))
+        row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float32)
+        e = np.exp(s - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        pv = e.astype(e4m3).astype(np.float32) @ vh
+        out[b, :, h] = np.where(total > 0, pv / np.where(total > 0, total, 1.0), 0.0)
+    return out.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
     """Gradients of attention in float64, from the closed form.
 

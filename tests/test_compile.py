@@ -40,12 +40,15 @@ def test_smem_bytes_match_cpp_traits():
 
 
 def test_sm90_smem_bytes_match_cpp_traits():
-    from cuflash.dispatch import HEURISTIC_SM90
+    from cuflash.config import SM90_DTYPES
+    from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
 
+    pairs = [(c, dt) for c in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
+    pairs += [(c, "float8_e4m3") for c in HEURISTIC_FP8.values()]
     asserts = "\n".join(
-        f"static_assert(cuflash::FwdSm90Traits<{c.headdim}, {c.block_n}, {c.stages}>::SMEM_BYTES == {c.smem_bytes()},"
-        f" \"{c.short_name()}\");"
-        for c in HEURISTIC_SM90.values()
+        f"static_assert(cuflash::FwdSm90Traits<{c.headdim}, {c.block_n}, {c.stages}, {SM90_DTYPES[dt]}>::SMEM_BYTES"
+        f" == {c.smem_bytes(dt)}, \"{c.short_name()} {dt}\");"
+        for c, dt in pairs
     )
     prog = nvrtc.createProgram(cf_compile.kernel_source("fwd_sm90") + "\n" + asserts, "check.cu", [], [])
     try:

@@ -1,5 +1,6 @@
 """Hopper (sm_90a) forward family: the wgmma layout conventions it relies on,
-and the kernel against the float64 reference with the 2x rule."""
+the kernel against the float64 reference with the 2x rule (16-bit inputs,
+strided and GQA views through tensor maps), and fp8 e4m3 attention."""
 
 import math
 
@@ -48,7 +49,7 @@ __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, fl
     float s[32], o[64];
     wgmma_fence();
     for (int ks = 0; ks < D / 16; ++ks)
-        Wgmma<64, false>::ss(s, desc_k_major_sw128<64>(smem_addr(sq), 0, ks), desc_k_major_sw128<64>(smem_addr(sk), 0, ks),
+        Wgmma<64, F16>::ss(s, desc_k_major_sw128<64>(smem_addr(sq), 0, ks), desc_k_major_sw128<64>(smem_addr(sk), 0, ks),
                              ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
@@ -62,7 +63,7 @@ __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, fl
         a[1] = *(const unsigned*)(pr + 8 * 64);
         a[2] = *(const unsigned*)(pr + 8);
         a[3] = *(const unsigned*)(pr + 8 * 64 + 8);
-        Wgmma<128, false>::rs<true>(o, a, desc_mn_major_sw128<64 * 128, 1024>(smem_addr(sv), kk));
+        Wgmma<128, F16>::rs<true>(o, a, desc_mn_major_sw128<64 * 128, 1024>(smem_addr(sv), kk));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -125,3 +126,104 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk):
     finite = np.isfinite(ref_lse)
     assert np.all(np.isneginf(got_lse[~finite]))
     np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-3)
+
+
+@hopper
+@pytest.mark.parametrize("layout", ["packed_qkv", "heads_major", "single_row_head"])
+def test_sm90_strided_views(layout, rng):
+    """Tensor maps over views: q, k, v slices of one packed tensor, a
+    (batch, heads, seq, dim) buffer transposed, and extent-1 dims."""
+    headdim, causal = 128, True
+    if layout == "packed_qkv":
+        qkv = cupy.asarray(rng.standard_normal((2, 300, 3, 4, headdim), dtype=np.float32).astype(np.float16))
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    elif layout == "heads_major":
+        q, k, v = (cupy.asarray(rng.standard_normal((2, 4, 257, headdim), dtype=np.float32).astype(np.float16))
+                   .transpose(0, 2, 1, 3) for _ in range(3))
+    else:
+        q = cupy.asarray(rng.standard_normal((1, 1, 1, headdim), dtype=np.float32).astype(np.float16))
+        k, v = (cupy.asarray(rng.standard_normal((1, 129, 1, headdim), dtype=np.float32).astype(np.float16))
+                for _ in range(2))
+    nq, nk = q.shape[1], k.shape[1]
+    out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
+    lse = cupy.full((q.shape[0], q.shape[2], nq), np.nan, dtype=cupy.float32)
+    cfg = dispatch.HEURISTIC_SM90[headdim]
+    problem = dispatch.FwdProblem("float16", headdim, causal, nq, nk, q.shape[2] // k.shape[2], arch=90)
+    api.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(headdim))
+    hq, hk, hv = (x.get() for x in (q, k, v))
+    ref = reference.attention(hq, hk, hv, causal=causal)
+    naive = reference.attention_naive_lowp(hq, hk, hv, causal=causal, dtype=np.float16)
+    assert_close_2x(out.get(), ref, naive, 1e-3)
+
+
+def _fp8_activations(rng, shape):
+    """Normal activations with a few outlier channels (x20), as in trained transformers."""
+    x = rng.standard_normal(shape)
+    outliers = rng.choice(shape[-1], size=max(1, shape[-1] // 32), replace=False)
+    x[..., outliers] *= 20.0
+    return x
+
+
+@hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(256, 256), (1, 97), (257, 1025), (1025, 97)])
+def test_fp8_forward(headdim, causal, nq, nk, rng):
+    """fp8 e4m3 inputs with per-(batch, kv head) descales against the float64
+    reference of the dequantised inputs, with the 2x rule against the naive
+    fp8 computation (reference.attention_naive_fp8)."""
+    import ml_dtypes
+
+    batch, nheads, nheads_kv = 2, 4, 2
+    qf = _fp8_activations(rng, (batch, nq, nheads, headdim))
+    kf = _fp8_activations(rng, (batch, nk, nheads_kv, headdim))
+    vf = rng.standard_normal((batch, nk, nheads_kv, headdim))
+    # q's descale is per kv head too: quantise its heads in groups.
+    qg = qf.reshape(batch, nq, nheads_kv, -1)
+    q_bits, q_scale = reference.fp8_quantize(qg)
+    q_bits = q_bits.reshape(qf.shape)
+    k_bits, k_scale = reference.fp8_quantize(kf)
+    v_bits, v_scale = reference.fp8_quantize(vf)
+    qd = reference.fp8_dequantize(q_bits.reshape(qg.shape), q_scale).reshape(qf.shape)
+    kd = reference.fp8_dequantize(k_bits, k_scale)
+    vd = reference.fp8_dequantize(v_bits, v_scale)
+
+    out = cupy.full(q_bits.shape, np.nan, dtype=ml_dtypes.bfloat16)
+    got, lse = api.attention(cupy.asarray(q_bits), cupy.asarray(k_bits), cupy.asarray(v_bits), causal=causal,
+                             out=out, return_lse=True, q_descale=cupy.asarray(q_scale),
+                             k_descale=cupy.asarray(k_scale), v_descale=cupy.asarray(v_scale))
+    assert got is out and got.dtype == ml_dtypes.bfloat16
+    ref, ref_lse = reference.attention(qd, kd, vd, causal=causal, return_lse=True)
+    naive = reference.attention_naive_fp8(qd, kd, vd, causal=causal)
+    assert_close_2x(got.get().astype(np.float64), ref, naive, 1e-2)
+    got_lse = lse.get()
+    finite = np.isfinite(ref_lse)
+    assert np.all(np.isneginf(got_lse[~finite]))
+    np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+
+
+@hopper
+def test_fp8_descale_defaults_to_one(rng):
+    """Without descales the uint8 bits are the values themselves."""
+    shape = (1, 128, 2, 128)
+    bits = [reference.fp8_quantize(rng.standard_normal(shape))[0] for _ in range(3)]
+    got = api.attention(*(cupy.asarray(b) for b in bits))
+    values = [reference.fp8_dequantize(b, np.ones((1, 2), np.float32)) for b in bits]
+    ref = reference.attention(*values)
+    naive = reference.attention_naive_fp8(*values)
+    assert_close_2x(got.get().astype(np.float64), ref, naive, 1e-2)
+
+
+@hopper
+def test_fp8_transposed_v_layout(rng):
+    """Vt holds V transposed with keys permuted per 32 and zero padding (cuda_src/fp8_prep.cuh)."""
+    from cuflash import fp8
+
+    v = rng.integers(0, 120, size=(2, 97, 3, 80), dtype=np.uint8)
+    vt = fp8.transpose_v(cupy.asarray(v)).get()
+    assert vt.shape == (2, 3, 80, 128)
+    s = np.arange(128)
+    key = (s & ~15) + 2 * ((s & 15) >> 2) + np.where((s & 3) < 2, s & 3, 8 + (s & 1))
+    padded = np.zeros((2, 128, 3, 80), np.uint8)
+    padded[:, :97] = v
+    np.testing.assert_array_equal(vt, padded[:, key].transpose(0, 2, 3, 1))

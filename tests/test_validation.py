@@ -186,3 +186,46 @@ def test_out_non_contiguous_last_dim():
     out = cupy.empty((B, NQ, H, 2 * D), q.dtype)[..., ::2]
     with pytest.raises(ValueError, match=mentions("out")):
         cuflash.attention(q, k, v, out=out)
+
+
+# --- GPU: fp8 (e4m3 bits in uint8 arrays) -------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arg", ["q_descale", "k_descale", "v_descale"])
+def test_descale_needs_fp8_inputs(arg):
+    q, k, v = cp_qkv(np.float16)
+    with pytest.raises(ValueError, match=mentions(arg)):
+        cuflash.attention(q, k, v, **{arg: cupy.ones((B, H), cupy.float32)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arg", ["q_descale", "k_descale", "v_descale"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "numpy"])
+def test_bad_descale(arg, bad):
+    q, k, v = cp_qkv(np.uint8)
+    value = {"shape": cupy.ones((B, H, 1), cupy.float32), "dtype": cupy.ones((B, H), cupy.float16),
+             "numpy": np.ones((B, H), np.float32)}[bad]
+    with pytest.raises((TypeError, ValueError, RuntimeError), match=mentions(arg) + "|Hopper"):
+        cuflash.attention(q, k, v, **{arg: value})
+
+
+@pytest.mark.gpu
+def test_fp8_headdim_multiple_of_16():
+    q, k, v = cp_qkv(np.uint8, (B, NQ, H, 40), (B, NK, H, 40))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cuflash.attention(q, k, v)
+
+
+@pytest.mark.gpu
+def test_fp8_out_must_be_bfloat16():
+    q, k, v = cp_qkv(np.uint8)
+    with pytest.raises(TypeError, match=mentions("out")):
+        cuflash.attention(q, k, v, out=cupy.empty(q.shape, np.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_backward_rejected():
+    q, k, v = cp_qkv(np.uint8)
+    with pytest.raises(TypeError, match="fp8"):
+        cuflash.attention_vjp(q, k, v)

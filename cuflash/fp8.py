@@ -1,0 +1,68 @@
+"""fp8 (e4m3) attention inputs: dtype recognition, descale factors, and the
+transposed V operand of the Hopper kernel (cuda_src/fp8_prep.cuh)."""
+
+from __future__ import annotations
+
+import numpy
+
+from . import compile as _compile
+
+try:
+    import ml_dtypes
+
+    _E4M3 = numpy.dtype(ml_dtypes.float8_e4m3fn)
+except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a dependency
+    _E4M3 = None
+
+# Vt's key padding: a multiple of the transpose kernel's 64-key blocks (and of
+# the 32-key groups of the fp8 P fragments).
+VT_KEY_PAD = 64
+TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel"
+
+
+def is_e4m3(dtype) -> bool:
+    """uint8 arrays hold e4m3 bits; an ml_dtypes float8_e4m3fn dtype is taken as well."""
+    return dtype == numpy.uint8 or (_E4M3 is not None and dtype == _E4M3)
+
+
+def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: int, fp8: bool, device):
+    """The three descale factors as float32 (batch, nheads_kv) arrays on `device` (ones where None)."""
+    import cupy
+
+    given = [(n, x) for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+             if x is not None]
+    if not fp8:
+        if given:
+            raise ValueError(f"{given[0][0]} applies to fp8 (e4m3) inputs only")
+        return None
+    out = []
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            with device:
+                out.append(cupy.ones((batch, nheads_kv), dtype=cupy.float32))
+            continue
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+        if x.shape != (batch, nheads_kv):
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)}, got {x.shape}")
+        if x.dtype != numpy.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
+        out.append(cupy.ascontiguousarray(x))
+    return tuple(out)
+
+
+def transpose_v(v):
+    """Vt (batch, nheads_kv, headdim, keys padded to VT_KEY_PAD) uint8, keys permuted per 32 (fp8_prep.cuh)."""
+    import cupy
+
+    batch, seqlen_k, nheads_kv, headdim = v.shape
+    nk_pad = -(-seqlen_k // VT_KEY_PAD) * VT_KEY_PAD
+    vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
+    kernel = _compile.get_kernel("fp8_prep", TRANSPOSE_V_KERNEL, 0)
+    strides = [numpy.int64(s) for s in v.strides[:3]]  # bytes = elements
+    grid = (nk_pad // VT_KEY_PAD, -(-headdim // 64), batch * nheads_kv)
+    kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(seqlen_k), numpy.int32(nk_pad),
+                               numpy.int32(headdim), numpy.int32(nheads_kv), *strides))
+    return vt

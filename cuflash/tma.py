@@ -1,0 +1,125 @@
+"""Tensor maps for the Hopper kernel's bulk tensor copies (TMA).
+
+A tensor map describes a strided tensor in device memory and the box one copy
+moves; the driver encodes it (cuTensorMapEncodeTiled, through cuda-python:
+CuPy has no binding) into 128 opaque bytes, which the kernel receives by value
+as a `__grid_constant__` parameter (cuda_src/sm90_tiles.cuh: TmaDesc).
+
+Every map here is 4-D, innermost dim first, with a box whose inner extent is
+one 128-byte swizzled panel (cuda_src/common.cuh: tile_offset), so that a copy
+lands in shared memory in the layout wgmma reads. Elements past a dim's end
+arrive as zeros: ragged sequence ends and head dims below the kernel's need
+no masking on the loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy
+
+# The kernel parameter: 128 bytes, which CuPy passes as a structured scalar.
+TMA_DESC_DTYPE = numpy.dtype([("opaque", numpy.uint64, (16,))])
+
+# Bytes of one swizzled panel row: the box's inner extent (128B swizzle).
+PANEL_BYTES = 128
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before the cuda.bindings package
+        try:
+            from cuda import cuda as driver
+        except ImportError:
+            raise RuntimeError(
+                "cuflash: the Hopper kernel needs cuda-python for its tensor maps: pip install cuda-bindings"
+            ) from None
+    return driver
+
+
+@functools.lru_cache(maxsize=1)
+def _init_driver():
+    driver = _driver()
+    (err,) = driver.cuInit(0)
+    if int(err) != 0:
+        raise RuntimeError(f"cuflash: cuInit failed with CUresult {int(err)}")
+    return driver
+
+
+@functools.lru_cache(maxsize=4096)
+def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
+           box: tuple[int, ...]) -> numpy.void:
+    """A tiled tensor map over `dims` (innermost first, elements) with byte strides of dims 1..3.
+
+    Cached on its arguments: a training loop that reuses its buffers encodes once.
+    """
+    driver = _init_driver()
+    dtype = {1: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+             2: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16}[itemsize]
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        dtype,
+        len(dims),
+        ptr,
+        [driver.cuuint64_t(n) for n in dims],
+        [driver.cuuint64_t(s) for s in strides_bytes],
+        [driver.cuuint32_t(n) for n in box],
+        [driver.cuuint32_t(1)] * len(dims),
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cuflash: cuTensorMapEncodeTiled failed (CUresult {int(err)}) for dims {dims}, "
+            f"strides {strides_bytes} bytes, box {box}"
+        )
+    desc = numpy.zeros((), TMA_DESC_DTYPE)
+    desc["opaque"] = [int(x) for x in tmap.opaque]
+    return desc[()]
+
+
+def _safe_strides(inner_bytes: int, shape, strides_bytes) -> tuple[int, ...]:
+    # A dim of extent 1 is never stepped over, and its reported stride may be
+    # anything (0 for a broadcast); TMA wants each stride a multiple of 16 that
+    # covers the dims inside it, so such a dim gets the packed stride.
+    out = []
+    span = inner_bytes
+    for n, s in zip(shape, strides_bytes):
+        if n <= 1:
+            s = -(-span // 16) * 16
+        out.append(s)
+        span = n * s
+    return tuple(out)
+
+
+def seq_major_map(x, box_rows: int) -> numpy.void:
+    """Map over a (batch, seq, heads, headdim) array; box: one panel of headdim x `box_rows` rows.
+
+    Coordinates in the kernel: (column, row, head, batch).
+    """
+    batch, seqlen, heads, headdim = x.shape
+    sb, sn, sh, _ = x.strides
+    dims = (headdim, seqlen, heads, batch)
+    strides = _safe_strides(headdim * x.itemsize, (seqlen, heads, batch), (sn, sh, sb))
+    return encode(x.data.ptr, x.itemsize, dims, strides, (PANEL_BYTES // x.itemsize, box_rows, 1, 1))
+
+
+def keys_major_map(vt, box_keys: int, box_rows: int) -> numpy.void:
+    """Map over fp8 Vt (batch, heads_kv, headdim, keys), keys contiguous; box: `box_keys` keys x `box_rows` rows.
+
+    Coordinates in the kernel: (key, row of head dim, kv head, batch).
+    """
+    batch, heads, headdim, keys = vt.shape
+    sb, sh, sd, _ = vt.strides
+    dims = (keys, headdim, heads, batch)
+    strides = _safe_strides(keys * vt.itemsize, (headdim, heads, batch), (sd, sh, sb))
+    return encode(vt.data.ptr, vt.itemsize, dims, strides, (box_keys, box_rows, 1, 1))
+
+
+def usable(x) -> bool:
+    """Whether a (batch, seq, heads, headdim) array can be described by a tensor map as it is."""
+    if x.data.ptr % 16:
+        return False
+    return all(s >= 0 and s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1)

@@ -1,0 +1,72 @@
+"""SASS of the Hopper fast paths: tensor-core and local-memory instructions.
+
+Compiles each kernel with NVRTC, disassembles it with cuobjdump (CUDA
+toolkit; on the GPU machine) and counts HGMMA / QGMMA (wgmma), HMMA
+(mma.sync) and LDL / STL (local memory: spills or indexed register arrays).
+Exits non-zero if a kernel shows no wgmma instruction or any local memory.
+Run: PYTHONPATH=. python tools/sass_check.py [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tabulate import tabulate
+
+from cuflash import compile as cf_compile
+from cuflash.config import FP8_DTYPE_NAME
+from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
+
+OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
+
+
+def fast_paths():
+    """(name expression, dtype name) of each Hopper fast path."""
+    pairs = [(cfg, dt) for cfg in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
+    pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
+    return [(cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
+
+
+def count_opcodes(sass: str) -> dict:
+    return {op: len(re.findall(rf"\b{op}\b", sass)) for op in OPCODES}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dump", metavar="DIR", help="also write each kernel's SASS to DIR")
+    args = parser.parse_args(argv)
+    rows, failed = [], []
+    for name, dtype_name in fast_paths():
+        report = cf_compile.compile_report("fwd_sm90", name, "sm_90a")
+        if not report.ok:
+            failed.append(name)
+            rows.append([name, "compile error"])
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(report.cubin)
+            f.flush()
+            sass = subprocess.run(["cuobjdump", "--dump-sass", f.name], check=True, capture_output=True,
+                                  text=True).stdout
+        if args.dump:
+            safe = re.sub(r"[^A-Za-z0-9]+", "_", name)
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            (Path(args.dump) / f"{safe}.sass").write_text(sass)
+        counts = count_opcodes(sass)
+        wgmma = counts["QGMMA" if dtype_name == FP8_DTYPE_NAME else "HGMMA"]
+        if wgmma == 0 or counts["LDL"] or counts["STL"]:
+            failed.append(name)
+        rows.append([name.removeprefix("cuflash::"), report.registers, *(counts[op] for op in OPCODES)])
+    print(tabulate(rows, headers=["kernel", "regs", *OPCODES]))
+    if failed:
+        print("FAIL (no wgmma, or local memory):", *failed, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
