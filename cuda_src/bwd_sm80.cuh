@@ -112,10 +112,10 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 
 // acc[NT][4] (16 x 8*NT) += A (16 x 16*KS) * B, A fragments read from shared
 // memory through `a_off` (rows a_row0.., row-major [m][k] storage) and B from
-// [n][k] storage (non-transposed ldmatrix) through `b_off`.
+// [n][k] storage (non-transposed ldmatrix, rows b_row0..) through `b_off`.
 template <bool BF16, int KS, int NT, class AOff, class BOff>
 __device__ __forceinline__ void gemm_ss_nt(float (&acc)[NT][4], u32 a_smem, const AOff& a_off, int a_row0,
-                                           u32 b_smem, const BOff& b_off) {
+                                           u32 b_smem, const BOff& b_off, int b_row0) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         u32 a[4];
@@ -123,7 +123,7 @@ __device__ __forceinline__ void gemm_ss_nt(float (&acc)[NT][4], u32 a_smem, cons
 #pragma unroll
         for (int nj = 0; nj < NT / 2; ++nj) {
             u32 bb[4];
-            ldmatrix_x4(bb, b_smem + b_off.at(nj * 16, ks * 2));
+            ldmatrix_x4(bb, b_smem + b_off.at(b_row0 + nj * 16, ks * 2));
             mma_16816<BF16>(acc[2 * nj], a, bb[0], bb[1]);
             mma_16816<BF16>(acc[2 * nj + 1], a, bb[2], bb[3]);
         }
@@ -131,16 +131,16 @@ __device__ __forceinline__ void gemm_ss_nt(float (&acc)[NT][4], u32 a_smem, cons
 }
 
 // acc[NT][4] += A * B with A from registers (KS k16 fragments) and B from
-// [k][n] storage (transposed ldmatrix), columns starting at chunk b_chunk0.
+// [k][n] storage (transposed ldmatrix), rows starting at b_row0.
 template <bool BF16, int KS, int NT, class BOff>
 __device__ __forceinline__ void gemm_rs_nn(float (&acc)[NT][4], const u32 (&a)[KS][4], u32 b_smem, const BOff& b_off,
-                                           int b_chunk0) {
+                                           int b_row0) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
         for (int dn = 0; dn < NT / 2; ++dn) {
             u32 bb[4];
-            ldmatrix_x4_trans(bb, b_smem + b_off.at(kk * 16, b_chunk0 + dn * 2));
+            ldmatrix_x4_trans(bb, b_smem + b_off.at(b_row0 + kk * 16, dn * 2));
             mma_16816<BF16>(acc[2 * dn], a[kk], bb[0], bb[1]);
             mma_16816<BF16>(acc[2 * dn + 1], a[kk], bb[2], bb[3]);
         }
@@ -184,9 +184,30 @@ __device__ __forceinline__ void acc_to_smem(u16* tile, const float (&acc)[D / 8]
     }
 }
 
-template <int D_, int BR_, int WARPS_, int STAGES_, bool ATOMIC_DQ_>
+// Writes a warp's dS^T fragments (16 keys from key0 x 16*KS queries from
+// query0, the A-operand layout of acc_to_a) into a swizzled [key][query] tile.
+template <int KEYS, int QUERIES, int KS>
+__device__ __forceinline__ void store_ds_t(u16* tile, const u32 (&ds)[KS][4], int key0, int query0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + (lane >> 2) + 8 * r;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int col = query0 + kk * 16 + half * 8 + 2 * (lane & 3);
+                *reinterpret_cast<u32*>(tile + tile_offset<KEYS, QUERIES>(key, col >> 3) + (col & 7)) =
+                    ds[kk][2 * half + r];
+            }
+        }
+}
+
+template <int D_, int BR_, int QC_, int WARPS_, int STAGES_, bool ATOMIC_DQ_>
 struct BwdDkdvTraits {
     static constexpr int D = D_, BR = BR_, WARPS = WARPS_, STAGES = STAGES_;
+    // Queries per register pass: a warp holds the scores of 16 keys x QC
+    // queries at a time, next to its dK and dV accumulators (16 keys x D each).
+    static constexpr int QC = QC_;
     static constexpr bool ATOMIC_DQ = ATOMIC_DQ_;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int BC = 16 * WARPS;  // keys per CTA: 16 per warp
@@ -202,13 +223,14 @@ struct BwdDkdvTraits {
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     // BR divides 128, the padding of the lse2 / delta / dq_accum rows.
     static_assert(BR == 32 || BR == 64 || BR == 128, "BR must be 32, 64 or 128");
+    static_assert(QC % 16 == 0 && BR % QC == 0, "QC must be a multiple of 16 dividing BR");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
     static_assert(!ATOMIC_DQ || (WARPS % (BR / 16) == 0 && DQ_COLS % 16 == 0), "dQ warp split must be exact");
     static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
 };
 
-template <int D, int BR, int WARPS, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D,
-          bool ATOMIC_DQ>
+template <int D, int BR, int QC, int WARPS, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N,
+          bool EVEN_D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
@@ -217,10 +239,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     long long k_sn, long long k_sh, long long v_sb, long long v_sn, long long v_sh, long long do_sb,
                     long long do_sn, long long do_sh, long long dk_sb, long long dk_sn, long long dk_sh,
                     long long dv_sb, long long dv_sn, long long dv_sh, float scale_log2, float scale) {
-    using T = BwdDkdvTraits<D, BR, WARPS, STAGES, ATOMIC_DQ>;
+    using T = BwdDkdvTraits<D, BR, QC, WARPS, STAGES, ATOMIC_DQ>;
     constexpr int BC = T::BC, THREADS = T::THREADS;
-    constexpr int NT_Q = BR / 8;   // n8 tiles of S^T (columns = queries)
-    constexpr int KS_Q = BR / 16;  // k16 steps over queries
+    constexpr int NT_C = QC / 8;   // n8 tiles of a chunk of S^T (columns = queries)
+    constexpr int KS_C = QC / 16;  // k16 steps over a chunk's queries
     constexpr int KS_D = D / 16;   // k16 steps over the head dim
     constexpr int NT_D = D / 8;
 
@@ -304,73 +326,69 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         const float* lse2_s = sLse2 + st * BR;
         const float* delta_s = sDelta + st * BR;
 
-        // S^T = K Q^T: this warp's 16 keys x BR queries
-        float acc_s[NT_Q][4];
-        zero(acc_s);
-        gemm_ss_nt<BF16, KS_D, NT_Q>(acc_s, smem_addr(sK), kv_a_off, warp_key0, q_smem, q_b_off);
+        // The block's queries in chunks of QC: only one chunk's scores live in
+        // registers next to the dK and dV accumulators. A real loop, so that
+        // the compiler cannot overlap two chunks' scores again.
+#pragma unroll 1
+        for (int qc = 0; qc < BR; qc += QC) {
+            // S^T = K Q^T: this warp's 16 keys x QC queries
+            float acc_s[NT_C][4];
+            zero(acc_s);
+            gemm_ss_nt<BF16, KS_D, NT_C>(acc_s, smem_addr(sK), kv_a_off, warp_key0, q_smem, q_b_off, qc);
 
-        // P^T = 2^(S^T * c - lse2[query]); masked pairs get P = 0
-        const bool masked = (CAUSAL && m0 + diag < n0 + BC - 1) || (!EVEN_N && (m0 + BR > nq || n0 + BC > nk));
+            // P^T = 2^(S^T * c - lse2[query]); masked pairs get P = 0
+            const int mc = m0 + qc;
+            const bool masked = (CAUSAL && mc + diag < n0 + BC - 1) || (!EVEN_N && (mc + QC > nq || n0 + BC > nk));
 #pragma unroll
-        for (int j = 0; j < NT_Q; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + j * 8 + 2 * (lane & 3));
+            for (int j = 0; j < NT_C; ++j) {
+                const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc + j * 8 + 2 * (lane & 3));
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-                if (masked) {
-                    const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
-                    const int query = m0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                    bool keep = key < nk && query < nq;
-                    if constexpr (CAUSAL) keep = keep && key <= query + diag;
-                    if (!keep) p = 0.f;
+                for (int e = 0; e < 4; ++e) {
+                    float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                    if (masked) {
+                        const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
+                        const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
+                        bool keep = key < nk && query < nq;
+                        if constexpr (CAUSAL) keep = keep && key <= query + diag;
+                        if (!keep) p = 0.f;
+                    }
+                    acc_s[j][e] = p;
                 }
-                acc_s[j][e] = p;
             }
-        }
 
-        // P^T rounded to 16 bits: the A operand of dV += P^T dO, and the P of dS
-        // below (as in the naive computation in the input dtype); the fp32
-        // scores die here, which keeps the kernel inside the register file.
-        u32 p_frag[KS_Q][4];
-        acc_to_a<BF16, NT_Q>(p_frag, acc_s);
-        gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, 0);
+            // P^T rounded to 16 bits: the A operand of dV += P^T dO, and the P of
+            // dS below (as in the naive computation in the input dtype); the
+            // fp32 scores die here.
+            u32 p_frag[KS_C][4];
+            acc_to_a<BF16, NT_C>(p_frag, acc_s);
+            gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, qc);
 
-        // dP^T = V dO^T
-        float acc_dp[NT_Q][4];
-        zero(acc_dp);
-        gemm_ss_nt<BF16, KS_D, NT_Q>(acc_dp, smem_addr(sV), kv_a_off, warp_key0, do_smem, q_b_off);
+            // dP^T = V dO^T
+            float acc_dp[NT_C][4];
+            zero(acc_dp);
+            gemm_ss_nt<BF16, KS_D, NT_C>(acc_dp, smem_addr(sV), kv_a_off, warp_key0, do_smem, q_b_off, qc);
 
-        // dS^T = P^T o (dP^T - delta[query])
+            // dS^T = P^T o (dP^T - delta[query])
 #pragma unroll
-        for (int j = 0; j < NT_Q; ++j) {
-            const float2 dl = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * (lane & 3));
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float2 p = unpack2<BF16>(p_frag[j / 2][2 * (j % 2) + r]);
-                acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);
-                acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dl.y);
-            }
-        }
-        u32 ds_frag[KS_Q][4];
-        acc_to_a<BF16, NT_Q>(ds_frag, acc_dp);
-
-        // dK += dS^T Q   (times scale at the end)
-        gemm_rs_nn<BF16, KS_Q, NT_D>(acc_dk, ds_frag, q_smem, q_bt_off, 0);
-
-        if constexpr (ATOMIC_DQ) {
-            // dS^T to shared memory ([key][query]), then dQ[block] += dS K into the fp32 buffer.
-#pragma unroll
-            for (int kk = 0; kk < KS_Q; ++kk)
+            for (int j = 0; j < NT_C; ++j) {
+                const float2 dl = *reinterpret_cast<const float2*>(delta_s + qc + j * 8 + 2 * (lane & 3));
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int key = warp_key0 + (lane >> 2) + 8 * r;
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int col = kk * 16 + half * 8 + 2 * (lane & 3);
-                        *reinterpret_cast<u32*>(sdS + tile_offset<BC, BR>(key, col >> 3) + (col & 7)) =
-                            ds_frag[kk][2 * half + r];
-                    }
+                    const float2 p = unpack2<BF16>(p_frag[j / 2][2 * (j % 2) + r]);
+                    acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);
+                    acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dl.y);
                 }
+            }
+            u32 ds_frag[KS_C][4];
+            acc_to_a<BF16, NT_C>(ds_frag, acc_dp);
+
+            // dK += dS^T Q   (times scale at the end)
+            gemm_rs_nn<BF16, KS_C, NT_D>(acc_dk, ds_frag, q_smem, q_bt_off, qc);
+            if constexpr (ATOMIC_DQ) store_ds_t<BC, BR, KS_C>(sdS, ds_frag, warp_key0, qc, lane);
+        }
+
+        if constexpr (ATOMIC_DQ) {
+            // dQ[block] += dS K into the fp32 buffer.
             __syncthreads();
             constexpr int NT_DQ = T::DQ_COLS / 8;
             const int mt = warp / T::DQ_SPLIT, col_chunk0 = (warp % T::DQ_SPLIT) * (T::DQ_COLS / 8);
@@ -379,8 +397,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
             float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
                              col_chunk0 * 8 + 2 * (lane & 3);
-            // Column slices of 32 (or 16) keep the dQ accumulator small next to dK and dV.
-            constexpr int NT_SLICE = NT_DQ % 4 == 0 ? 4 : 2;
+            // Where the dK and dV accumulators are small (D <= 64), all of the
+            // warp's columns at once: each dS fragment is read once. Else
+            // column slices of 32 (or 16) keep the dQ accumulator small.
+            constexpr int NT_SLICE = D <= 64 ? NT_DQ : (NT_DQ % 4 == 0 ? 4 : 2);
             static_assert(NT_DQ % NT_SLICE == 0, "dQ slices must tile the warp's columns");
 #pragma unroll
             for (int s0 = 0; s0 < NT_DQ; s0 += NT_SLICE) {
@@ -506,7 +526,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         // S = Q K^T, P = 2^(S * c - lse2[row]), masked pairs P = 0
         float acc_s[NT_K][4];
         zero(acc_s);
-        gemm_ss_nt<BF16, KS_D, NT_K>(acc_s, smem_addr(sQ), a_off, warp_row0, k_smem, b_off);
+        gemm_ss_nt<BF16, KS_D, NT_K>(acc_s, smem_addr(sQ), a_off, warp_row0, k_smem, b_off, 0);
         const bool masked = (CAUSAL && kn0 + BC - 1 > m0 + diag) || (!EVEN_N && (kn0 + BC > nk || m0 + BR > nq));
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
@@ -526,7 +546,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         // dP = dO V^T, dS = P o (dP - delta[row])
         float acc_dp[NT_K][4];
         zero(acc_dp);
-        gemm_ss_nt<BF16, KS_D, NT_K>(acc_dp, smem_addr(sdO), a_off, warp_row0, v_smem, b_off);
+        gemm_ss_nt<BF16, KS_D, NT_K>(acc_dp, smem_addr(sdO), a_off, warp_row0, v_smem, b_off, 0);
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
 #pragma unroll

@@ -6,9 +6,12 @@ recomputes P tile by tile from them. Kernels are in cuda_src/bwd_sm80.cuh.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy
 
-from . import api
+from . import api, dispatch
 from . import compile as _compile
 from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
 
@@ -18,13 +21,17 @@ _LOG2E = 1.4426950408889634
 # 16k tokens, hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same
 # run (bench/PERFLOG.md):
 # - d64: 128 query rows x 128 keys, 8 warps: 0.92-0.93x non-causal, 0.83-0.90x
-#   causal; the 64 x 64, 4-warp tile 0.83-0.85x.
+#   causal; the 64 x 64, 4-warp tile 0.83-0.85x. The dK/dV kernel holds the
+#   scores of 64 queries at a time, which keeps it free of spills (the whole
+#   block's spilled up to 196 bytes).
 # - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
-#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal.
+#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal. It still spills
+#   (up to 96 bytes): chunks of 16 queries compile without spills but re-read
+#   K and V fragments 4 times per block, so they wait for a measurement.
 # - other head dims: unmeasured; tiles that fit the shared memory.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
-    64: BwdConfig(64, 128, 8, 4, 64),
+    64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
     96: BwdConfig(96, 64, 8, 4, 64),
     128: BwdConfig(128, 64, 8, 4, 64),
     160: BwdConfig(160, 32, 4, 4, 32),
@@ -39,17 +46,66 @@ def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
     return (BwdConfig(kd, 64, 4, 4, 64), BwdConfig(kd, 32, 4, 4, 32), BwdConfig(kd, 32, 2, 2, 16))
 
 
+@dataclasses.dataclass(frozen=True)
+class BwdProblem:
+    """What the backward kernel choice depends on."""
+
+    dtype_name: str
+    headdim: int  # the user's head dim
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    group: int  # query heads per kv head
+    deterministic: bool
+    max_smem: int = 227 * 1024  # the device's opt-in shared memory per block
+    arch: int = 80  # compute capability as major * 10 + minor
+
+    @property
+    def kernel_headdim(self) -> int:
+        return kernel_headdim(self.headdim)
+
+
+def fits(cfg: BwdConfig, max_smem: int) -> bool:
+    return max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
+
+
 def bwd_config(headdim: int, max_smem: int) -> BwdConfig:
     """The table's tiles, or smaller ones where the device has less shared memory per block."""
     kd = kernel_headdim(headdim)
     for cfg in (HEURISTIC_BWD[kd], *bwd_fallbacks(kd)):
-        if max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem:
+        if fits(cfg, max_smem):
             return cfg
     raise RuntimeError(f"cuflash: no backward kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
 
 
+def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
+    return bwd_config(problem.headdim, problem.max_smem)
+
+
+# Hook for the autotune cache, as dispatch's for the forward: a callable
+# (BwdProblem) -> BwdConfig | None, installed by the package.
+_cache_lookup = None
+
+
+def set_cache_lookup(lookup) -> None:
+    global _cache_lookup
+    _cache_lookup = lookup
+
+
+def choose_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
+    """The config to run and where it came from ("cache" or "heuristic").
+
+    dispatch.heuristic_only() turns the cache off for both passes.
+    """
+    if _cache_lookup is not None and dispatch._cache_enabled:
+        cfg = _cache_lookup(problem)
+        if cfg is not None:
+            return cfg, "cache"
+    return heuristic_bwd_config(problem), "heuristic"
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-                       dq=None, dk=None, dv=None):
+                       dq=None, dk=None, dv=None, tune=False):
     """Gradients (dq, dk, dv) of attention(q, k, v) given dout = dL/d(out).
 
     out and lse are the forward's results (`attention(..., return_lse=True)`),
@@ -57,6 +113,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     heads that share a kv head. deterministic=True computes dq in a separate
     pass without atomics, so repeated calls give identical bits.
     dq, dk, dv: optional output arrays (shapes and dtype of q, k, v).
+    tune: first autotune this problem at this shape unless the tuning cache
+    has it (also on with CUFLASH_AUTOTUNE=1), as `attention(..., tune=True)`.
     """
     api._require_cupy_array("dout", dout)
     dtype_name = api._validate_qkv(q, k, v)
@@ -87,8 +145,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             return dq, dk, dv
         q, k, v, dout, out = (x if api._aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout, out))
         lse = cupy.ascontiguousarray(lse)
-        cfg = bwd_config(headdim, api.max_smem_per_block(q.device.id))
-        _launch(cfg, dtype_name, causal, deterministic, scale, nheads // nheads_kv, q, k, v, dout, out, lse, dq, dk, dv)
+        problem = BwdProblem(dtype_name, headdim, causal, seqlen_q, k.shape[1], nheads // nheads_kv,
+                             bool(deterministic), api.max_smem_per_block(q.device.id),
+                             api.compute_capability(q.device.id))
+        if tune or os.environ.get("CUFLASH_AUTOTUNE", "0") not in ("", "0"):
+            from .tuner import tune_bwd_call
+
+            tune_bwd_call(problem, batch, nheads, nheads_kv)
+        cfg, _ = choose_config(problem)
+        launch_bwd(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv)
     return dq, dk, dv
 
 
@@ -96,13 +161,15 @@ def _strides(*arrays):
     return [numpy.int64(s) for x in arrays for s in api._elem_strides(x)[:3]]
 
 
-def _launch(cfg, dtype_name, causal, deterministic, scale, group, q, k, v, dout, out, lse, dq, dk, dv):
+def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout, out, lse, dq, dk, dv) -> None:
+    """Launch the backward kernels of `cfg` on CuPy's current stream (arguments validated and 16-byte aligned)."""
+    dtype_name, causal, deterministic = problem.dtype_name, problem.causal, problem.deterministic
     cupy = api._cupy()
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     nq_pad = -(-seqlen_q // BWD_ROW_PAD) * BWD_ROW_PAD
     even_d = headdim == cfg.headdim
-    ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(group),
+    ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
             numpy.int32(nq_pad))
     scales = (numpy.float32(scale * _LOG2E), numpy.float32(scale))
 

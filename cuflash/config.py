@@ -211,6 +211,19 @@ class BwdConfig:
     def dq_smem_bytes(self) -> int:
         return 2 * (2 * self.dq_block_m * self.headdim + 2 * self.stages * self.dq_block_n * self.headdim)
 
+    def is_valid(self) -> bool:
+        """Static constraints of BwdDkdvTraits (in both dQ modes) and BwdDqTraits (the static_asserts)."""
+        rows = (32, 64, 128)
+        if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
+                and 2 <= self.stages <= 3 and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16):
+            return False
+        row_tiles = self.dkdv_block_m // 16
+        if self.dkdv_warps % row_tiles or self.dkdv_chunk % 16 or self.dkdv_block_m % self.dkdv_chunk:
+            return False
+        dq_cols = self.headdim // (self.dkdv_warps // row_tiles)
+        smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
+        return dq_cols % 16 == 0 and smem <= 227 * 1024
+
     def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
         args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),

@@ -18,9 +18,10 @@ For each problem, in order:
    slower than the heuristic as measured), goes to the cache with its time and
    the heuristic's.
 
-A kernel family plugs in through an object like `tune_fwd.FWD` (see `Family`).
-Nothing here tunes unless asked: `cuflash.autotune(...)`, `python -m cuflash
-autotune`, `attention(..., tune=True)` or `CUFLASH_AUTOTUNE=1`.
+A kernel family plugs in through an object like `tune_fwd.FWD` or
+`tune_bwd.BWD` (see `Family`). Nothing here tunes unless asked:
+`cuflash.autotune(...)`, `python -m cuflash autotune`, `attention(...,
+tune=True)`, `attention_backward(..., tune=True)` or `CUFLASH_AUTOTUNE=1`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import itertools
 import math
 import os
 import statistics
@@ -40,9 +42,12 @@ from tqdm import tqdm
 
 from . import compile as _compile
 from . import tune_cache
+from .backward import BwdProblem
 from .config import DTYPE_NAMES
 from .dispatch import FwdProblem
-from .tune_fwd import FWD, FwdShape
+from .tune_bwd import BWD
+from .tune_common import CallShape, KernelSpec
+from .tune_fwd import FWD
 
 # A candidate fails the check if any output element is NaN, or if it differs
 # from the heuristic's by more than this fraction of the largest |output|.
@@ -63,17 +68,20 @@ QUICK_SEQLENS = (1024, 2048, 4096, 8192)
 # request for a space no larger than its own.
 SPACE_RANK = {"custom": 0, "quick": 1, "full": 2}
 
+PASSES = ("forward", "backward")
+
 
 class Family(Protocol):
-    """What the tuner needs from a kernel family (implemented by tune_fwd.FwdTuning)."""
+    """What the tuner needs from a kernel family (implemented by tune_fwd.FwdTuning and tune_bwd.BwdTuning)."""
 
-    name: str  # compile.FAMILY_HEADERS key
+    name: str  # the first part of its cache keys
+    config_classes: tuple  # the classes of its configs
 
     def key(self, problem) -> str: ...  # cache key; problems with equal keys share a config
     def heuristic(self, problem): ...  # the trusted config: the reference output and the time to beat
     def space(self, problem, quick: bool) -> list: ...
     def keep(self, cfg, limits: DeviceLimits) -> bool: ...
-    def kernel_names(self, cfg, problem) -> list[str]: ...  # the first is the problem's own kernel
+    def kernels(self, cfg, problem) -> list[KernelSpec]: ...  # every kernel cfg may launch under the key
     def make_inputs(self, problem, shape, seed: int): ...  # .nbytes, .outputs(), .poison()
     def launch(self, cfg, problem, inputs) -> None: ...
     def flops(self, problem, shape) -> float: ...
@@ -138,14 +146,14 @@ def candidates(family: Family, problem, limits: DeviceLimits, quick: bool, overr
     return [heuristic, *dict.fromkeys(kept)]
 
 
-def compiled_ok(report: _compile.CompileReport, cfg, limits: DeviceLimits) -> str | None:
-    """Why a compiled kernel is unusable, or None if it is fine."""
+def compiled_ok(report: _compile.CompileReport, threads: int, limits: DeviceLimits) -> str | None:
+    """Why a compiled kernel launched with `threads` per block is unusable, or None if it is fine."""
     if not report.ok:
         return "compile error"
     if report.spills:
         return f"{report.spills} bytes of spills"
-    if report.registers * cfg.threads > limits.regs_per_block:
-        return f"{report.registers} registers x {cfg.threads} threads exceed the block's {limits.regs_per_block}"
+    if report.registers * threads > limits.regs_per_block:
+        return f"{report.registers} registers x {threads} threads exceed the block's {limits.regs_per_block}"
     return None
 
 
@@ -180,10 +188,9 @@ def compile_filter(tasks: Sequence[Task], limits: DeviceLimits, *, load: bool, j
     work = {}  # (family, name) -> load spec; a kernel shared by tasks is compiled once
     for task in tasks:
         for cfg in task.candidates:
-            names = task.family.kernel_names(cfg, task.problem)
-            for i, name in enumerate(names):
-                spec = (device_id, cfg.smem_bytes()) if load and i == 0 else None
-                work[(cfg.family, name)] = work.get((cfg.family, name)) or spec
+            for kernel in task.family.kernels(cfg, task.problem):
+                spec = (device_id, kernel.smem_bytes) if load and kernel.runs else None
+                work[(kernel.family, kernel.name)] = work.get((kernel.family, kernel.name)) or spec
     jobs = jobs or os.cpu_count() or 1
     reports = {}
     started = time.perf_counter()
@@ -201,8 +208,8 @@ def compile_filter(tasks: Sequence[Task], limits: DeviceLimits, *, load: bool, j
         heuristic, *rest = task.candidates
         kept = []
         for cfg in rest:
-            names = task.family.kernel_names(cfg, task.problem)
-            if not any(compiled_ok(reports[(cfg.family, n)], cfg, limits) for n in names):
+            kernels = task.family.kernels(cfg, task.problem)
+            if not any(compiled_ok(reports[(k.family, k.name)], k.threads, limits) for k in kernels):
                 kept.append(cfg)
         task.candidates = [heuristic, *kept]
 
@@ -351,18 +358,33 @@ def _covers(entry: dict | None, space: str) -> bool:
     return isinstance(searched, str) and SPACE_RANK.get(searched, -1) >= SPACE_RANK[space]
 
 
-def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, True), seqlens=None,
-             quick: bool = False, clear: bool = False, repeats: int | None = None, candidates_override=None,
-             launcher=None, jobs: int | None = None, progress: bool = True) -> dict[str, dict]:
-    """Tune the forward kernel for every combination of the arguments on the current device.
+def _problems(passes, dtypes, headdims, causal, seqlens, limits: DeviceLimits):
+    """(family, problem) for every combination; the backward in both dQ modes."""
+    arch = int(limits.device.compute_capability)
+    for dtype, headdim, is_causal, seqlen in itertools.product(dtypes, headdims, causal, seqlens):
+        if "forward" in passes:
+            yield FWD, FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, limits.smem_per_block, arch)
+        if "backward" in passes:
+            for deterministic in (False, True):
+                yield BWD, BwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, deterministic,
+                                      limits.smem_per_block, arch)
 
-    Each problem is timed on the benchmark's shapes: batch * seqlen = 16k
-    tokens, hidden size 2048, seqlen_q = seqlen_k. `quick` uses the small
-    candidate space, 10 repeats and seqlens 1k..8k unless given. Problems whose
-    cached entry searched at least this space are skipped; `clear` first
-    removes every entry of this device. `candidates_override` (a list of
-    configs) replaces the space. Returns {cache key: entry} for every problem
-    asked for.
+
+def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, True), seqlens=None,
+             passes=PASSES, quick: bool = False, clear: bool = False, repeats: int | None = None,
+             candidates_override=None, launcher=None, jobs: int | None = None,
+             progress: bool = True) -> dict[str, dict]:
+    """Tune the forward and backward kernels for every combination of the arguments on the current device.
+
+    passes: "forward" and/or "backward"; the backward is tuned in its default
+    (atomic dQ) and deterministic modes, which are cached apart. Each problem
+    is timed on the benchmark's shapes: batch * seqlen = 16k tokens, hidden
+    size 2048, seqlen_q = seqlen_k. `quick` uses the small candidate spaces,
+    10 repeats and seqlens 1k..8k unless given. Problems whose cached entry
+    searched at least this space are skipped; `clear` first removes every
+    entry of this device. `candidates_override` (a list of configs) replaces
+    the space of the families they belong to; the other families are not
+    tuned. Returns {cache key: entry} for every problem tuned or found.
     """
     limits = DeviceLimits.current()
     if clear:
@@ -370,19 +392,17 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
     space = "custom" if candidates_override is not None else ("quick" if quick else "full")
     seqlens = seqlens or (QUICK_SEQLENS if quick else SEQLENS)
     tasks, results = [], {}
-    for dtype in dtypes:
-        for headdim in headdims:
-            for is_causal in causal:
-                for seqlen in seqlens:
-                    problem = FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, limits.smem_per_block,
-                                         int(limits.device.compute_capability))
-                    key = FWD.key(problem)
-                    entry = tune_cache.get(limits.device, key)
-                    if _covers(entry, space):
-                        results[key] = entry
-                        continue
-                    tasks.append(Task(FWD, problem, FwdShape.benchmark(problem), space,
-                                      candidates(FWD, problem, limits, quick, candidates_override)))
+    for family, problem in _problems(passes, dtypes, headdims, causal, seqlens, limits):
+        override = _own(family, candidates_override)
+        if override == []:  # candidates were given, none of this family
+            continue
+        key = family.key(problem)
+        entry = tune_cache.get(limits.device, key)
+        if _covers(entry, space):
+            results[key] = entry
+            continue
+        tasks.append(Task(family, problem, CallShape.benchmark(problem), space,
+                          candidates(family, problem, limits, quick, override)))
     if progress and results:
         _log(f"{len(results)} problem(s) already tuned; tuning {len(tasks)}")
     repeats = repeats or (QUICK_REPEATS if quick else REPEATS)
@@ -390,14 +410,29 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
     return results
 
 
-def tune_call(problem: FwdProblem, batch: int, nheads: int, nheads_kv: int) -> None:
-    """Tune one attention() call's problem at its own shape, unless its key is cached already."""
-    if FWD.cached(problem)[1] is not None:
+def _own(family: Family, override):
+    """The configs of `override` that belong to `family` (None: no override)."""
+    if override is None:
+        return None
+    return [cfg for cfg in override if isinstance(cfg, family.config_classes)]
+
+
+def _tune_one(family: Family, problem, shape: CallShape) -> None:
+    """Tune one call's problem at its own shape, unless its key is cached already."""
+    if family.cached(problem)[1] is not None:
         return
     limits = DeviceLimits.current()
-    task = Task(FWD, problem, FwdShape(batch, nheads, nheads_kv), "full",
-                candidates(FWD, problem, limits, quick=False))
-    run([task])
+    run([Task(family, problem, shape, "full", candidates(family, problem, limits, quick=False))])
+
+
+def tune_call(problem: FwdProblem, batch: int, nheads: int, nheads_kv: int) -> None:
+    """attention(..., tune=True): tune the forward call's problem at its shape."""
+    _tune_one(FWD, problem, CallShape(batch, nheads, nheads_kv))
+
+
+def tune_bwd_call(problem: BwdProblem, batch: int, nheads: int, nheads_kv: int) -> None:
+    """attention_backward(..., tune=True): tune the backward call's problem at its shape."""
+    _tune_one(BWD, problem, CallShape(batch, nheads, nheads_kv))
 
 
 # ---------------------------------------------------------------- command line
@@ -417,13 +452,14 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m cuflash autotune",
-        description="Find and cache the fastest forward configuration per problem on this GPU.")
+        description="Find and cache the fastest forward and backward configurations per problem on this GPU.")
     parser.add_argument("--dtype", action="append", metavar="T", help="fp16 and/or bf16 (default: both)")
     parser.add_argument("--headdim", action="append", metavar="D", help="head dims, e.g. 64,128 (default: 64,128)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="only causal (--causal) or only non-causal (--no-causal) problems")
     parser.add_argument("--seqlen", action="append", metavar="N",
                         help="sequence lengths, e.g. 1k,4k (default: 512..16k; --quick: 1k..8k)")
+    parser.add_argument("--only", choices=PASSES, help="tune only the forward or only the backward (default: both)")
     parser.add_argument("--quick", action="store_true",
                         help="small candidate space, 10 repeats, seqlens 1k..8k: a few minutes")
     parser.add_argument("--clear", action="store_true", help="remove this device's cached entries first")
@@ -443,8 +479,9 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     try:
-        results = autotune(dtypes=dtypes, headdims=headdims, causal=causal, seqlens=seqlens, quick=args.quick,
-                           clear=args.clear, repeats=args.repeats, jobs=args.jobs)
+        passes = (args.only,) if args.only else PASSES
+        results = autotune(dtypes=dtypes, headdims=headdims, causal=causal, seqlens=seqlens, passes=passes,
+                           quick=args.quick, clear=args.clear, repeats=args.repeats, jobs=args.jobs)
     except Exception as exc:
         print(f"cuflash autotune: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The autotuner without a GPU: its space and filters, the cache key, and the JSON cache."""
+"""The autotuner without a GPU: its spaces and filters, the cache keys, and the JSON cache."""
 
 import dataclasses
 import json
@@ -7,11 +7,15 @@ import warnings
 
 import pytest
 
+from cuflash import backward
 from cuflash import compile as cf_compile
 from cuflash import dispatch, info, tune_cache, tuner
-from cuflash.config import FwdConfig
+from cuflash.backward import BwdProblem
+from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
-from cuflash.tune_fwd import FWD, QUICK_SPACE, FwdShape, seqlen_bucket
+from cuflash.tune_common import CallShape, seqlen_bucket
+from cuflash.tune_bwd import BWD
+from cuflash.tune_fwd import FWD, QUICK_SPACE
 
 DEVICE = tune_cache.DeviceKey("Test GPU 80GB", "90")
 H100 = tuner.DeviceLimits(DEVICE, smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048,
@@ -71,7 +75,7 @@ def test_compile_filter_drops_spills_errors_and_register_hogs(monkeypatch):
     clean, spills, broken, hog = (FwdConfig(64, 32, 4, 1, 2), FwdConfig(64, 64, 4, 1, 3),
                                   FwdConfig(64, 128, 4, 1, 2), FwdConfig(64, 64, 8, 1, 2))
     real = cf_compile.compile_report(clean.family, FWD.kernel_names(clean, problem)[0], "sm_90")
-    assert real.ok and real.spills == 0 and tuner.compiled_ok(real, clean, H100) is None
+    assert real.ok and real.spills == 0 and tuner.compiled_ok(real, clean.threads, H100) is None
 
     def fake(family, name, arch):
         report = cf_compile.CompileReport(name, arch, ok=True, registers=128)
@@ -86,7 +90,7 @@ def test_compile_filter_drops_spills_errors_and_register_hogs(monkeypatch):
     monkeypatch.setattr(cf_compile, "compile_report", fake)
     monkeypatch.setattr(tuner, "_reports", {})
     limits = tuner.DeviceLimits(DEVICE, 227 * 1024, 228 * 1024, 2048, 32768, 1 << 20)
-    task = tuner.Task(FWD, problem, FwdShape(1, 1, 1), "custom", [heuristic, clean, spills, broken, hog])
+    task = tuner.Task(FWD, problem, CallShape(1, 1, 1), "custom", [heuristic, clean, spills, broken, hog])
     tuner.compile_filter([task], limits, load=False, jobs=2, progress=False)
     assert task.candidates == [heuristic, clean]
 
@@ -229,3 +233,110 @@ def test_cli_rejects_bad_options():
         tuner.main(["--headdim", "7"])
     with pytest.raises(SystemExit):
         tuner.main(["--dtype", "fp8"])
+
+
+# ---------------------------------------------------------------- the backward
+
+
+def bwd_problem(headdim=128, seqlen=4096, causal=True, deterministic=False):
+    return BwdProblem("float16", headdim, causal, seqlen, seqlen, 1, deterministic)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_space_holds_the_table_and_fits(headdim, deterministic):
+    problem = bwd_problem(headdim, deterministic=deterministic)
+    quick = tuner.candidates(BWD, problem, H100, quick=True)
+    full = tuner.candidates(BWD, problem, H100, quick=False)
+    assert quick[0] == full[0] == backward.HEURISTIC_BWD[headdim]
+    assert len(quick) == len(set(quick)) and len(full) == len(set(full))
+    assert set(quick) <= set(full) and len(quick) < len(full)
+    for cfg in full:
+        assert cfg.headdim == headdim and cfg.is_valid() and BWD.keep(cfg, H100)
+        assert max(cfg.dkdv_smem_bytes(True), cfg.dq_smem_bytes()) <= H100.smem_per_block
+    # The dQ kernel's tiles only vary where that kernel runs.
+    dq_tiles = {(cfg.dq_warps, cfg.dq_block_n) for cfg in full}
+    assert (len(dq_tiles) > 1) == deterministic
+    assert {cfg.dkdv_chunk for cfg in full} >= {16, 32, 64}
+
+
+def test_bwd_keep_drops_over_budget():
+    small = tuner.DeviceLimits(DEVICE, 99 * 1024, 100 * 1024, 1536, 65536, 1 << 20)
+    table = backward.HEURISTIC_BWD[128]
+    assert BWD.keep(table, H100) and not BWD.keep(table, small)
+    assert all(BWD.keep(cfg, small) for cfg in tuner.candidates(BWD, bwd_problem(), small, quick=False)[1:])
+    assert not BWD.keep(BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=48), H100)  # chunk does not divide the block
+    assert not BWD.keep(BwdConfig(128, 128, 4, 4, 64), H100)  # 8 row tiles of dQ for 4 warps
+
+
+def test_bwd_key_and_kernels():
+    assert BWD.key(bwd_problem()) == "bwd/float16/d128/causal/q4096/k4096/even/atomic"
+    ragged = BwdProblem("bfloat16", 72, False, 3000, 100, 4, True)
+    assert BWD.key(ragged) == "bwd/bfloat16/d72/full/q4096/k128/ragged/det"
+    cfg = BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32)
+    (even,) = BWD.kernels(cfg, bwd_problem())
+    assert even.runs and even.name == cfg.dkdv_name("float16", True, True, True, True)
+    assert even.smem_bytes == cfg.dkdv_smem_bytes(True) and even.threads == 256
+    kernels = BWD.kernels(cfg, BwdProblem("float16", 120, True, 3000, 3000, 1, True))
+    assert [k.runs for k in kernels] == [True, False, True, False]
+    assert kernels[0].name == cfg.dkdv_name("float16", True, False, False, False)
+    assert kernels[2].name == cfg.dq_name("float16", True, False, False)
+
+
+def test_bwd_choice_uses_the_cache(cache, monkeypatch):
+    monkeypatch.setattr(tune_cache, "current_device", lambda: DEVICE)
+    problem = bwd_problem(64, seqlen=2000)
+    heuristic = backward.heuristic_bwd_config(problem)
+    assert backward.choose_config(problem) == (heuristic, "heuristic")
+    tuned = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=32)
+    tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": dataclasses.asdict(tuned)}})
+    assert tune_cache.get(DEVICE, BWD.key(problem))["config"] == dataclasses.asdict(tuned)
+    assert backward.choose_config(problem) == (tuned, "cache")
+    # Same bucket and length class: the same entry; the other dQ mode has its own.
+    assert backward.choose_config(bwd_problem(64, seqlen=1500))[1] == "cache"
+    assert backward.choose_config(bwd_problem(64, seqlen=2000, deterministic=True))[1] == "heuristic"
+    with dispatch.heuristic_only():
+        assert backward.choose_config(problem) == (heuristic, "heuristic")
+    # Entries that this BwdConfig cannot build, or that do not fit the device, are ignored.
+    for config in ({"headdim": 64, "tile": 3}, dataclasses.asdict(BwdConfig(128, 64, 8, 4, 64))):
+        tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": config}})
+        assert backward.choose_config(problem) == (heuristic, "heuristic")
+    small = dataclasses.replace(problem, max_smem=99 * 1024)
+    tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": dataclasses.asdict(backward.HEURISTIC_BWD[64])}})
+    assert backward.choose_config(small) == (backward.heuristic_bwd_config(small), "heuristic")
+
+
+def test_bwd_compile_filter_checks_every_kernel(monkeypatch):
+    problem = bwd_problem(128, deterministic=True)
+    heuristic = BWD.heuristic(problem)
+    clean, dq_spills = BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=16), BwdConfig(128, 64, 8, 8, 64, dkdv_chunk_m=16)
+
+    def fake(family, name, arch):
+        report = cf_compile.CompileReport(name, arch, ok=True, registers=128)
+        if name == dq_spills.dq_name("float16", True, True, True):
+            report.spill_loads = 8
+        return report
+
+    monkeypatch.setattr(cf_compile, "compile_report", fake)
+    monkeypatch.setattr(tuner, "_reports", {})
+    task = tuner.Task(BWD, problem, CallShape(1, 1, 1), "custom", [heuristic, clean, dq_spills])
+    tuner.compile_filter([task], H100, load=False, jobs=2, progress=False)
+    assert task.candidates == [heuristic, clean]
+
+
+def test_autotune_builds_both_passes():
+    limits = dataclasses.replace(H100, device=tune_cache.DeviceKey("Test GPU", "90"))
+    pairs = list(tuner._problems(tuner.PASSES, ["float16"], [64], [True], [1024], limits))
+    assert [family.name for family, _ in pairs] == ["fwd", "bwd", "bwd"]
+    assert [p.deterministic for _, p in pairs[1:]] == [False, True]
+    assert all(p.arch == 90 and p.max_smem == H100.smem_per_block for _, p in pairs)
+    only = list(tuner._problems(("backward",), ["float16"], [64], [True], [1024], limits))
+    assert {family.name for family, _ in only} == {"bwd"}
+    override = [FwdConfig(64, 32, 4, 1, 2), BwdConfig(64, 64, 8, 4, 64)]
+    assert tuner._own(BWD, override) == override[1:]
+    assert tuner._own(FWD, override) == override[:1]
+
+
+def test_cli_rejects_bad_pass():
+    with pytest.raises(SystemExit):
+        tuner.main(["--only", "sideways"])

@@ -1,5 +1,7 @@
-"""The autotuner on a GPU: cached results reach new processes, wrong candidates never get cached."""
+"""The autotuner on a GPU: cached results reach new processes, wrong candidates never get cached,
+tuned backward configs give the heuristic's gradients."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,9 +12,11 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import api, dispatch, tune_cache, tuner
-from cuflash.config import FwdConfig
+from cuflash import api, backward, dispatch, tune_cache, tuner
+from cuflash.backward import BwdProblem
+from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
+from cuflash.tune_bwd import BWD
 from cuflash.tune_fwd import FWD
 
 pytestmark = pytest.mark.gpu
@@ -107,3 +111,76 @@ def test_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     assert entry["shape"] == {**entry["shape"], "batch": 1, "nheads": 4, "nheads_kv": 2, "seqlen_q": 300}
     assert dispatch.fwd_config(problem)[1] == "cache"
     assert float(cupy.abs(out.astype(cupy.float32) - expected.astype(cupy.float32)).max()) < 2e-2
+
+
+def device_bwd_problem(*fields):
+    """A BwdProblem as cuflash.attention_backward builds it on the current device."""
+    dev = cupy.cuda.Device().id
+    return BwdProblem(*fields, api.max_smem_per_block(dev), api.compute_capability(dev))
+
+
+def bwd_inputs(batch, nq, nk, nheads, nheads_kv, headdim, causal):
+    rng = cupy.random.default_rng(0)
+    q, dout = (rng.standard_normal((batch, nq, nheads, headdim), dtype=cupy.float32).astype(cupy.float16)
+               for _ in range(2))
+    k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=cupy.float32).astype(cupy.float16)
+            for _ in range(2))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    return dout, q, k, v, out, lse
+
+
+def assert_grads_close(grads, expected):
+    for g, e in zip(grads, expected):
+        g32, e32 = g.astype(cupy.float32), e.astype(cupy.float32)
+        assert not bool(cupy.isnan(g32).any())
+        assert float(cupy.abs(g32 - e32).max()) <= 2e-2 * float(cupy.abs(e32).max())
+
+
+def record_configs(monkeypatch):
+    """The configs attention_backward launches, in order."""
+    used, launch = [], backward.launch_bwd
+
+    def recording(cfg, *args):
+        used.append(cfg)
+        launch(cfg, *args)
+
+    monkeypatch.setattr(backward, "launch_bwd", recording)
+    return used
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tuned_backward_is_cached_used_and_matches_the_heuristic(cache, monkeypatch, deterministic):
+    candidates = [BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=32), BwdConfig(64, 128, 8, 8, 32, dkdv_chunk_m=16)]
+    results = tuner.autotune(dtypes=["float16"], headdims=[64], causal=[True], seqlens=[512], passes=("backward",),
+                             repeats=3, candidates_override=candidates, progress=False)
+    problem = device_bwd_problem("float16", 64, True, 512, 512, 1, deterministic)
+    entry = results[BWD.key(problem)]
+    assert len(results) == 2 and entry["timed"] == 3 and entry["rejected"] == []
+    assert tune_cache.get(tune_cache.current_device(), BWD.key(problem)) == entry
+    # Make a candidate the winner, so that the cache is seen to override the table.
+    tuned = candidates[0]
+    tune_cache.put(tune_cache.current_device(), {BWD.key(problem): {**entry, "config": dataclasses.asdict(tuned)}})
+    assert backward.choose_config(problem) == (tuned, "cache")
+
+    args = bwd_inputs(2, 512, 512, 4, 4, 64, causal=True)
+    used = record_configs(monkeypatch)
+    with dispatch.heuristic_only():
+        expected = cuflash.attention_backward(*args, causal=True, deterministic=deterministic)
+    grads = cuflash.attention_backward(*args, causal=True, deterministic=deterministic)
+    assert used == [backward.heuristic_bwd_config(problem), tuned]
+    assert_grads_close(grads, expected)
+
+
+def test_backward_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
+    candidate = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=16)
+    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
+        family.heuristic(problem), candidate])
+    args = bwd_inputs(1, 300, 200, 4, 2, 64, causal=True)
+    with dispatch.heuristic_only():
+        expected = cuflash.attention_backward(*args, causal=True)
+    grads = cuflash.attention_backward(*args, causal=True, tune=True)
+    problem = device_bwd_problem("float16", 64, True, 300, 200, 2, False)
+    entry = tune_cache.get(tune_cache.current_device(), BWD.key(problem))
+    assert entry["shape"] == {**entry["shape"], "batch": 1, "nheads": 4, "nheads_kv": 2, "seqlen_q": 300}
+    assert backward.choose_config(problem)[1] == "cache"
+    assert_grads_close(grads, expected)

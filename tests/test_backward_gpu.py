@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import backward, dispatch
+from cuflash.config import BwdConfig
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
 from tests.numerics import assert_close_2x, randn
@@ -240,6 +242,28 @@ def test_deterministic(rng, dtype, causal, deterministic):
         )
         for name, a, b in zip(("dq", "dk", "dv"), first, second):
             np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim, block_m", [(64, 128), (128, 64), (72, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_chunks_are_bitwise_exact(monkeypatch, rng, dtype, headdim, block_m, causal):
+    # Scores held for a chunk of queries at a time change no product and no
+    # order of accumulation: dk and dv (and the deterministic dq) keep their bits.
+    host, dev = make_inputs(rng, dtype, 1, 300, 333, 4, 2, headdim)
+    dout, q, k, v = dev
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    kd = 128 if headdim > 64 else 64
+    grads = {}
+    for chunk in (0, 16, 32, 64):  # 0: the whole block
+        monkeypatch.setitem(backward.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))
+        with dispatch.heuristic_only():
+            grads[chunk] = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    check_grads(grads[16], host, causal=causal)
+    for chunk, chunk_grads in grads.items():
+        for name, a, b in zip(("dq", "dk", "dv"), chunk_grads, grads[0]):
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name}, chunk {chunk}")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,154 @@
+"""What the autotuner needs to know about the sm_80 backward kernels.
+
+The same parts as tune_fwd: the search space (data), the `keep()` predicate,
+the cache key, the kernels a configuration may run, and a workload (a full
+backward: preprocess, dK/dV and the dQ conversion, or the deterministic dQ
+kernel). `lookup` is the backward's cache hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from . import api, backward
+from .backward import BwdProblem
+from .config import BwdConfig
+from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, default_scale, length_variants, poison,
+                          problem_key, randn)
+
+# Every value of every BwdConfig field the tuner tries; the product, less what
+# keep() drops, is the space. The dQ kernel's fields only vary for
+# deterministic problems (the default mode does not run that kernel).
+# dkdv_chunk_m 0 is the whole block of queries.
+SPACE = {
+    "dkdv_block_m": (32, 64, 128),
+    "dkdv_warps": (4, 8),
+    "dkdv_chunk_m": (0, 16, 32, 64),
+    "stages": (2, 3),
+    "min_blocks": (1, 2),
+}
+QUICK_SPACE = {
+    "dkdv_block_m": (64, 128),
+    "dkdv_warps": (8,),
+    "dkdv_chunk_m": (0, 16, 32, 64),
+    "stages": (2,),
+    "min_blocks": (1,),
+}
+DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (32, 64, 128)}
+QUICK_DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (64,)}
+
+
+def _product(values: dict) -> list[dict]:
+    return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+
+
+class BwdInputs:
+    """q, k, v, dout, the forward's out and lse, and gradient buffers for one backward call."""
+
+    def __init__(self, problem: BwdProblem, shape: CallShape, seed: int):
+        import cupy
+
+        rng = cupy.random.default_rng(seed)
+        q_shape, kv_shape = shape.shapes(problem)
+        self.q, self.k, self.v = (randn(rng, s, problem.dtype_name) for s in (q_shape, kv_shape, kv_shape))
+        self.dout = randn(rng, q_shape, problem.dtype_name)
+        self.scale = default_scale(problem)
+        self.out, self.lse = api.attention(self.q, self.k, self.v, causal=problem.causal, softmax_scale=self.scale,
+                                           return_lse=True)
+        self.dq, self.dk, self.dv = (cupy.empty_like(x) for x in (self.q, self.k, self.v))
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.q, self.k, self.v, self.dout, self.out, self.lse, self.dq, self.dk, self.dv)
+        return sum(x.nbytes for x in arrays)
+
+    def outputs(self) -> tuple:
+        return self.dq, self.dk, self.dv
+
+    def poison(self) -> None:
+        poison(self.dq, self.dk, self.dv)
+
+
+class BwdTuning(TunedFamily):
+    """The backward family as the tuner sees it (see cuflash.tuner.Family)."""
+
+    name = "bwd"
+    config_classes = (BwdConfig,)
+
+    def key(self, problem: BwdProblem) -> str:
+        return problem_key(self.name, problem, "det" if problem.deterministic else "atomic")
+
+    def heuristic(self, problem: BwdProblem) -> BwdConfig:
+        return backward.heuristic_bwd_config(problem)
+
+    def space(self, problem: BwdProblem, quick: bool) -> list[BwdConfig]:
+        """The product of the space's fields, with the table's entry; the dQ fields of the table in atomic mode."""
+        kd = problem.kernel_headdim
+        table = backward.HEURISTIC_BWD[kd]
+        dq_fields = (_product(QUICK_DQ_SPACE if quick else DQ_SPACE) if problem.deterministic
+                     else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
+        dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
+        return [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
+
+    def keep(self, cfg: BwdConfig, limits) -> bool:
+        """Static filter: the traits' asserts, tile sides, this device's shared memory and threads."""
+        smem = max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes())
+        threads = 32 * max(cfg.dkdv_warps, cfg.dq_warps)
+        return (
+            cfg.is_valid()
+            and cfg.dkdv_block_n <= TILE_ALIGN
+            and cfg.dq_block_n <= TILE_ALIGN
+            and smem <= limits.smem_per_block
+            and cfg.min_blocks * smem <= limits.smem_per_sm
+            and cfg.min_blocks * threads <= limits.threads_per_sm
+        )
+
+    def kernels(self, cfg: BwdConfig, problem: BwdProblem) -> list[KernelSpec]:
+        """The dK/dV kernel, and for deterministic problems the dQ kernel, in each length variant.
+
+        The row-wise preprocess and dQ conversion kernels do not depend on the config.
+        """
+        dtype_name, causal, even_d = problem.dtype_name, problem.causal, problem.headdim == cfg.headdim
+        atomic = not problem.deterministic
+        specs = [KernelSpec(cfg.family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
+                            cfg.dkdv_smem_bytes(atomic), 32 * cfg.dkdv_warps, runs=i == 0)
+                 for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]
+        if not atomic:
+            specs += [KernelSpec(cfg.family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
+                                 32 * cfg.dq_warps, runs=i == 0)
+                      for i, n in enumerate(length_variants(problem, cfg.dq_block_m, cfg.dq_block_n))]
+        return specs
+
+    def make_inputs(self, problem: BwdProblem, shape: CallShape, seed: int) -> BwdInputs:
+        return BwdInputs(problem, shape, seed)
+
+    @staticmethod
+    def launch(cfg: BwdConfig, problem: BwdProblem, inputs: BwdInputs) -> None:
+        x = inputs
+        backward.launch_bwd(cfg, problem, x.scale, x.q, x.k, x.v, x.dout, x.out, x.lse, x.dq, x.dk, x.dv)
+
+    def flops(self, problem: BwdProblem, shape: CallShape) -> float:
+        # Five GEMMs against the forward's two: 2.5 x 4·B·H·Nq·Nk·D, halved for causal.
+        flops = 10.0 * shape.batch * shape.nheads * problem.seqlen_q * problem.seqlen_k * problem.headdim
+        return flops / 2 if problem.causal else flops
+
+    def describe(self, problem: BwdProblem, shape: CallShape) -> dict:
+        return {**dataclasses.asdict(problem), **dataclasses.asdict(shape)}
+
+    def config_from_dict(self, fields, problem: BwdProblem) -> BwdConfig | None:
+        """The cached config, or None if it no longer fits BwdConfig, this problem or this device."""
+        try:
+            cfg = BwdConfig(**fields)
+        except TypeError:
+            return None
+        usable = cfg.is_valid() and cfg.headdim == problem.kernel_headdim and backward.fits(cfg, problem.max_smem)
+        return cfg if usable else None
+
+
+BWD = BwdTuning()
+
+
+def lookup(problem: BwdProblem) -> BwdConfig | None:
+    """The backward's cache hook: the tuned config for `problem`, if any."""
+    return BWD.cached(problem)[1]

@@ -1,0 +1,129 @@
+"""What the tuning of every kernel family shares.
+
+The cache key's layout, the shape a problem is timed on, random inputs, and
+the lookup of a problem's tuned configuration (`TunedFamily.cached`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy
+
+from . import api, tune_cache
+
+# No tile side in any family's space exceeds this. Lengths that are multiples
+# of it run every candidate's even-length kernels, so the cache keeps those
+# problems apart from the ragged ones, whose kernels carry boundary predicates.
+TILE_ALIGN = 128
+
+# The benchmark's shapes (cuflash.benchmark): batch * seqlen tokens, hidden size.
+TOKENS = 16384
+HIDDEN = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel a candidate config may launch for a problem's key."""
+
+    family: str  # compile.FAMILY_HEADERS key
+    name: str  # name expression
+    smem_bytes: int  # dynamic shared memory at launch
+    threads: int
+    runs: bool = True  # launched by the problem itself (else only by other calls under its key)
+
+
+def seqlen_bucket(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def aligned(problem) -> bool:
+    return problem.seqlen_q % TILE_ALIGN == 0 and problem.seqlen_k % TILE_ALIGN == 0
+
+
+def length_variants(problem, block_m: int, block_n: int) -> list[bool]:
+    """The even_n values a kernel with these tiles may run under `problem`'s key; `problem`'s own first.
+
+    A ragged key's calls may run either length variant.
+    """
+    even_n = problem.seqlen_q % block_m == 0 and problem.seqlen_k % block_n == 0
+    return [even_n] if aligned(problem) else [even_n, not even_n]
+
+
+def problem_key(family_name: str, problem, *extra: str) -> str:
+    """`family/dtype/d<headdim>/<mask>/q<bucket>/k<bucket>/<even|ragged>[/extra...]`.
+
+    The user's head dim, not the kernel's: it decides whether the zero-padded
+    variant runs. Left out: the GQA ratio (query heads only pick which K/V
+    head a CTA reads; the tile trade-offs are the same), and batch and head
+    counts (the benchmark's 16k tokens give every bucket several waves of CTAs).
+    """
+    return "/".join([
+        family_name,
+        problem.dtype_name,
+        f"d{problem.headdim}",
+        "causal" if problem.causal else "full",
+        f"q{seqlen_bucket(problem.seqlen_q)}",
+        f"k{seqlen_bucket(problem.seqlen_k)}",
+        "even" if aligned(problem) else "ragged",
+        *extra,
+    ])
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The rest of a call's shape: what the timing runs on, not part of the key."""
+
+    batch: int
+    nheads: int
+    nheads_kv: int
+
+    @classmethod
+    def benchmark(cls, problem) -> CallShape:
+        heads = max(1, HIDDEN // problem.headdim)
+        return cls(max(1, TOKENS // problem.seqlen_q), heads, heads)
+
+    def shapes(self, problem) -> tuple[tuple, tuple]:
+        """(q's shape, k's and v's shape)."""
+        return ((self.batch, problem.seqlen_q, self.nheads, problem.headdim),
+                (self.batch, problem.seqlen_k, self.nheads_kv, problem.headdim))
+
+
+def randn(rng, shape, dtype_name: str):
+    """Standard normal values in the problem's 16-bit dtype."""
+    import cupy
+
+    dtype = numpy.float16 if dtype_name == "float16" else api._BF16
+    return rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def poison(*arrays) -> None:
+    """NaN in every element, so that a kernel that skips one is caught."""
+    for x in arrays:
+        if x.dtype == numpy.float32:
+            x.fill(numpy.nan)
+        else:
+            x.view(numpy.uint16).fill(0x7FFF)  # a NaN in float16 and in bfloat16 alike
+
+
+def default_scale(problem) -> float:
+    return 1.0 / math.sqrt(problem.headdim)
+
+
+class TunedFamily:
+    """The cache lookup of a tuning family; subclasses give key() and config_from_dict()."""
+
+    def key(self, problem) -> str:
+        raise NotImplementedError
+
+    def config_from_dict(self, fields: dict, problem):
+        raise NotImplementedError
+
+    def cached(self, problem) -> tuple[dict | None, object | None]:
+        """(the cache entry for `problem` on the current device, its usable config)."""
+        entry = tune_cache.get(tune_cache.current_device(), self.key(problem))
+        if entry is None or not isinstance(entry.get("config"), dict):
+            return entry, None
+        return entry, self.config_from_dict(entry["config"], problem)
