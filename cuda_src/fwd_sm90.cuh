@@ -1,14 +1,18 @@
 // FlashAttention forward for Hopper (sm_90a): wgmma, bulk tensor copies, warp
 // specialisation, fp16 / bf16 / fp8 e4m3.
 //
-// One CTA computes BR = 128 query rows of one (batch, head) with three
-// warpgroups. Warpgroup 0 is the producer: one thread copies Q once and then
-// K and V tiles of BC keys into a STAGES-deep ring with bulk tensor copies
-// (TMA, 128-byte swizzle, see sm90_tiles.cuh), each completing on a "full"
-// mbarrier, and refills a stage once the consumers have arrived on its
-// "empty" barrier. The producer gives its registers to the consumers
-// (setmaxnreg). Warpgroups 1 and 2 are the consumers; consumer c owns rows
-// 64c .. 64c+63 (each warp 16 rows, as in fwd_sm80.cuh).
+// The grid is persistent: one CTA per SM takes work tiles (BR = 128 query rows
+// of one (batch, head)) from a global counter until none is left, so that the
+// next tile's copies run under the current tile's last GEMMs and epilogue,
+// and CTAs that drew short causal tiles draw more. Each CTA has three
+// warpgroups. Warpgroup 0 is the producer: one thread copies a tile's Q (once
+// the consumers have read the previous one) and then K and V tiles of BC keys
+// into a STAGES-deep ring with bulk tensor copies (TMA, 128-byte swizzle, see
+// sm90_tiles.cuh), each completing on a "full" mbarrier, and refills a stage
+// once the consumers have arrived on its "empty" barrier; the ring's position
+// runs on across work tiles. The producer gives its registers to the
+// consumers (setmaxnreg). Warpgroups 1 and 2 are the consumers; consumer c
+// owns rows 64c .. 64c+63 of a tile (each warp 16 rows, as in fwd_sm80.cuh).
 //   S = Q K^T:  wgmma SS, Q and K from shared memory (both K-major).
 //   O += P V:   wgmma RS, P from registers (the S accumulators rounded to the
 //               input type are already in the A-fragment layout), V from
@@ -43,13 +47,19 @@ struct FwdSm90Traits {
     // Tiles are 128-byte-wide swizzled panels: PANEL_ELEMS elements per row.
     static constexpr int PANEL_ELEMS = 128 / ELEM;
     static constexpr int Q_TX = BR * D * ELEM, KV_TX = BC * D * ELEM;
-    // The Q region also stages the 16-bit output tile (BR x D x 2 bytes).
-    static constexpr int Q_BYTES = BR * D * 2;
-    static constexpr int KV_BYTES = KV_TX;
-    static constexpr int BARRIERS = 1 + 4 * STAGES;
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS;
-    // Register split: 128 x (PRODUCER_REGS + 2 x CONSUMER_REGS) <= 65536.
-    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    static constexpr int Q_BYTES = Q_TX, KV_BYTES = KV_TX;
+    static constexpr int BARRIERS = 2 + 4 * STAGES;
+    // + the index of the tile in flight, handed from producer to consumers.
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
+    // Register split (setmaxnreg): the warpgroups share the CTA's allocation
+    // at entry, 168 per thread (__launch_bounds__(384, 1)), so PRODUCER_REGS +
+    // 2 x CONSUMER_REGS must not exceed 3 x 168 (a consumer's increase waits
+    // for registers the producer gave back: more would hang). 240 only where
+    // the consumers need it (head dim 256: O alone is 128 registers); the
+    // producer spills below 40.
+    static constexpr int ENTRY_REGS = 168;
+    static constexpr int CONSUMER_REGS = D == 256 ? 240 : 232;
+    static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
     // k steps (32 bytes of each row) of the two GEMMs.
     static constexpr int KSTEPS_QK = D * ELEM / 32, KSTEPS_PV = BC * ELEM / 32;
 
@@ -134,8 +144,9 @@ __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, u16* __restrict__ o, float* __restrict__ lse,
                     const float* __restrict__ descale_q, const float* __restrict__ descale_k,
-                    const float* __restrict__ descale_v, int nq, int nk, int d, int group, long long o_sb,
-                    long long o_sn, long long o_sh, float scale_log2) {
+                    const float* __restrict__ descale_v, int* __restrict__ tile_counter, int nq, int nk, int d,
+                    int group, int nheads, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
+                    float scale_log2) {
     using T = FwdSm90Traits<D, BC, STAGES, DTYPE>;
     constexpr int BR = T::BR;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
@@ -147,11 +158,14 @@ __global__ void __launch_bounds__(384, 1)
     const u32 sK = sQ + T::Q_BYTES;
     const u32 sV = sK + STAGES * T::KV_BYTES;
     const u32 bars = sV + STAGES * T::KV_BYTES;
-    const u32 full_q = bars;
-    auto full_k = [&](int s) { return bars + 8 * (1 + s); };
-    auto full_v = [&](int s) { return bars + 8 * (1 + STAGES + s); };
-    auto empty_k = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
-    auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+    const u32 full_q = bars, empty_q = bars + 8;
+    // Written by the producer before it arrives on full_q, read by the
+    // consumers after their wait on it; rewritten after empty_q completes.
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(smem_raw + (bars - sQ) + 8 * T::BARRIERS);
+    auto full_k = [&](int s) { return bars + 8 * (2 + s); };
+    auto full_v = [&](int s) { return bars + 8 * (2 + STAGES + s); };
+    auto empty_k = [&](int s) { return bars + 8 * (2 + 2 * STAGES + s); };
+    auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * STAGES + s); };
 
     // Tiles are the 128-byte-swizzled panels of common.cuh (tile_offset),
     // written so by TMA (swizzle 128B) and read by wgmma through descriptors
@@ -171,35 +185,33 @@ __global__ void __launch_bounds__(384, 1)
     };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group, nheads = gridDim.y;
-    const int m0 = m_block * BR;
-    const int rows_valid = nq - m0;
-    u16* o_tile = o + b * o_sb + h * o_sh + m0 * o_sn;
-    float* lse_rows = lse + ((long long)b * nheads + h) * nq + m0;
-
     const int diag = nk - nq;
-    const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(m0, nq, nk);
-    const int n_end = blocks.end, n_masked = blocks.end - blocks.unmasked;
-    if (n_end == 0) {  // no row of this block sees a key
-        write_empty_rows<BR, D, T::THREADS>(o_tile, o_sn, lse_rows, rows_valid, d, tid);
-        return;
-    }
+    const int m_blocks = (nq + BR - 1) / BR;
+    // Work tile -> (query block, head, batch): query blocks innermost, so
+    // that a head's K and V stay in L2 while its blocks run; under a causal
+    // mask the longest blocks first.
+    struct Tile {
+        int m0, h, b;
+    };
+    auto tile_at = [&](int t) {
+        int m = t % m_blocks;
+        if constexpr (CAUSAL) m = m_blocks - 1 - m;
+        const int hb = t / m_blocks;
+        return Tile{m * BR, hb % nheads, hb / nheads};
+    };
 
     if (tid == 0) {
         mbar_init(full_q, 1);
+        mbar_init(empty_q, 4 * T::CONSUMERS);  // one arrival per consumer warp
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty_k(s), 4 * T::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(empty_k(s), 4 * T::CONSUMERS);
             mbar_init(empty_v(s), 4 * T::CONSUMERS);
         }
         fence_barrier_init();
     }
     __syncthreads();
-
-    // Key block of step t: descending, so the masked blocks come first.
-    auto block_of = [&](int t) { return n_end - 1 - t; };
 
     if (wg == 0) {
         // ------------------------------------------------------------ producer
@@ -208,27 +220,49 @@ __global__ void __launch_bounds__(384, 1)
         tma_prefetch_desc(map_q);
         tma_prefetch_desc(map_k);
         tma_prefetch_desc(map_v);
-        // Q, K and 16-bit V: one box per 128-byte panel of the row (tensor
-        // dims: head dim, seq, head, batch). fp8 Vt: one box of BC keys x D
-        // rows (dims: keys, head dim, kv head, batch).
-        mbar_arrive_expect_tx(full_q, T::Q_TX);
-        for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-            tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, m0, h, b, full_q);
-        for (int t = 0; t < n_end; ++t) {
-            const int st = t % STAGES, use = t / STAGES, n0 = block_of(t) * BC;
-            const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
-            if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
-            mbar_arrive_expect_tx(full_k(st), T::KV_TX);
-            for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, b, full_k(st));
-            if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
-            mbar_arrive_expect_tx(full_v(st), T::KV_TX);
-            if constexpr (FP8) {
-                tma_load_4d(v_tile, map_v, n0, 0, hk, b, full_v(st));
-            } else {
-                for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                    tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, b, full_v(st));
+        // Tiles: blockIdx.x first, then one from the counter per tile taken;
+        // an index past the last tile tells the consumers to stop.
+        int kv_iter = 0, q_iter = 0;
+        for (int t = blockIdx.x;; ++q_iter) {
+            if (q_iter > 0) mbar_wait(empty_q, (q_iter - 1) & 1);
+            *tile_slot = t;
+            if (t >= num_tiles) {
+                mbar_arrive(full_q);
+                break;
             }
+            const Tile tile = tile_at(t);
+            const int hk = tile.h / group;
+            const int n_end = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk).end;
+            const int next = atomicAdd(tile_counter, 1) + gridDim.x;
+            if (n_end == 0) {  // the consumers write its empty rows
+                mbar_arrive(full_q);
+                t = next;
+                continue;
+            }
+            // Q, K and 16-bit V: one box per 128-byte panel of the row
+            // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
+            // BC keys x D rows (dims: keys, head dim, kv head, batch).
+            mbar_arrive_expect_tx(full_q, T::Q_TX);
+            for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
+            // Key blocks descending, so that the masked ones come first.
+            for (int i = 0; i < n_end; ++i, ++kv_iter) {
+                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = (n_end - 1 - i) * BC;
+                const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
+                if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
+                mbar_arrive_expect_tx(full_k(st), T::KV_TX);
+                for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                    tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, full_k(st));
+                if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
+                mbar_arrive_expect_tx(full_v(st), T::KV_TX);
+                if constexpr (FP8) {
+                    tma_load_4d(v_tile, map_v, n0, 0, hk, tile.b, full_v(st));
+                } else {
+                    for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                        tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, full_v(st));
+                }
+            }
+            t = next;
         }
         return;
     }
@@ -237,149 +271,167 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_inc<T::CONSUMER_REGS>();
     const int c = wg - 1;
     const int warp_row0 = c * 64 + (warp & 3) * 16;
-    float qk_scale_log2 = scale_log2, o_scale = 1.f;
-    if constexpr (FP8) {
-        const int kv_index = b * (nheads / group) + hk;
-        qk_scale_log2 *= descale_q[kv_index] * descale_k[kv_index];
-        o_scale = descale_v[kv_index];
-    }
-
-    float acc_o[NT_O * 4];
-#pragma unroll
-    for (int i = 0; i < NT_O * 4; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2];
-    PFragments<DTYPE, BC> p_frag;
 
     auto issue_s = [&](float (&acc_s)[NT_S * 4], int st) {
 #pragma unroll
         for (int ks = 0; ks < T::KSTEPS_QK; ++ks)
             Wgmma<BC, DTYPE>::ss(acc_s, q_desc(c * 64, ks), k_desc(sK + st * T::KV_BYTES, ks), ks > 0);
     };
-    auto issue_pv = [&](int st) {
-#pragma unroll
-        for (int kk = 0; kk < T::KSTEPS_PV; ++kk)
-            Wgmma<D, DTYPE>::template rs<!FP8>(acc_o, p_frag.r[kk], v_desc(sV + st * T::KV_BYTES, kk));
-    };
     auto release = [&](u32 bar) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
-    auto apply_mask = [&](float (&acc_s)[NT_S * 4], int t) {
-        const int n0 = block_of(t) * BC;
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                bool keep = EVEN_N || col < nk;
-                if constexpr (CAUSAL) keep = keep && col <= row + diag;
-                if (!keep) acc_s[j * 4 + e] = neg_inf();
-            }
-    };
 
     // Ping-pong: consumer c issues its GEMMs after a sync on barrier 1 + c,
     // then lets the other consumer issue. Consumer 1 opens the first turn for
-    // consumer 0, and skips its last hand-over so that every arrival has a
-    // matching sync. Each consumer takes n_end turns.
-    int turns_left = n_end;
+    // consumer 0; consumer 0 takes a last sync at the end for consumer 1's
+    // last hand-over, so that every arrival has a matching sync.
     auto begin_turn = [&] { named_bar_sync<256>(1 + c); };
-    auto end_turn = [&] {
-        if (c == 0 || --turns_left > 0) named_bar_arrive<256>(2 - c);
-    };
+    auto end_turn = [&] { named_bar_arrive<256>(2 - c); };
     if (c == 1) named_bar_arrive<256>(1);
-    mbar_wait(full_q, 0);
 
-    // Step 0: S_0 alone.
-    {
-        float acc_s[NT_S * 4];
-        mbar_wait(full_k(0), 0);
-        begin_turn();
-        wgmma_fence();
-        issue_s(acc_s, 0);
-        wgmma_commit();
-        end_turn();
-        wgmma_wait<0>();
-        release(empty_k(0));
-        if (n_masked > 0) apply_mask(acc_s, 0);
-        online_softmax<NT_S>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
-        p_frag.pack(acc_s);
-    }
-
-    // Step t: S_t and P_{t-1} V_{t-1} in one turn; softmax of S_t during P V.
-    auto step = [&](int t, auto masked) {
-        const int st = t % STAGES, parity = (t / STAGES) & 1;
-        const int st_prev = (t - 1) % STAGES, parity_prev = ((t - 1) / STAGES) & 1;
-        float acc_s[NT_S * 4];
-        mbar_wait(full_k(st), parity);
-        mbar_wait(full_v(st_prev), parity_prev);
-        begin_turn();
-        wgmma_fence();
-        issue_s(acc_s, st);
-        wgmma_commit();
-        issue_pv(st_prev);
-        wgmma_commit();
-        end_turn();
-        wgmma_wait<1>();  // S_t is in; P V still runs
-        release(empty_k(st));
-        if constexpr (decltype(masked)::value) apply_mask(acc_s, t);
-        online_softmax<NT_S>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
-        wgmma_wait<0>();
-        release(empty_v(st_prev));
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-            acc_o[j * 4 + 0] *= alpha[0];
-            acc_o[j * 4 + 1] *= alpha[0];
-            acc_o[j * 4 + 2] *= alpha[1];
-            acc_o[j * 4 + 3] *= alpha[1];
+    int kv_iter = 0;
+    for (int q_iter = 0;; ++q_iter) {
+        mbar_wait(full_q, q_iter & 1);
+        const int t = *tile_slot;
+        if (t >= num_tiles) break;
+        const Tile tile = tile_at(t);
+        const int hk = tile.h / group;
+        const int rows_valid = nq - tile.m0;
+        u16* o_tile = o + tile.b * o_sb + tile.h * o_sh + tile.m0 * o_sn;
+        float* lse_rows = lse + ((long long)tile.b * nheads + tile.h) * nq + tile.m0;
+        const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
+        const int n_end = blocks.end, n_masked = blocks.end - blocks.unmasked;
+        if (n_end == 0) {  // no row of this tile sees a key
+            release(empty_q);
+            write_empty_rows<64, D, 128>(o_tile + c * 64 * o_sn, o_sn, lse_rows + c * 64, rows_valid - c * 64, d,
+                                         tid - 128 * wg);
+            continue;
         }
-        p_frag.pack(acc_s);
-    };
-    int t = 1;
-    for (; t < n_masked; ++t) step(t, BoolConst<true>{});
-    for (; t < n_end; ++t) step(t, BoolConst<false>{});
+        float qk_scale_log2 = scale_log2, o_scale = 1.f;
+        if constexpr (FP8) {
+            const int kv_index = tile.b * (nheads / group) + hk;
+            qk_scale_log2 *= descale_q[kv_index] * descale_k[kv_index];
+            o_scale = descale_v[kv_index];
+        }
 
-    // Last P V.
-    {
-        const int st = (n_end - 1) % STAGES, parity = ((n_end - 1) / STAGES) & 1;
-        mbar_wait(full_v(st), parity);
-        wgmma_fence();
-        issue_pv(st);
-        wgmma_commit();
-        wgmma_wait<0>();
-        release(empty_v(st));
-    }
+        float acc_o[NT_O * 4];
+#pragma unroll
+        for (int i = 0; i < NT_O * 4; ++i) acc_o[i] = 0.f;
+        float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2];
+        PFragments<DTYPE, BC> p_frag;
 
-    // Epilogue, per warp: O /= l, lse = (m * c + log2 l) * ln 2; the warp's 16
-    // output rows go through the same rows of the Q region (no longer read:
-    // the last wgmma reading them has completed; with fp8, whose Q rows are
-    // half as wide, the output's panels sit at the same row offsets) for
-    // 16-byte stores.
-    constexpr float LN2 = 0.6931471805599453f;
-    auto out_bytes = [&](int row, int col) -> u32 {
-        return 2 * (tile_offset<BR, D>(row, col >> 3) + (col & 7));
-    };
+        auto issue_pv = [&](int st) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l > 0.f ? o_scale / l : 0.f;
-        const int row = warp_row0 + (lane >> 2) + 8 * r;
-        if ((lane & 3) == 0 && row < rows_valid)
-            lse_rows[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+            for (int kk = 0; kk < T::KSTEPS_PV; ++kk)
+                Wgmma<D, DTYPE>::template rs<!FP8>(acc_o, p_frag.r[kk], v_desc(sV + st * T::KV_BYTES, kk));
+        };
+        auto apply_mask = [&](float (&acc_s)[NT_S * 4], int i) {
+            const int n0 = (n_end - 1 - i) * BC;
 #pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-            const int col = j * 8 + 2 * (lane & 3);
-            *reinterpret_cast<u32*>(smem_raw + out_bytes(row, col)) =
-                pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = tile.m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                    const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                    bool keep = EVEN_N || col < nk;
+                    if constexpr (CAUSAL) keep = keep && col <= row + diag;
+                    if (!keep) acc_s[j * 4 + e] = neg_inf();
+                }
+        };
+        // The last S GEMM of the tile has read Q: the producer may load the next.
+        auto after_s = [&](int i, int st) {
+            release(empty_k(st));
+            if (i == n_end - 1) release(empty_q);
+        };
+
+        // Key block 0: S_0 alone.
+        {
+            const int st = kv_iter % STAGES, parity = (kv_iter / STAGES) & 1;
+            float acc_s[NT_S * 4];
+            mbar_wait(full_k(st), parity);
+            begin_turn();
+            wgmma_fence();
+            issue_s(acc_s, st);
+            wgmma_commit();
+            end_turn();
+            wgmma_wait<0>();
+            after_s(0, st);
+            if (n_masked > 0) apply_mask(acc_s, 0);
+            online_softmax<NT_S>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            p_frag.pack(acc_s);
+        }
+
+        // Key block i: S_i and P_{i-1} V_{i-1} in one turn; the softmax of S_i
+        // runs during P V.
+        auto step = [&](int i, auto masked) {
+            const int it = kv_iter + i;
+            const int st = it % STAGES, parity = (it / STAGES) & 1;
+            const int st_prev = (it - 1) % STAGES, parity_prev = ((it - 1) / STAGES) & 1;
+            float acc_s[NT_S * 4];
+            mbar_wait(full_k(st), parity);
+            mbar_wait(full_v(st_prev), parity_prev);
+            begin_turn();
+            wgmma_fence();
+            issue_s(acc_s, st);
+            wgmma_commit();
+            issue_pv(st_prev);
+            wgmma_commit();
+            end_turn();
+            wgmma_wait<1>();  // S_i is in; P V still runs
+            after_s(i, st);
+            if constexpr (decltype(masked)::value) apply_mask(acc_s, i);
+            online_softmax<NT_S>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            wgmma_wait<0>();
+            release(empty_v(st_prev));
+#pragma unroll
+            for (int j = 0; j < NT_O; ++j) {
+                acc_o[j * 4 + 0] *= alpha[0];
+                acc_o[j * 4 + 1] *= alpha[0];
+                acc_o[j * 4 + 2] *= alpha[1];
+                acc_o[j * 4 + 3] *= alpha[1];
+            }
+            p_frag.pack(acc_s);
+        };
+        int i = 1;
+        for (; i < n_masked; ++i) step(i, BoolConst<true>{});
+        for (; i < n_end; ++i) step(i, BoolConst<false>{});
+
+        // Last P V.
+        {
+            const int it = kv_iter + n_end - 1;
+            const int st = it % STAGES, parity = (it / STAGES) & 1;
+            mbar_wait(full_v(st), parity);
+            wgmma_fence();
+            issue_pv(st);
+            wgmma_commit();
+            wgmma_wait<0>();
+            release(empty_v(st));
+        }
+        kv_iter += n_end;
+
+        // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2,
+        // stored from registers (a quad writes 16 contiguous bytes of a row).
+        constexpr float LN2 = 0.6931471805599453f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[r]);
+            const float inv = l > 0.f ? o_scale / l : 0.f;
+            const int row = warp_row0 + (lane >> 2) + 8 * r;
+            if (row >= rows_valid) continue;
+            if ((lane & 3) == 0)
+                lse_rows[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+            u16* o_row = o_tile + row * o_sn;
+#pragma unroll
+            for (int j = 0; j < NT_O; ++j) {
+                const int col = j * 8 + 2 * (lane & 3);
+                if (col < d)
+                    *reinterpret_cast<u32*>(o_row + col) =
+                        pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+            }
         }
     }
-    __syncwarp();
-    for (int i = lane; i < 16 * (D / 8); i += 32) {
-        const int row = warp_row0 + i / (D / 8), chunk = i % (D / 8);
-        if (row < rows_valid && chunk * 8 < d)
-            *reinterpret_cast<uint4*>(o_tile + row * o_sn + chunk * 8) =
-                *reinterpret_cast<const uint4*>(smem_raw + out_bytes(row, chunk * 8));
-    }
+    if (c == 0) begin_turn();
 }
 
 }  // namespace cuflash

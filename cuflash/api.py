@@ -81,6 +81,12 @@ def max_smem_per_block(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device."""
+    return int(_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
 def compute_capability(device_id: int) -> int:
     """Compute capability of a device as major * 10 + minor (90 for H100/H200)."""
     return int(_cupy().cuda.Device(device_id).compute_capability)
@@ -294,7 +300,9 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
         map_v = tma.seq_major_map(v, cfg.block_n)
         descale_q = descale_k = descale_v = lse  # not read by 16-bit kernels
     o_strides = [numpy.int64(s) for s in _elem_strides(out)[:3]]
-    grid = ((seqlen_q + cfg.block_m - 1) // cfg.block_m, nheads, batch)
+    num_tiles = (seqlen_q + cfg.block_m - 1) // cfg.block_m * nheads * batch
+    grid = (min(num_tiles, sm_count(q.device.id)), 1, 1)  # persistent: one CTA per SM
+    tile_counter = cupy.zeros(1, dtype=cupy.int32)  # tiles past the first wave, taken by atomicAdd
     args = (
         map_q,
         map_k,
@@ -304,10 +312,13 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
         descale_q,
         descale_k,
         descale_v,
+        tile_counter,
         numpy.int32(seqlen_q),
         numpy.int32(seqlen_k),
         numpy.int32(headdim),
         numpy.int32(problem.group),
+        numpy.int32(nheads),
+        numpy.int32(num_tiles),
         *o_strides,
         numpy.float32(scale * _LOG2E),
     )

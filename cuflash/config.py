@@ -116,8 +116,8 @@ class FwdSm90Config:
     headdim: kernel head dim (64, 128 or 256).
     block_n: keys per K/V tile (64 or 128; 128 for fp8).
     stages: K/V tiles in flight in the producer's ring.
-    Query rows per CTA are fixed at 128: two consumer warpgroups of 64 rows,
-    plus one producer warpgroup.
+    Query rows per work tile are fixed at 128: two consumer warpgroups of 64
+    rows, plus one producer warpgroup; one persistent CTA per SM.
     """
 
     headdim: int
@@ -130,10 +130,9 @@ class FwdSm90Config:
     min_blocks = 1
 
     def smem_bytes(self, dtype_name: str = "float16") -> int:
-        """FwdSm90Traits::SMEM_BYTES: the Q region (also the 16-bit output tile), the K/V ring, the barriers."""
+        """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the mbarriers, the tile index."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
-        return 2 * self.block_m * self.headdim + 2 * self.stages * self.block_n * self.headdim * elem \
-            + 8 * (1 + 4 * self.stages)
+        return (self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + 8 * (2 + 4 * self.stages) + 16
 
     def supports(self, dtype_name: str) -> bool:
         return dtype_name != FP8_DTYPE_NAME or (self.block_n == 128 and self.headdim >= 128)
