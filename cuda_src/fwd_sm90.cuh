@@ -110,10 +110,16 @@ struct PFragments {
 };
 
 // One step of the online softmax on a 16-row x BC tile of raw scores held as
-// wgmma accumulators (two rows per thread): s becomes P = 2^(s c - m c) with
-// the new running max m, the running sum is updated, and alpha receives the
-// factor 2^(m_old c - m c) that O must be multiplied by. A row with no key
-// yet (max -inf) keeps P = 0.
+// wgmma accumulators (two rows per thread): s becomes P = 2^(s c - m c) for
+// the running max m, the running sum is updated, and alpha receives the
+// factor 2^(m_old c - m c) that O must be multiplied by. m moves only when
+// the tile's max exceeds it by more than RESCALE_LOG2 (in log2 units): P then
+// stays below 2^RESCALE_LOG2, within every P type's range, and most steps
+// leave alpha = 1 and O untouched (the result is the same: O and the sum
+// share the stale max, and the epilogue uses it). A row with no key yet
+// (max -inf) keeps P = 0.
+constexpr float RESCALE_LOG2 = 8.f;
+
 template <int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float scale_log2) {
@@ -123,9 +129,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
 #pragma unroll
         for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j * 4 + 2 * r], s[j * 4 + 2 * r + 1]));
         mx = quad_max(mx);
-        const float offset = mx == neg_inf() ? 0.f : mx * scale_log2;
-        alpha[r] = exp2_approx(row_max[r] * scale_log2 - offset);
-        row_max[r] = mx;
+        alpha[r] = 1.f;
+        if (mx * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2) {
+            alpha[r] = exp2_approx((row_max[r] - mx) * scale_log2);
+            row_max[r] = mx;
+        }
+        const float offset = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -384,12 +393,14 @@ __global__ void __launch_bounds__(384, 1)
             online_softmax<NT_S>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
             wgmma_wait<0>();
             release(empty_v(st_prev));
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-            for (int j = 0; j < NT_O; ++j) {
-                acc_o[j * 4 + 0] *= alpha[0];
-                acc_o[j * 4 + 1] *= alpha[0];
-                acc_o[j * 4 + 2] *= alpha[1];
-                acc_o[j * 4 + 3] *= alpha[1];
+                for (int j = 0; j < NT_O; ++j) {
+                    acc_o[j * 4 + 0] *= alpha[0];
+                    acc_o[j * 4 + 1] *= alpha[0];
+                    acc_o[j * 4 + 2] *= alpha[1];
+                    acc_o[j * 4 + 3] *= alpha[1];
+                }
             }
             p_frag.pack(acc_s);
         };

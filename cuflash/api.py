@@ -301,7 +301,7 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
         descale_q = descale_k = descale_v = lse  # not read by 16-bit kernels
     o_strides = [numpy.int64(s) for s in _elem_strides(out)[:3]]
     num_tiles = (seqlen_q + cfg.block_m - 1) // cfg.block_m * nheads * batch
-    grid = (min(num_tiles, sm_count(q.device.id)), 1, 1)  # persistent: one CTA per SM
+    grid = (min(num_tiles, sm_count(q.device.id)) if cfg.persistent else num_tiles, 1, 1)
     tile_counter = cupy.zeros(1, dtype=cupy.int32)  # tiles past the first wave, taken by atomicAdd
     args = (
         map_q,

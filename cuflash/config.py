@@ -116,13 +116,16 @@ class FwdSm90Config:
     headdim: kernel head dim (64, 128 or 256).
     block_n: keys per K/V tile (64 or 128; 128 for fp8).
     stages: K/V tiles in flight in the producer's ring.
+    persistent: one CTA per SM taking work tiles from a counter (True), or
+    one CTA per tile (False); the same kernel, launched on another grid.
     Query rows per work tile are fixed at 128: two consumer warpgroups of 64
-    rows, plus one producer warpgroup; one persistent CTA per SM.
+    rows, plus one producer warpgroup.
     """
 
     headdim: int
     block_n: int
     stages: int = 2
+    persistent: bool = True
 
     family = "fwd_sm90"
     block_m = 128
@@ -154,7 +157,8 @@ class FwdSm90Config:
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
-        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
+        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}" + (
+            "" if self.persistent else "_np")
 
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every

@@ -35,7 +35,7 @@ QUICK_SPACE = {
 }
 
 # Hopper kernel candidates (compute capability 9.0 only), per field.
-SPACE_SM90 = {"block_n": (64, 128), "stages": (2, 3)}
+SPACE_SM90 = {"block_n": (64, 128), "stages": (2, 3), "persistent": (True, False)}
 
 
 class FwdInputs:
