@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# GPU verification in one call, run from the repository root on the GPU machine:
+# GPU verification, run from the repository root on the GPU machine:
 #
-#   bench/device_check.sh [bench options...]      e.g. bench/device_check.sh --quick
+#   bench/device_check.sh [tests|bench|all]      (default: all)
 #
-# Steps: list the GPUs and print the environment, self-check the kernels, run
-# the GPU tests, then benchmark the forward and then forward+backward (extra
-# arguments go to both benchmarks). A failing step does not stop the later
-# ones, so one call always yields benchmark numbers; the exit status is
-# non-zero if any step failed. Logs, bench.json and bench_bwd.json go to $OUT
-# (./bench_out when OUT is unset): 7 files, info.log check.log tests.log
-# bench.log bench.json bench_bwd.log bench_bwd.json.
+# tests: list the GPUs and print the environment, compile every shipped kernel
+#        (check), run the GPU tests, and read the Hopper fast paths' SASS
+#        (tools/sass_check.py: wgmma instructions, no local memory);
+# bench: the forward benchmark (every default shape), forward+backward
+#        (--quick), and fp8 (head dims 128 and 256, 2k-16k).
+# A failing step does not stop the later ones, so one call always yields
+# benchmark numbers; the exit status is non-zero if any step failed. Logs and
+# the benchmarks' JSON go to $OUT (./bench_out when OUT is unset). The two
+# halves fit one 10-minute call each on an H200.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 
@@ -47,11 +49,19 @@ gpus_and_info() {
     return $rc
 }
 
-step info gpus_and_info
-step check "$PYTHON" -m cuflash check --arch sm_90
-step tests "$PYTHON" -m pytest -q -m gpu tests
-step bench "$PYTHON" -m cuflash bench --json "$OUT/bench.json" "$@"
-step bench_bwd "$PYTHON" -m cuflash bench --backward --json "$OUT/bench_bwd.json" "$@"
+MODE=${1:-all}
+if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+    step info gpus_and_info
+    step check "$PYTHON" -m cuflash check --arch sm_90
+    step tests "$PYTHON" -m pytest -q -m gpu tests
+    step sass "$PYTHON" tools/sass_check.py
+fi
+if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+    step bench "$PYTHON" -m cuflash bench --json "$OUT/bench.json"
+    step bench_bwd "$PYTHON" -m cuflash bench --backward --quick --json "$OUT/bench_bwd.json"
+    step bench_fp8 "$PYTHON" -m cuflash bench --fp8 --headdim 128 --headdim 256 --seqlen 2k,8k,16k \
+        --json "$OUT/bench_fp8.json"
+fi
 
 echo
 if [ ${#failed[@]} -ne 0 ]; then

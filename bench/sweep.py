@@ -16,7 +16,7 @@ from cuflash.config import FwdConfig, FwdSm90Config
 
 CANDIDATES = {
     64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 2), FwdSm90Config(64, 128, 3), FwdSm90Config(64, 64, 3),
-         FwdSm90Config(64, 128, 3, persistent=False)],
+         FwdSm90Config(64, 128, 3, persistent=False), FwdSm90Config(64, 192, 3), FwdSm90Config(64, 192, 4)],
     128: [FwdConfig(128, 64, 4, 2, 2, q_in_regs=False), FwdSm90Config(128, 128, 2), FwdSm90Config(128, 64, 3),
           FwdSm90Config(128, 128, 3), FwdSm90Config(128, 128, 2, persistent=False)],
     256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2),

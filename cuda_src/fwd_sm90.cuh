@@ -64,7 +64,7 @@ struct FwdSm90Traits {
     static constexpr int KSTEPS_QK = D * ELEM / 32, KSTEPS_PV = BC * ELEM / 32;
 
     static_assert(D == 64 || D == 128 || D == 256, "wgmma n = head dim: 64, 128 or 256");
-    static_assert(BC == 64 || BC == 128, "wgmma n = BC: 64 or 128");
+    static_assert(BC == 64 || BC == 128 || BC == 192, "wgmma n = BC: 64, 128 or 192");
     static_assert(DTYPE != E4M3 || (BC == 128 && D >= 128), "fp8: 128-byte rows of Vt (BC = 128) and of Q, K");
     static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
     static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");

@@ -21,17 +21,18 @@ _LOG2E = 1.4426950408889634
 # 16k tokens, hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same
 # run (bench/PERFLOG.md):
 # - d64: 128 query rows x 128 keys, 8 warps: 0.92-0.93x non-causal, 0.83-0.90x
-#   causal; the 64 x 64, 4-warp tile 0.83-0.85x. The dK/dV kernel holds the
-#   scores of 64 queries at a time, which keeps it free of spills (the whole
-#   block's spilled up to 196 bytes).
+#   causal; the 64 x 64, 4-warp tile 0.83-0.85x. Holding the scores of 64
+#   queries at a time (dkdv_chunk_m=64) makes the dK/dV kernel spill-free but
+#   costs 2-9% (bench/bwd_sweep.py, 2k and 8k: e.g. 270 against 296 TFLOP/s
+#   at 8k non-causal): the whole block (which spills up to 196 bytes) stays.
 # - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
-#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal. It still spills
-#   (up to 96 bytes): chunks of 16 queries compile without spills but re-read
-#   K and V fragments 4 times per block, so they wait for a measurement.
+#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal. It spills (up to
+#   96 bytes); chunks of 32 / 16 queries (spill-free at 16) are 9-12% / 18-21%
+#   slower (bench/bwd_sweep.py, 2k and 8k).
 # - other head dims: unmeasured; tiles that fit the shared memory.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
-    64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
+    64: BwdConfig(64, 128, 8, 4, 64),
     96: BwdConfig(96, 64, 8, 4, 64),
     128: BwdConfig(128, 64, 8, 4, 64),
     160: BwdConfig(160, 32, 4, 4, 32),

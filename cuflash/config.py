@@ -114,7 +114,7 @@ class FwdSm90Config:
     """Tile shape of the Hopper (sm_90a, wgmma, TMA, warp-specialised) forward kernel.
 
     headdim: kernel head dim (64, 128 or 256).
-    block_n: keys per K/V tile (64 or 128; 128 for fp8).
+    block_n: keys per K/V tile (64, 128 or 192; 128 for fp8).
     stages: K/V tiles in flight in the producer's ring.
     persistent: one CTA per SM taking work tiles from a counter (True), or
     one CTA per tile (False); the same kernel, launched on another grid.
@@ -143,7 +143,7 @@ class FwdSm90Config:
     def is_valid(self) -> bool:
         return (
             self.headdim in SM90_HEADDIMS
-            and self.block_n in (64, 128)
+            and self.block_n in (64, 128, 192)
             and 1 <= self.stages <= 4
             and self.smem_bytes() <= 227 * 1024
         )

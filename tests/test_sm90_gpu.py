@@ -13,6 +13,7 @@ cupy = pytest.importorskip("cupy")
 
 from cuflash import api, dispatch, reference  # noqa: E402
 from cuflash import compile as cf_compile  # noqa: E402
+from cuflash.config import FwdSm90Config  # noqa: E402
 
 from .numerics import assert_close_2x  # noqa: E402
 
@@ -126,6 +127,27 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk):
     finite = np.isfinite(ref_lse)
     assert np.all(np.isneginf(got_lse[~finite]))
     np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-3)
+
+
+@hopper
+@pytest.mark.parametrize("cfg", [FwdSm90Config(64, 192, 3), FwdSm90Config(128, 64, 3),
+                                 FwdSm90Config(128, 128, 2, persistent=False), FwdSm90Config(256, 64, 2, persistent=False)],
+                         ids=lambda c: c.short_name())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1025, 1025), (300, 77), (64, 700)])
+def test_sm90_other_configs(cfg, causal, nq, nk, rng):
+    """The tuner's other Hopper tiles (block_n 64 and 192, 3 stages, one CTA per tile)."""
+    batch, nheads, nheads_kv, headdim = 2, 6, 2, cfg.headdim
+    q = rng.standard_normal((batch, nq, nheads, headdim), dtype=np.float32).astype(np.float16)
+    k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=np.float32).astype(np.float16)
+            for _ in range(2))
+    out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
+    lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
+    problem = dispatch.FwdProblem("float16", headdim, causal, nq, nk, nheads // nheads_kv, arch=90)
+    api.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in (q, k, v)), out, lse, 1 / math.sqrt(headdim))
+    ref = reference.attention(q, k, v, causal=causal)
+    naive = reference.attention_naive_lowp(q, k, v, causal=causal, dtype=np.float16)
+    assert_close_2x(out.get(), ref, naive, 1e-3)
 
 
 @hopper
