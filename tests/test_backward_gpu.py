@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import backward, dispatch
+from cuflash import backward as backward_module
+from cuflash import dispatch
 from cuflash.config import BwdConfig
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
@@ -257,7 +258,7 @@ def test_query_chunks_are_bitwise_exact(monkeypatch, rng, dtype, headdim, block_
     kd = 128 if headdim > 64 else 64
     grads = {}
     for chunk in (0, 16, 32, 64):  # 0: the whole block
-        monkeypatch.setitem(backward.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))
+        monkeypatch.setitem(backward_module.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))
         with dispatch.heuristic_only():
             grads[chunk] = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
     check_grads(grads[16], host, causal=causal)
