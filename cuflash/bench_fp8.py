@@ -18,39 +18,12 @@ import math
 import numpy
 
 from cuflash import bench_libs, benchmark
+from cuflash.fp8 import dequantize_e4m3, quantize_e4m3
 
 ACCURACY_SEQLEN = 2048
 ACCURACY_HEADS = 4  # heads of one batch entry checked against float64
 OUTLIER_FRACTION = 32
 OUTLIER_SCALE = 20.0
-
-
-def _e4m3_table():
-    """Positive e4m3 values (codes 0..126, increasing) and the midpoints between them."""
-    import ml_dtypes
-
-    values = numpy.arange(127, dtype=numpy.uint8).view(ml_dtypes.float8_e4m3fn).astype(numpy.float32)
-    return values, (values[1:] + values[:-1]) / 2
-
-
-def quantize_e4m3(x):
-    """CuPy float32 (B, N, H, D) -> (e4m3 bits uint8, float32 descale (B, H)), amax mapped to 448."""
-    import cupy
-
-    _, midpoints = _e4m3_table()
-    amax = cupy.abs(x).max(axis=(1, 3))
-    descale = cupy.where(amax > 0, amax / 448.0, 1.0).astype(cupy.float32)
-    y = x / descale[:, None, :, None]
-    code = cupy.searchsorted(cupy.asarray(midpoints), cupy.abs(y)).astype(cupy.uint8)
-    return code | (cupy.signbit(y).astype(cupy.uint8) << 7), descale
-
-
-def dequantize_e4m3(bits, descale):
-    import cupy
-
-    values, _ = _e4m3_table()
-    table = cupy.asarray(numpy.concatenate([values, [numpy.nan], -values, [numpy.nan]]))
-    return table[bits].astype(cupy.float64) * descale[:, None, :, None].astype(cupy.float64)
 
 
 def activations(rng, shape, outliers: bool):

@@ -66,3 +66,37 @@ def transpose_v(v):
     kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(seqlen_k), numpy.int32(nk_pad),
                                numpy.int32(headdim), numpy.int32(nheads_kv), *strides))
     return vt
+
+
+def _e4m3_table():
+    """Positive e4m3 values (codes 0..126, increasing) and the midpoints between them."""
+    import ml_dtypes
+
+    values = numpy.arange(127, dtype=numpy.uint8).view(ml_dtypes.float8_e4m3fn).astype(numpy.float32)
+    return values, (values[1:] + values[:-1]) / 2
+
+
+def quantize_e4m3(x):
+    """A float CuPy array (batch, seqlen, heads, headdim) as fp8 attention inputs.
+
+    Returns (e4m3 bits as uint8, float32 descale of shape (batch, heads)):
+    one scale per (batch, head), the head's largest magnitude mapped to 448
+    (e4m3's largest finite value), values rounded to the nearest e4m3.
+    """
+    import cupy
+
+    _, midpoints = _e4m3_table()
+    amax = cupy.abs(x).max(axis=(1, 3))
+    descale = cupy.where(amax > 0, amax / 448.0, 1.0).astype(cupy.float32)
+    y = x / descale[:, None, :, None]
+    code = cupy.searchsorted(cupy.asarray(midpoints), cupy.abs(y)).astype(cupy.uint8)
+    return code | (cupy.signbit(y).astype(cupy.uint8) << 7), descale
+
+
+def dequantize_e4m3(bits, descale):
+    """float64 values of quantize_e4m3's output."""
+    import cupy
+
+    values, _ = _e4m3_table()
+    table = cupy.asarray(numpy.concatenate([values, [numpy.nan], -values, [numpy.nan]]))
+    return table[bits].astype(cupy.float64) * descale[:, None, :, None].astype(cupy.float64)

@@ -274,3 +274,15 @@ def test_fp8_transposed_v_layout(rng):
     padded = np.zeros((2, 128, 3, 80), np.uint8)
     padded[:, :97] = v
     np.testing.assert_array_equal(vt, padded[:, key].transpose(0, 2, 3, 1))
+
+
+def test_quantize_e4m3_matches_ml_dtypes(rng):
+    """cuflash.fp8.quantize_e4m3 (CuPy) rounds as ml_dtypes does, one descale per (batch, head)."""
+    from cuflash import fp8
+
+    x = rng.standard_normal((2, 100, 3, 64)) * rng.uniform(0.1, 50, size=(2, 1, 3, 1))
+    bits, descale = fp8.quantize_e4m3(cupy.asarray(x, dtype=cupy.float32))
+    ref_bits, ref_descale = reference.fp8_quantize(x.astype(np.float32))
+    np.testing.assert_allclose(descale.get(), ref_descale, rtol=1e-6)
+    np.testing.assert_array_equal(
+        reference.fp8_dequantize(bits.get(), descale.get()), reference.fp8_dequantize(ref_bits, descale.get()))
