@@ -21,6 +21,13 @@ CANDIDATES = {
           FwdSm90Config(128, 128, 3), FwdSm90Config(128, 128, 2, persistent=False)],
     256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2),
           FwdSm90Config(256, 64, 2, persistent=False)],
+    # Head dims without a Hopper kernel of their own: the sm_80 kernel the
+    # dispatcher picks against the next larger Hopper kernel (columns past the
+    # head dim zero-filled by the tensor-map copies).
+    32: [FwdConfig(32, 64, 4, 2, 2), FwdSm90Config(64, 192, 3)],
+    96: [FwdConfig(96, 64, 4, 1, 2), FwdSm90Config(128, 128, 2)],
+    160: [FwdConfig(160, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2)],
+    192: [FwdConfig(192, 32, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2)],
 }
 
 

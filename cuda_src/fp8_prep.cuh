@@ -17,15 +17,15 @@ __device__ __forceinline__ int vt_slot_key(int s) {
 
 // One CTA of 256 threads moves a 64-key x 64-column block through shared
 // memory: 16-byte loads along the head dim, 16-byte stores along the keys.
-// Grid: (nk_pad / 64, ceil(d / 64), batch * kv heads).
+// Grid: (batch * kv heads, nk_pad / 64, ceil(d / 64)) (x has no 65535 limit).
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned char* __restrict__ v,
                                                                unsigned char* __restrict__ vt, int nk, int nk_pad,
                                                                int d, int heads_kv, long long v_sb, long long v_sn,
                                                                long long v_sh) {
     __shared__ __align__(16) unsigned char tile[64][64 + 16];
     const int tid = threadIdx.x;
-    const int n0 = blockIdx.x * 64, d0 = blockIdx.y * 64;
-    const int b = blockIdx.z / heads_kv, h = blockIdx.z % heads_kv;
+    const int n0 = blockIdx.y * 64, d0 = blockIdx.z * 64;
+    const int b = blockIdx.x / heads_kv, h = blockIdx.x % heads_kv;
 
     {
         const int key = tid >> 2, col = 16 * (tid & 3);
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned cha
         for (int j = 0; j < 4; ++j) word |= (u32)tile[vt_slot_key(slot0 + 4 * i + j)][row] << (8 * j);
         w[i] = word;
     }
-    unsigned char* dst = vt + (((long long)blockIdx.z * d + d0 + row) * nk_pad) + n0 + slot0;
+    unsigned char* dst = vt + (((long long)blockIdx.x * d + d0 + row) * nk_pad) + n0 + slot0;
     *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -19,10 +19,11 @@
 //               shared memory: MN-major for 16-bit types; for fp8, which wgmma
 //               reads K-major only, a transposed copy Vt (head dim x keys)
 //               whose keys are permuted within each 32 so that the fp8
-//               A-fragment of P needs no shuffles (see cuflash/fp8.py).
+//               A-fragment of P needs no shuffles (see fp8_prep.cuh).
 // Two overlaps keep the tensor cores busy during the softmax:
 // - ping-pong: the consumers take turns issuing their GEMMs (two named
-//   barriers), so one's softmax runs while the other's GEMMs execute;
+//   barriers; a tile's last P V is issued outside the turns), so one's
+//   softmax runs while the other's GEMMs execute;
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
 //   together, then computes the softmax of S_t while the P V GEMM runs, and
 //   rescales O once it has completed.
@@ -46,8 +47,8 @@ struct FwdSm90Traits {
     static constexpr int BR = 64 * CONSUMERS;
     // Tiles are 128-byte-wide swizzled panels: PANEL_ELEMS elements per row.
     static constexpr int PANEL_ELEMS = 128 / ELEM;
-    static constexpr int Q_TX = BR * D * ELEM, KV_TX = BC * D * ELEM;
-    static constexpr int Q_BYTES = Q_TX, KV_BYTES = KV_TX;
+    // Tile bytes, which are also each copy's transfer count (TMA writes whole boxes).
+    static constexpr int Q_BYTES = BR * D * ELEM, KV_BYTES = BC * D * ELEM;
     static constexpr int BARRIERS = 2 + 4 * STAGES;
     // + the index of the tile in flight, handed from producer to consumers.
     static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
@@ -178,8 +179,8 @@ __global__ void __launch_bounds__(384, 1)
 
     // Tiles are the 128-byte-swizzled panels of common.cuh (tile_offset),
     // written so by TMA (swizzle 128B) and read by wgmma through descriptors
-    // with swizzle mode 128B. Measured on an H200 (hdim 128, 8k): 577 TFLOP/s,
-    // against 328 with unswizzled 8 x 8 core matrices.
+    // with swizzle mode 128B. Measured on an H200 (hdim 128, 8k, cp.async
+    // version): 577 TFLOP/s, against 328 with unswizzled 8 x 8 core matrices.
     auto q_desc = [&](int row0, int ks) { return desc_k_major_sw128<BR>(sQ, row0, ks); };
     auto k_desc = [&](u32 tile, int ks) { return desc_k_major_sw128<BC>(tile, 0, ks); };
     // 16-bit V is the MN-major B operand of P V: the descriptor's leading
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(384, 1)
             // Q, K and 16-bit V: one box per 128-byte panel of the row
             // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
             // BC keys x D rows (dims: keys, head dim, kv head, batch).
-            mbar_arrive_expect_tx(full_q, T::Q_TX);
+            mbar_arrive_expect_tx(full_q, T::Q_BYTES);
             for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                 tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
             // Key blocks descending, so that the masked ones come first.
@@ -259,11 +260,11 @@ __global__ void __launch_bounds__(384, 1)
                 const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = (n_end - 1 - i) * BC;
                 const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
                 if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
-                mbar_arrive_expect_tx(full_k(st), T::KV_TX);
+                mbar_arrive_expect_tx(full_k(st), T::KV_BYTES);
                 for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                     tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, full_k(st));
                 if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
-                mbar_arrive_expect_tx(full_v(st), T::KV_TX);
+                mbar_arrive_expect_tx(full_v(st), T::KV_BYTES);
                 if constexpr (FP8) {
                     tma_load_4d(v_tile, map_v, n0, 0, hk, tile.b, full_v(st));
                 } else {

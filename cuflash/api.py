@@ -190,8 +190,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     nheads_kv (GQA/MQA: query head h reads kv head h // (nheads // nheads_kv)).
     fp8: q, k, v as uint8 arrays holding float8 e4m3 bits (Hopper only, head
     dim a multiple of 16); the real inputs are q * q_descale, k * k_descale,
-    v * v_descale with float32 descales of shape (batch, nheads_kv) (ones when
-    None); out is bfloat16.
+    v * v_descale with positive float32 descales of shape (batch, nheads_kv)
+    (ones when None); out is bfloat16.
     causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned);
     a row that sees no key gets output 0 and lse -inf.
     softmax_scale: defaults to 1 / sqrt(headdim).
@@ -303,6 +303,9 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
     num_tiles = (seqlen_q + cfg.block_m - 1) // cfg.block_m * nheads * batch
     grid = (min(num_tiles, sm_count(q.device.id)) if cfg.persistent else num_tiles, 1, 1)
     tile_counter = cupy.zeros(1, dtype=cupy.int32)  # tiles past the first wave, taken by atomicAdd
+    # vt, tile_counter and any contiguous copies are freed when this returns,
+    # before the kernel has run: safe because CuPy's memory pool hands a freed
+    # block out again only in stream order (to later work on this stream).
     args = (
         map_q,
         map_k,

@@ -24,6 +24,10 @@ from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_co
 from .fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
+# The Hopper kernel's register split (setmaxnreg) assumes this allocation at
+# entry (cuda_src/fwd_sm90.cuh: FwdSm90Traits::ENTRY_REGS); with another, a
+# consumer warpgroup could wait forever for registers.
+SM90_ENTRY_REGISTERS = 168
 # Family -> the fast-path head dims whose kernels must compile without spills.
 # The backward's fastest tiles still spill (cuflash/backward.py: HEURISTIC_BWD).
 SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128)}
@@ -112,6 +116,10 @@ def main(argv=None) -> int:
             failures.append(f"compile error: {report.name} ({report.arch})\n{report.log}")
         elif report.spills and cfg.headdim in SPILL_FREE.get(cfg.family, ()):
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
+        elif cfg.family == "fwd_sm90" and "fwd_sm90_kernel" in report.name \
+                and report.registers != SM90_ENTRY_REGISTERS:
+            failures.append(f"{report.name}: {report.registers} registers at entry, the register split assumes "
+                            f"{SM90_ENTRY_REGISTERS}")
         if args.verbose or not report.ok or report.spills:
             rows.append([report.arch, report.name, report.registers, smem_of[report.name],
                          report.stack_bytes, report.spills, "fast" if fast else ""])

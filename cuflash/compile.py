@@ -130,8 +130,8 @@ class CompileReport:
         return self.spill_stores + self.spill_loads
 
 
-def compile_report(family: str, name_expression: str, arch: str) -> CompileReport:
-    """Compile one specialisation to a cubin for `arch` (e.g. "sm_90") and parse ptxas -v."""
+def compile_report(family: str, name_expression: str, arch: str, keep_cubin: bool = False) -> CompileReport:
+    """Compile one specialisation to a cubin for `arch` (e.g. "sm_90") and parse ptxas -v (and keep the cubin)."""
     from cupy_backends.cuda.libs import nvrtc
 
     source = kernel_source(family)
@@ -147,7 +147,7 @@ def compile_report(family: str, name_expression: str, arch: str) -> CompileRepor
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    report = CompileReport(name_expression, arch, ok=True, log=log, cubin=cubin)
+    report = CompileReport(name_expression, arch, ok=True, log=log, cubin=cubin if keep_cubin else b"")
     regs = _PTXAS_REGS.search(log)
     stack = _PTXAS_STACK.search(log)
     if regs is None or stack is None:

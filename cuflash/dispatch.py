@@ -78,10 +78,11 @@ def heuristic_only():
 # Hopper (compute capability 9.0 exactly: wgmma is sm_90a-only), kernel head
 # dim -> config. Measured on an H200, fp16, 16k tokens, hidden 2048, N = 8k
 # (bench/PERFLOG.md, bench/sweep.py): hdim 128 with 128-key tiles, 2 stages,
-# persistent: 663 TFLOP/s (1.00x cuDNN); 3 stages and one CTA per tile within
-# the noise (+-5%), 64-key tiles 15-20% slower. hdim 64: 192-key tiles, 3
-# stages: 445 at 8k against 413 with 128-key tiles (+4-8% at 2k-16k, both
-# masks). hdim 256: 610 (1.87x flash, against 221 for the sm_80 kernel).
+# persistent: 612-648 TFLOP/s at 2k-16k (0.98-1.01x cuDNN); 3 stages and one
+# CTA per tile within the noise (+-5%), 64-key tiles 15-20% slower. hdim 64:
+# 192-key tiles, 3 stages: 445 at 8k against 413 with 128-key tiles (+4-8% at
+# 2k-16k, both masks). hdim 256 (bf16): 649-716 (0.92-0.98x cuDNN), against
+# 221 for the sm_80 kernel.
 HEURISTIC_SM90 = {
     64: FwdSm90Config(64, 192, 3),
     128: FwdSm90Config(128, 128, 2),

@@ -26,7 +26,11 @@ def is_e4m3(dtype) -> bool:
 
 
 def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: int, fp8: bool, device):
-    """The three descale factors as float32 (batch, nheads_kv) arrays on `device` (ones where None)."""
+    """The three descale factors as float32 (batch, nheads_kv) arrays on `device` (ones where None).
+
+    Their values are not read here (that would wait for the GPU): they must be
+    positive and finite, as dequantisation scales are.
+    """
     import cupy
 
     given = [(n, x) for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
@@ -62,7 +66,7 @@ def transpose_v(v):
     vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
     kernel = _compile.get_kernel("fp8_prep", TRANSPOSE_V_KERNEL, 0)
     strides = [numpy.int64(s) for s in v.strides[:3]]  # bytes = elements
-    grid = (nk_pad // VT_KEY_PAD, -(-headdim // 64), batch * nheads_kv)
+    grid = (batch * nheads_kv, nk_pad // VT_KEY_PAD, -(-headdim // 64))
     kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(seqlen_k), numpy.int32(nk_pad),
                                numpy.int32(headdim), numpy.int32(nheads_kv), *strides))
     return vt
@@ -81,7 +85,10 @@ def quantize_e4m3(x):
 
     Returns (e4m3 bits as uint8, float32 descale of shape (batch, heads)):
     one scale per (batch, head), the head's largest magnitude mapped to 448
-    (e4m3's largest finite value), values rounded to the nearest e4m3.
+    (e4m3's largest finite value), values rounded to the nearest e4m3 (exact
+    ties towards zero). attention() takes descales per kv head: under GQA,
+    quantise q with its heads grouped per kv head, e.g. through
+    q.reshape(batch, seqlen, nheads_kv, -1).
     """
     import cupy
 

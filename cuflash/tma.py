@@ -82,8 +82,8 @@ def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[
 
 def _safe_strides(inner_bytes: int, shape, strides_bytes) -> tuple[int, ...]:
     # A dim of extent 1 is never stepped over, and its reported stride may be
-    # anything (0 for a broadcast); TMA wants each stride a multiple of 16 that
-    # covers the dims inside it, so such a dim gets the packed stride.
+    # anything (0 for a broadcast); TMA wants a nonzero multiple of 16 below
+    # 2^40, so such a dim gets the packed stride of the dims inside it.
     out = []
     span = inner_bytes
     for n, s in zip(shape, strides_bytes):
@@ -122,4 +122,4 @@ def usable(x) -> bool:
     """Whether a (batch, seq, heads, headdim) array can be described by a tensor map as it is."""
     if x.data.ptr % 16:
         return False
-    return all(s >= 0 and s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1)
+    return all(s > 0 and s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1)

@@ -13,9 +13,10 @@ import numpy
 
 from . import api, tune_cache
 
-# No tile side in any family's space exceeds this. Lengths that are multiples
-# of it run every candidate's even-length kernels, so the cache keeps those
-# problems apart from the ragged ones, whose kernels carry boundary predicates.
+# Lengths that are multiples of this run the even-length kernels of every
+# candidate whose tile sides divide it, so the cache keeps those problems apart
+# from the ragged ones, whose kernels carry boundary predicates. (The Hopper
+# kernel's 192-key tiles do not divide it: both of their variants may run.)
 TILE_ALIGN = 128
 
 # The benchmark's shapes (cuflash.benchmark): batch * seqlen tokens, hidden size.
@@ -49,7 +50,8 @@ def length_variants(problem, block_m: int, block_n: int) -> list[bool]:
     A ragged key's calls may run either length variant.
     """
     even_n = problem.seqlen_q % block_m == 0 and problem.seqlen_k % block_n == 0
-    return [even_n] if aligned(problem) else [even_n, not even_n]
+    tiles_divide = TILE_ALIGN % block_m == 0 and TILE_ALIGN % block_n == 0
+    return [even_n] if aligned(problem) and tiles_divide else [even_n, not even_n]
 
 
 def problem_key(family_name: str, problem, *extra: str) -> str:

@@ -340,3 +340,16 @@ def test_autotune_builds_both_passes():
 def test_cli_rejects_bad_pass():
     with pytest.raises(SystemExit):
         tuner.main(["--only", "sideways"])
+
+
+def test_hopper_192_key_tiles_are_tuned_with_both_length_variants():
+    # 192-key tiles do not divide the 128-aligned lengths of an "even" key:
+    # they stay in the space, and both of their length variants are compiled.
+    from cuflash.config import FwdSm90Config
+
+    problem = FwdProblem("float16", 64, True, 4096, 4096, 1, arch=90)
+    kept = tuner.candidates(FWD, problem, H100, quick=False)
+    wide = [c for c in kept if isinstance(c, FwdSm90Config) and c.block_n == 192]
+    assert wide, "no 192-key Hopper candidate kept"
+    names = FWD.kernel_names(wide[0], problem)
+    assert len(names) == 2 and names[0] != names[1]

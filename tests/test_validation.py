@@ -203,11 +203,21 @@ def test_descale_needs_fp8_inputs(arg):
 @pytest.mark.parametrize("arg", ["q_descale", "k_descale", "v_descale"])
 @pytest.mark.parametrize("bad", ["shape", "dtype", "numpy"])
 def test_bad_descale(arg, bad):
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("fp8 needs a Hopper GPU (elsewhere attention() stops before the descales)")
     q, k, v = cp_qkv(np.uint8)
     value = {"shape": cupy.ones((B, H, 1), cupy.float32), "dtype": cupy.ones((B, H), cupy.float16),
              "numpy": np.ones((B, H), np.float32)}[bad]
-    with pytest.raises((TypeError, ValueError, RuntimeError), match=mentions(arg) + "|Hopper"):
+    with pytest.raises((TypeError, ValueError), match=mentions(arg)):
         cuflash.attention(q, k, v, **{arg: value})
+
+
+@pytest.mark.gpu
+def test_fp8_needs_hopper():
+    if cupy.cuda.Device().compute_capability == "90":
+        pytest.skip("runs fp8 here")
+    with pytest.raises(RuntimeError, match="Hopper"):
+        cuflash.attention(*cp_qkv(np.uint8))
 
 
 @pytest.mark.gpu

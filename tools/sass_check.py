@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows, failed = [], []
     for name, dtype_name in fast_paths():
-        report = cf_compile.compile_report("fwd_sm90", name, "sm_90a")
+        report = cf_compile.compile_report("fwd_sm90", name, "sm_90a", keep_cubin=True)
         if not report.ok:
             failed.append(name)
             rows.append([name, "compile error"])
