@@ -89,6 +89,22 @@ HEURISTIC_SM90 = {
     256: FwdSm90Config(256, 64, 2),
 }
 
+# Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
+# that serves them (its extra columns zero-filled by the tensor-map copies).
+# Measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
+# the 128 kernel 320-489 TFLOP/s against 205-244 for the sm_80 kernel; d160
+# and d192 on the 256 kernel 318-531 against 200-248; d224 not measured,
+# between the two. d32 stays on the sm_80 kernel: the 64 kernel was 178-239
+# against 193-231, no faster.
+SM90_PADDED = {96: 128, 160: 256, 192: 256, 224: 256}
+
+
+def sm90_headdim(kernel_headdim: int) -> int | None:
+    """The Hopper kernel head dim that serves a kernel head dim, if any."""
+    if kernel_headdim in HEURISTIC_SM90:
+        return kernel_headdim
+    return SM90_PADDED.get(kernel_headdim)
+
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel.
@@ -116,7 +132,7 @@ def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
-    sm90 = HEURISTIC_SM90.get(problem.kernel_headdim) if problem.arch == 90 else None
+    sm90 = HEURISTIC_SM90.get(sm90_headdim(problem.kernel_headdim)) if problem.arch == 90 else None
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]

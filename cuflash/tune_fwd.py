@@ -80,8 +80,9 @@ class FwdTuning(TunedFamily):
         fields = list(values)
         space = [FwdConfig(problem.kernel_headdim, **dict(zip(fields, combo)))
                  for combo in itertools.product(*values.values())]
-        if problem.arch == 90 and problem.kernel_headdim in dispatch.HEURISTIC_SM90:
-            space += [FwdSm90Config(problem.kernel_headdim, **dict(zip(SPACE_SM90, combo)))
+        sm90_d = dispatch.sm90_headdim(problem.kernel_headdim)
+        if problem.arch == 90 and sm90_d is not None:
+            space += [FwdSm90Config(sm90_d, **dict(zip(SPACE_SM90, combo)))
                       for combo in itertools.product(*SPACE_SM90.values())]
         return space
 
@@ -132,9 +133,13 @@ class FwdTuning(TunedFamily):
                 cfg = config_class(**fields)
             except TypeError:  # another family's fields
                 continue
-            if config_class is FwdSm90Config and problem.arch != 90:
-                return None
-            return cfg if cfg.is_valid() and cfg.headdim == problem.kernel_headdim else None
+            if config_class is FwdSm90Config:
+                if problem.arch != 90:
+                    return None
+                headdim = dispatch.sm90_headdim(problem.kernel_headdim)
+            else:
+                headdim = problem.kernel_headdim
+            return cfg if cfg.is_valid() and cfg.headdim == headdim else None
         return None
 
 
