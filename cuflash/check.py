@@ -35,14 +35,17 @@ SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128)}
 
 def shipped_specialisations():
     """(family, config, name expression, dynamic shared-memory bytes) of every kernel the dispatcher can launch."""
-    specs = []
+    specs = {}
+
+    def add(cfg, name, smem, family=None):
+        specs[name] = (family or cfg.family, cfg, name, smem)
+
     for fast, general in HEURISTIC_FWD.values():
         for dtype_name, causal in itertools.product(DTYPE_NAMES, (False, True)):
             # The fast config runs only on even lengths with d equal to its head dim.
-            specs.append((fast, fast.name_expression(dtype_name, causal, True, True), fast.smem_bytes()))
+            add(fast, fast.name_expression(dtype_name, causal, True, True), fast.smem_bytes())
             for even_n, even_d in itertools.product((True, False), repeat=2):
-                specs.append((general, general.name_expression(dtype_name, causal, even_n, even_d),
-                              general.smem_bytes()))
+                add(general, general.name_expression(dtype_name, causal, even_n, even_d), general.smem_bytes())
     for cfg in HEURISTIC_BWD.values():
         # Every length/head-dim variant for the fast paths, the even ones elsewhere.
         variants = (
@@ -51,32 +54,27 @@ def shipped_specialisations():
         for dtype_name, causal in itertools.product(DTYPE_NAMES, (False, True)):
             for even_n, even_d in variants:
                 for atomic_dq in (True, False):
-                    specs.append((cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq),
-                                  cfg.dkdv_smem_bytes(atomic_dq)))
-                specs.append((cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes()))
+                    add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq),
+                        cfg.dkdv_smem_bytes(atomic_dq))
+                add(cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes())
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):
-            specs.append((cfg, cfg.name_expression("float16", True, False, False), cfg.smem_bytes()))
+            add(cfg, cfg.name_expression("float16", True, False, False), cfg.smem_bytes())
         for cfg in bwd_fallbacks(kd):
-            specs.append((cfg, cfg.dkdv_name("float16", True, False, False, True), cfg.dkdv_smem_bytes(True)))
-            specs.append((cfg, cfg.dq_name("float16", True, False, False), cfg.dq_smem_bytes()))
+            add(cfg, cfg.dkdv_name("float16", True, False, False, True), cfg.dkdv_smem_bytes(True))
+            add(cfg, cfg.dq_name("float16", True, False, False), cfg.dq_smem_bytes())
     sm90 = [(cfg, dtype_name) for cfg in HEURISTIC_SM90.values() for dtype_name in DTYPE_NAMES]
     sm90 += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     for cfg, dtype_name in sm90:
         for causal, even_n in itertools.product((False, True), (True, False)):
-            specs.append((cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name)))
-    specs.append((HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0))
+            add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
+    add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name in DTYPE_NAMES:  # row-wise helpers: no dynamic shared memory
-        specs.append((any_bwd, BwdConfig.preprocess_name(dtype_name), 0))
-        specs.append((any_bwd, BwdConfig.convert_dq_name(dtype_name), 0))
-    unique = {name: (cfg, smem) for cfg, name, smem in specs}
-    return [(_family(cfg, name), cfg, name, smem) for name, (cfg, smem) in unique.items()]
-
-
-def _family(cfg, name: str) -> str:
-    return "fp8_prep" if name == TRANSPOSE_V_KERNEL else cfg.family
+        add(any_bwd, BwdConfig.preprocess_name(dtype_name), 0)
+        add(any_bwd, BwdConfig.convert_dq_name(dtype_name), 0)
+    return list(specs.values())
 
 
 def _compile_one(job):

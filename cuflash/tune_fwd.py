@@ -91,7 +91,6 @@ class FwdTuning(TunedFamily):
         return (
             cfg.is_valid()
             and cfg.block_m <= TILE_ALIGN
-            and (cfg.block_n <= TILE_ALIGN or cfg.family == "fwd_sm90")
             and cfg.smem_bytes() <= limits.smem_per_block
             # min_blocks CTAs must fit on one SM together, or the promise to
             # the register allocator only costs registers.
