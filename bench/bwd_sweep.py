@@ -5,6 +5,7 @@ Each config's gradients are checked against torch's flash backward first.
 """
 
 import argparse
+import dataclasses
 
 import cupy
 from sweep import time_ms  # bench/ is the script's directory
@@ -14,14 +15,16 @@ import cuflash
 from cuflash import backward, dispatch
 from cuflash.config import BwdConfig
 
-# (config, deterministic). dkdv_chunk_m: queries whose scores the dK/dV
-# kernel holds at once (0: the whole block, the kernel before chunking).
+# (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
+# dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
+# kernel (cuda_src/bwd_sm90.cuh), in 2 and 3 stages.
+_H64 = BwdConfig(64, 128, 8, 4, 64, hopper=True)
+_H128 = BwdConfig(128, 64, 8, 4, 64, hopper=True)
 CANDIDATES = {
-    64: [(BwdConfig(64, 128, 8, 4, 64), False), (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False),
-         (BwdConfig(64, 128, 8, 4, 64), True), (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), True)],
-    128: [(BwdConfig(128, 64, 8, 4, 64), False), (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False),
-          (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=16), False), (BwdConfig(128, 64, 8, 4, 64), True),
-          (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=16), True)],
+    64: [(_H64, False), (dataclasses.replace(_H64, stages=3), False), (BwdConfig(64, 128, 8, 4, 64), False),
+         (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
+    128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
+          (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True), (BwdConfig(128, 64, 8, 4, 64), True)],
 }
 
 
@@ -56,7 +59,10 @@ def main():
                         peers[name] = tflops(time_ms(step))
                 q, k, v, do = (cupy.from_dlpack(x) for x in (tq, tk, tv, tdo))
                 for cfg, det in CANDIDATES[d]:
-                    backward.HEURISTIC_BWD[d] = cfg
+                    # The table entries the heuristic reads: the Hopper one first, where present.
+                    backward.HEURISTIC_BWD_SM90 = {d: cfg} if cfg.hopper else {}
+                    if not cfg.hopper:
+                        backward.HEURISTIC_BWD[d] = cfg
                     def run():
                         with dispatch.heuristic_only():  # the table entry above, not a tuned one
                             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)

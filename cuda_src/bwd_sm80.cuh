@@ -65,17 +65,6 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     }
 }
 
-// p[0] += x, p[1] += y in global memory, without reading back; one vector
-// reduction on sm_90+.
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
-}
-
 // One warp per query row: dq[row, :d] = scale * dq_accum[row, :d] in the input dtype.
 template <bool BF16>
 __global__ void bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int nq, int nq_pad,
@@ -283,6 +272,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     auto load_q_block = [&](int t) {
         const int g = t / per_head, m0 = query_block(t) * BR, h = hk * group + g;
         const int st = t % STAGES;
+        const int tid = thread_index_volatile();
         const long long q_off = b * q_sb + h * q_sh + m0 * q_sn, do_off = b * do_sb + h * do_sh + m0 * do_sn;
         load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sQ + st * T::QB_ELEMS, q + q_off, q_sn, nq - m0, d, tid);
         load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sdO + st * T::QB_ELEMS, dout + do_off, do_sn, nq - m0, d,
@@ -392,8 +382,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             __syncthreads();
             constexpr int NT_DQ = T::DQ_COLS / 8;
             const int mt = warp / T::DQ_SPLIT, col_chunk0 = (warp % T::DQ_SPLIT) * (T::DQ_COLS / 8);
-            const LaneOffsets<BC, BR> ds_at_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-            const LaneOffsets<BC, D> k_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+            const LaneOffsets<BC, BR> ds_at_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, mt * 2);
+            const LaneOffsets<BC, D> k_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4, col_chunk0);
             // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
             float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
                              col_chunk0 * 8 + 2 * (lane & 3);
@@ -409,11 +399,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
                 for (int kk = 0; kk < BC / 16; ++kk) {
                     u32 a[4];  // A = dS (queries x keys), read transposed from dS^T
-                    ldmatrix_x4_trans(a, smem_addr(sdS) + ds_at_off.at(kk * 16, mt * 2));
+                    ldmatrix_x4_trans(a, smem_addr(sdS) + ds_at_off.at(kk * 16, 0));
 #pragma unroll
                     for (int dn = 0; dn < NT_SLICE / 2; ++dn) {
                         u32 bb[4];
-                        ldmatrix_x4_trans(bb, smem_addr(sK) + k_bt_off.at(kk * 16, col_chunk0 + s0 + dn * 2));
+                        ldmatrix_x4_trans(bb, smem_addr(sK) + k_bt_off.at(kk * 16, s0 + dn * 2));
                         mma_16816<BF16>(acc_dq[2 * dn], a, bb[0], bb[1]);
                         mma_16816<BF16>(acc_dq[2 * dn + 1], a, bb[2], bb[3]);
                     }

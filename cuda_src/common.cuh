@@ -106,6 +106,26 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// threadIdx.x, read afresh: the compiler cannot hoist what is derived from it
+// out of a loop. For per-thread copy addresses that are cheap to recompute
+// but would otherwise stay live across a register-bound main loop (and spill).
+__device__ __forceinline__ int thread_index_volatile() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
+// p[0] += x, p[1] += y in global memory, without reading back; one vector
+// reduction on sm_90+.
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
 // ---------------------------------------------------------------- smem tiles
 // A ROWS x D tile of 16-bit elements is stored as D/PW column panels of PW
 // elements (PW = 64 when D % 64 == 0, else 32). Within a panel each row is
@@ -127,7 +147,11 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
 // multiple of 8 and chunk_base even, both compile-time constants in unrolled
 // loops. The swizzle then depends on the lane alone, so each address is one of
 // NB per-lane registers plus an immediate offset (instead of one register per
-// distinct (row, chunk) the loops touch).
+// distinct (row, chunk) the loops touch). A chunk offset known only at run time
+// (a warp's column slice) goes into the constructor's `chunk0`, never into
+// at(): indexing `base` with a run-time value would put it in local memory.
+// (Folding it in is exact: tile_offset(row, c + CPP) = tile_offset(row, c) +
+// ROWS * PW, the next panel.)
 template <int ROWS, int D>
 struct LaneOffsets {
     static constexpr int PW = D % 64 == 0 ? 64 : 32;  // panel width in elements
@@ -135,9 +159,9 @@ struct LaneOffsets {
     static constexpr int NB = CPP / 2;
     u32 base[NB];
 
-    __device__ __forceinline__ LaneOffsets(int row_lane, int chunk_bit) {
+    __device__ __forceinline__ LaneOffsets(int row_lane, int chunk_bit, int chunk0 = 0) {
 #pragma unroll
-        for (int i = 0; i < NB; ++i) base[i] = 2 * tile_offset<ROWS, D>(row_lane, (2 * i) | chunk_bit);
+        for (int i = 0; i < NB; ++i) base[i] = 2 * tile_offset<ROWS, D>(row_lane, chunk0 + ((2 * i) | chunk_bit));
     }
     __device__ __forceinline__ u32 at(int row_base, int chunk_base) const {
         return base[(chunk_base % CPP) / 2] + 2 * ((chunk_base / CPP) * ROWS * PW + row_base * PW);

@@ -3,7 +3,7 @@
 // keys) with keys contiguous. Within each group of 32 keys, slot s holds key
 //   (s & 16) + 2 * ((s & 15) >> 2) + {0, 1, 8, 9}[s & 3]
 // which is the key order of P's fp8 A fragments built straight from the S
-// accumulators (fwd_sm90.cuh: PFragments). Keys past nk (up to nk_pad, a
+// accumulators (sm90_tiles.cuh: AFragments). Keys past nk (up to nk_pad, a
 // multiple of 64) are zeros.
 #pragma once
 #include "common.cuh"

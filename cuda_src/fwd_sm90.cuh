@@ -71,45 +71,6 @@ struct FwdSm90Traits {
     static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
 };
 
-// Four fp32 values as e4m3 bytes, x0 in the lowest byte.
-__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
-    unsigned short lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
-    return (u32)lo | ((u32)hi << 16);
-}
-
-// P (the softmax numerators in S's accumulator layout) as the A fragments of
-// O += P V: for 16-bit types one k16 step per two 8-column tiles; for fp8 one
-// k32 step per four tiles, k slot 4 * (lane % 4) + i holding column
-// 2 * (lane % 4) + {0, 1, 8, 9}[i] (+16 in the upper half): the key order of Vt.
-template <int DTYPE, int BC>
-struct PFragments {
-    static constexpr int STEPS = DTYPE == E4M3 ? BC / 32 : BC / 16;
-    u32 r[STEPS][4];
-
-    __device__ __forceinline__ void pack(const float (&s)[BC / 2]) {
-#pragma unroll
-        for (int kk = 0; kk < STEPS; ++kk) {
-            if constexpr (DTYPE == E4M3) {
-                const float* a = s + 16 * kk;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float* lo = a + 8 * half;  // 8-column tiles 4kk + 2 half, +1
-                    r[kk][2 * half] = pack4_e4m3(lo[0], lo[1], lo[4], lo[5]);
-                    r[kk][2 * half + 1] = pack4_e4m3(lo[2], lo[3], lo[6], lo[7]);
-                }
-            } else {
-                const float* a = s + 8 * kk;
-                r[kk][0] = pack2<DTYPE == BF16>(a[0], a[1]);
-                r[kk][1] = pack2<DTYPE == BF16>(a[2], a[3]);
-                r[kk][2] = pack2<DTYPE == BF16>(a[4], a[5]);
-                r[kk][3] = pack2<DTYPE == BF16>(a[6], a[7]);
-            }
-        }
-    }
-};
-
 // One step of the online softmax on a 16-row x BC tile of raw scores held as
 // wgmma accumulators (two rows per thread): s becomes P = 2^(s c - m c) for
 // the running max m, the running sum is updated, and alpha receives the
@@ -329,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < NT_O * 4; ++i) acc_o[i] = 0.f;
         float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2];
-        PFragments<DTYPE, BC> p_frag;
+        AFragments<DTYPE, BC> p_frag;
 
         auto issue_pv = [&](int st) {
 #pragma unroll

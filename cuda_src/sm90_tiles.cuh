@@ -49,6 +49,47 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// ---------------------------------------------------------------- A fragments
+// Four fp32 values as e4m3 bytes, x0 in the lowest byte.
+__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+    return (u32)lo | ((u32)hi << 16);
+}
+
+// A 64 x BC accumulator tile (e.g. the softmax numerators P of the forward)
+// rounded to the input type as the A fragments of a register-sourced wgmma
+// (e.g. O += P V): for 16-bit types one k16 step per two 8-column tiles; for fp8 one
+// k32 step per four tiles, k slot 4 * (lane % 4) + i holding column
+// 2 * (lane % 4) + {0, 1, 8, 9}[i] (+16 in the upper half): the key order of Vt.
+template <int DTYPE, int BC>
+struct AFragments {
+    static constexpr int STEPS = DTYPE == E4M3 ? BC / 32 : BC / 16;
+    u32 r[STEPS][4];
+
+    __device__ __forceinline__ void pack(const float (&s)[BC / 2]) {
+#pragma unroll
+        for (int kk = 0; kk < STEPS; ++kk) {
+            if constexpr (DTYPE == E4M3) {
+                const float* a = s + 16 * kk;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* lo = a + 8 * half;  // 8-column tiles 4kk + 2 half, +1
+                    r[kk][2 * half] = pack4_e4m3(lo[0], lo[1], lo[4], lo[5]);
+                    r[kk][2 * half + 1] = pack4_e4m3(lo[2], lo[3], lo[6], lo[7]);
+                }
+            } else {
+                const float* a = s + 8 * kk;
+                r[kk][0] = pack2<DTYPE == BF16>(a[0], a[1]);
+                r[kk][1] = pack2<DTYPE == BF16>(a[2], a[3]);
+                r[kk][2] = pack2<DTYPE == BF16>(a[4], a[5]);
+                r[kk][3] = pack2<DTYPE == BF16>(a[6], a[7]);
+            }
+        }
+    }
+};
+
 // ---------------------------------------------------------------- bulk tensor copies
 // A CUtensorMap (cuTensorMapEncodeTiled, cuflash/tma.py): 128 opaque bytes,
 // passed by value as a __grid_constant__ kernel parameter so that its
@@ -56,6 +97,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 struct alignas(64) TmaDesc {
     u64 opaque[16];
 };
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// memory to shared memory at `dst`, counted on mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 
 // Copies the box at coordinates (c0 innermost .. c3) of the tensor map into
 // shared memory at `dst`; the bytes are counted on mbarrier `bar`

@@ -11,7 +11,7 @@ import os
 
 import numpy
 
-from . import api, dispatch
+from . import api, dispatch, tma
 from . import compile as _compile
 from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
 
@@ -39,6 +39,15 @@ HEURISTIC_BWD = {
     192: BwdConfig(192, 32, 4, 4, 32),
     224: BwdConfig(224, 32, 4, 4, 32),
     256: BwdConfig(256, 32, 4, 4, 32),
+}
+
+
+# Kernel head dim -> the Hopper dK/dV kernel (cuda_src/bwd_sm90.cuh), used on
+# compute capability 9.0; the deterministic dQ kernel keeps the sm_80 table's
+# tiles. See bench/PERFLOG.md for its measurements.
+HEURISTIC_BWD_SM90 = {
+    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=2, hopper=True)
+    for kd, block_m in BwdConfig.HOPPER_BLOCK_M.items()
 }
 
 
@@ -70,9 +79,12 @@ def fits(cfg: BwdConfig, max_smem: int) -> bool:
     return max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
 
 
-def bwd_config(headdim: int, max_smem: int) -> BwdConfig:
-    """The table's tiles, or smaller ones where the device has less shared memory per block."""
+def bwd_config(headdim: int, max_smem: int, arch: int = 80) -> BwdConfig:
+    """The Hopper kernel on compute capability 9.0 where it has the head dim; else the sm_80
+    table's tiles, or smaller ones where the device has less shared memory per block."""
     kd = kernel_headdim(headdim)
+    if arch == 90 and kd in HEURISTIC_BWD_SM90 and fits(HEURISTIC_BWD_SM90[kd], max_smem):
+        return HEURISTIC_BWD_SM90[kd]
     for cfg in (HEURISTIC_BWD[kd], *bwd_fallbacks(kd)):
         if fits(cfg, max_smem):
             return cfg
@@ -80,7 +92,7 @@ def bwd_config(headdim: int, max_smem: int) -> BwdConfig:
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
-    return bwd_config(problem.headdim, problem.max_smem)
+    return bwd_config(problem.headdim, problem.max_smem, problem.arch)
 
 
 # Hook for the autotune cache, as dispatch's for the forward: a callable
@@ -187,10 +199,17 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     dq_accum = cupy.zeros((batch, nheads, nq_pad, cfg.headdim), cupy.float32) if atomic_dq else lse2
     even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
     smem = cfg.dkdv_smem_bytes(atomic_dq)
-    dkdv = _compile.get_kernel(cfg.family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq), smem)
-    dkdv((-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch), (32 * cfg.dkdv_warps, 1, 1),
-         (q, k, v, dout, lse2, delta, dq_accum, dk, dv, *ints, *_strides(q, k, v, dout, dk, dv), *scales),
-         shared_mem=smem)
+    dkdv = _compile.get_kernel(cfg.dkdv_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq), smem)
+    grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
+    if cfg.hopper:
+        # Q, K, V and dO reach the Hopper kernel as tensor maps (cuflash/tma.py).
+        q, k, v, dout = (x if tma.usable(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout))
+        maps = (tma.seq_major_map(q, cfg.dkdv_block_m), tma.seq_major_map(k, cfg.dkdv_block_n),
+                tma.seq_major_map(v, cfg.dkdv_block_n), tma.seq_major_map(dout, cfg.dkdv_block_m))
+        args = (*maps, lse2, delta, dq_accum, dk, dv, *ints, *_strides(dk, dv), *scales)
+    else:
+        args = (q, k, v, dout, lse2, delta, dq_accum, dk, dv, *ints, *_strides(q, k, v, dout, dk, dv), *scales)
+    dkdv(grid, (cfg.dkdv_threads, 1, 1), args, shared_mem=smem)
 
     if atomic_dq:
         convert = _compile.get_kernel(cfg.family, BwdConfig.convert_dq_name(dtype_name), 0)

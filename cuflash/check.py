@@ -2,9 +2,9 @@
 NVRTC (no GPU needed) and report registers, shared memory and spills.
 
 Exits non-zero on any compile error, or on any spill in a head-dim 64/128
-forward kernel or a head-dim 64 backward kernel (the fast paths). The other
-backward kernels are compiled and their spills reported; the head-dim 128
-ones are not yet spill-free (cuflash/backward.py, HEURISTIC_BWD).
+forward kernel or Hopper backward kernel (the fast paths). The sm_80
+backward kernels are compiled and their spills reported: their fastest dK/dV
+tiles are not spill-free (cuflash/backward.py, HEURISTIC_BWD).
 """
 
 from __future__ import annotations
@@ -18,19 +18,20 @@ import sys
 from tabulate import tabulate
 
 from . import compile as _compile
-from .backward import bwd_fallbacks, HEURISTIC_BWD
+from .backward import bwd_fallbacks, HEURISTIC_BWD, HEURISTIC_BWD_SM90
 from .config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
 from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
 from .fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
-# The Hopper kernel's register split (setmaxnreg) assumes this allocation at
-# entry (cuda_src/fwd_sm90.cuh: FwdSm90Traits::ENTRY_REGS); with another, a
+# The Hopper kernels' register split (setmaxnreg) assumes this allocation at
+# entry (cuda_src/fwd_sm90.cuh, bwd_sm90.cuh: ENTRY_REGS); with another, a
 # consumer warpgroup could wait forever for registers.
 SM90_ENTRY_REGISTERS = 168
+SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills.
-# The backward's fastest tiles still spill (cuflash/backward.py: HEURISTIC_BWD).
-SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128)}
+# The sm_80 backward's fastest tiles still spill (cuflash/backward.py: HEURISTIC_BWD).
+SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128), "bwd_sm90": (64, 128)}
 
 
 def shipped_specialisations():
@@ -57,6 +58,11 @@ def shipped_specialisations():
                     add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq),
                         cfg.dkdv_smem_bytes(atomic_dq))
                 add(cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes())
+    for cfg in HEURISTIC_BWD_SM90.values():
+        for dtype_name, causal, even_n, atomic_dq in itertools.product(DTYPE_NAMES, (False, True), (True, False),
+                                                                       (True, False)):
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq), cfg.dkdv_smem_bytes(atomic_dq),
+                family=cfg.dkdv_family)
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
         reports = pool.map(_compile_one, jobs, chunksize=1)
 
     cfg_of = {name: cfg for _, cfg, name, _ in specs}
+    family_of = {name: family for family, _, name, _ in specs}
     smem_of = {name: smem for _, _, name, smem in specs}
     rows, failures = [], []
     for report in reports:
@@ -112,10 +119,9 @@ def main(argv=None) -> int:
         fast = cfg.headdim in FAST_PATH_HEADDIMS
         if not report.ok:
             failures.append(f"compile error: {report.name} ({report.arch})\n{report.log}")
-        elif report.spills and cfg.headdim in SPILL_FREE.get(cfg.family, ()):
+        elif report.spills and cfg.headdim in SPILL_FREE.get(family_of[report.name], ()):
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
-        elif cfg.family == "fwd_sm90" and "fwd_sm90_kernel" in report.name \
-                and report.registers != SM90_ENTRY_REGISTERS:
+        elif any(k in report.name for k in SM90_KERNELS) and report.registers != SM90_ENTRY_REGISTERS:
             failures.append(f"{report.name}: {report.registers} registers at entry, the register split assumes "
                             f"{SM90_ENTRY_REGISTERS}")
         if args.verbose or not report.ok or report.spills:

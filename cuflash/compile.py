@@ -25,11 +25,12 @@ FAMILY_HEADERS = {
     "fwd_sm80": "fwd_sm80.cuh",
     "bwd_sm80": "bwd_sm80.cuh",
     "fwd_sm90": "fwd_sm90.cuh",
+    "bwd_sm90": "bwd_sm90.cuh",
     "fp8_prep": "fp8_prep.cuh",
 }
 
 # Families built for one architecture only: wgmma needs the sm_90a target.
-FAMILY_ARCH = {"fwd_sm90": "sm_90a"}
+FAMILY_ARCH = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
 
 # -default-device: the kernels use local lambdas, which NVRTC otherwise takes for host code.
 COMPILE_OPTIONS = ("-std=c++17", "-default-device")

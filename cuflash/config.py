@@ -168,17 +168,22 @@ BWD_ROW_PAD = 128
 
 @dataclasses.dataclass(frozen=True, order=True)
 class BwdConfig:
-    """Tile shapes of the sm_80 backward kernels.
+    """Tile shapes of the backward kernels.
 
     headdim: kernel head dim (one of KERNEL_HEADDIMS).
     dkdv_block_m: query rows per step of the dK/dV kernel (32, 64 or 128).
-    dkdv_warps: warps of the dK/dV kernel; each owns 16 keys (keys per CTA = 16 x warps).
+    dkdv_warps: warps of the sm_80 dK/dV kernel; each owns 16 keys (keys per CTA = 16 x warps).
     dq_warps: warps of the deterministic dQ kernel; each owns 16 query rows.
     dq_block_n: keys per step of the dQ kernel.
     stages: tiles in flight in the cp.async rings of both kernels.
     min_blocks: CTAs per SM promised to the register allocator (__launch_bounds__).
     dkdv_chunk_m: query rows whose scores the dK/dV kernel holds in registers at
         once (a multiple of 16 dividing dkdv_block_m); 0 means the whole block.
+    hopper: dK/dV (and the fused dQ) on the Hopper kernel (cuda_src/bwd_sm90.cuh,
+        sm_90a): 128 keys per CTA, dkdv_block_m query rows per step (128 at head
+        dim 64, 64 at 128), `stages` deep; dkdv_warps, min_blocks and
+        dkdv_chunk_m then do not apply. The preprocess, dQ conversion and
+        deterministic dQ kernels are the sm_80 ones in either case.
     """
 
     headdim: int
@@ -189,12 +194,23 @@ class BwdConfig:
     stages: int = 2
     min_blocks: int = 1
     dkdv_chunk_m: int = 0
+    hopper: bool = False
 
-    family = "bwd_sm80"
+    family = "bwd_sm80"  # the row-wise helpers' and the dQ kernel's family
+    # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits).
+    HOPPER_BLOCK_M = {64: 128, 128: 64}
+
+    @property
+    def dkdv_family(self) -> str:
+        return "bwd_sm90" if self.hopper else "bwd_sm80"
+
+    @property
+    def dkdv_threads(self) -> int:
+        return 384 if self.hopper else 32 * self.dkdv_warps
 
     @property
     def dkdv_block_n(self) -> int:
-        return 16 * self.dkdv_warps
+        return 128 if self.hopper else 16 * self.dkdv_warps
 
     @property
     def dkdv_chunk(self) -> int:
@@ -205,6 +221,11 @@ class BwdConfig:
         return 16 * self.dq_warps
 
     def dkdv_smem_bytes(self, atomic_dq: bool) -> int:
+        if self.hopper:  # BwdSm90Traits::SMEM_BYTES
+            qb, n = 2 * self.dkdv_block_m * self.headdim, self.dkdv_block_n
+            ds = 2 * n * self.dkdv_block_m if atomic_dq else 0
+            return 2 * 2 * n * self.headdim + 2 * self.stages * qb + 2 * ds + 2 * self.stages * 4 * self.dkdv_block_m \
+                + 8 * (1 + 2 * self.stages)
         kv = self.dkdv_block_n * self.headdim
         qb = self.dkdv_block_m * self.headdim
         rows = 4 * 2 * self.stages * self.dkdv_block_m
@@ -217,6 +238,11 @@ class BwdConfig:
     def is_valid(self) -> bool:
         """Static constraints of BwdDkdvTraits (in both dQ modes) and BwdDqTraits (the static_asserts)."""
         rows = (32, 64, 128)
+        if self.hopper:
+            hopper_ok = self.HOPPER_BLOCK_M.get(self.headdim) == self.dkdv_block_m and 2 <= self.stages <= 3
+            dq_ok = self.dq_block_m in rows and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16
+            smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
+            return hopper_ok and dq_ok and smem <= 227 * 1024
         if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
                 and 2 <= self.stages <= 3 and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16):
             return False
@@ -228,6 +254,11 @@ class BwdConfig:
         return dq_cols % 16 == 0 and smem <= 227 * 1024
 
     def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
+        """The dK/dV kernel; the Hopper one has no even_d argument (TMA zero-fills columns past d)."""
+        if self.hopper:
+            args = [self.headdim, self.dkdv_block_m, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
+                    _cpp_bool(even_n), _cpp_bool(atomic_dq)]
+            return "cuflash::bwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
         args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),
                 _cpp_bool(atomic_dq)]
@@ -247,6 +278,9 @@ class BwdConfig:
         return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
 
     def short_name(self) -> str:
+        if self.hopper:
+            return (f"d{self.headdim}_dkdv{self.dkdv_block_m}x{self.dkdv_block_n}sm90"
+                    f"_dq{self.dq_block_m}x{self.dq_block_n}_s{self.stages}")
         return (
             f"d{self.headdim}_dkdv{self.dkdv_block_m}x{self.dkdv_block_n}w{self.dkdv_warps}"
             f"_dq{self.dq_block_m}x{self.dq_block_n}_s{self.stages}"

@@ -36,6 +36,8 @@ QUICK_SPACE = {
     "min_blocks": (1,),
 }
 DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (32, 64, 128)}
+# Ring depths of the Hopper dK/dV kernel (its tile shape is fixed per head dim).
+HOPPER_STAGES = (2, 3)
 QUICK_DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (64,)}
 
 
@@ -89,12 +91,18 @@ class BwdTuning(TunedFamily):
         dq_fields = (_product(QUICK_DQ_SPACE if quick else DQ_SPACE) if problem.deterministic
                      else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
-        return [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
+        configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
+        if problem.arch == 90 and kd in BwdConfig.HOPPER_BLOCK_M:
+            # The Hopper dK/dV kernel first (the heuristic's choice there), in both ring depths.
+            hopper = backward.HEURISTIC_BWD_SM90[kd]
+            configs = [dataclasses.replace(hopper, stages=stages, **dq)
+                       for stages in HOPPER_STAGES for dq in dq_fields] + configs
+        return configs
 
     def keep(self, cfg: BwdConfig, limits) -> bool:
         """Static filter: the traits' asserts, tile sides, this device's shared memory and threads."""
         smem = max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes())
-        threads = 32 * max(cfg.dkdv_warps, cfg.dq_warps)
+        threads = max(cfg.dkdv_threads, 32 * cfg.dq_warps)
         return (
             cfg.is_valid()
             and cfg.dkdv_block_n <= TILE_ALIGN
@@ -111,8 +119,8 @@ class BwdTuning(TunedFamily):
         """
         dtype_name, causal, even_d = problem.dtype_name, problem.causal, problem.headdim == cfg.headdim
         atomic = not problem.deterministic
-        specs = [KernelSpec(cfg.family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
-                            cfg.dkdv_smem_bytes(atomic), 32 * cfg.dkdv_warps, runs=i == 0)
+        specs = [KernelSpec(cfg.dkdv_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
+                            cfg.dkdv_smem_bytes(atomic), cfg.dkdv_threads, runs=i == 0)
                  for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]
         if not atomic:
             specs += [KernelSpec(cfg.family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
@@ -142,7 +150,8 @@ class BwdTuning(TunedFamily):
             cfg = BwdConfig(**fields)
         except TypeError:
             return None
-        usable = cfg.is_valid() and cfg.headdim == problem.kernel_headdim and backward.fits(cfg, problem.max_smem)
+        usable = (cfg.is_valid() and cfg.headdim == problem.kernel_headdim and backward.fits(cfg, problem.max_smem)
+                  and (not cfg.hopper or problem.arch == 90))
         return cfg if usable else None
 
 

@@ -135,6 +135,36 @@ def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
     check(host, dev, causal=causal)
 
 
+def _is_hopper():
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["hopper", "sm80"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128, 100])
+@pytest.mark.parametrize("nq,nk", [(257, 300), (128, 256), (300, 129)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, deterministic):
+    # Both dK/dV kernels on the same GPU: the Hopper one (head dims 64 and
+    # 128, fed by tensor maps, fused atomic dQ) and the sm_80 one. GQA,
+    # ragged and block-aligned lengths, Nq < Nk and Nq > Nk.
+    if kernel == "hopper" and not _is_hopper():
+        pytest.skip("needs an sm_90 GPU")
+    if kernel == "hopper" and headdim == 100:
+        pytest.skip("head dim 100 runs on the sm_80 kernel")
+    if kernel == "sm80":
+        monkeypatch.setattr(backward_module, "HEURISTIC_BWD_SM90", {})
+    host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
+    cc = cupy.cuda.Device().compute_capability
+    chosen = backward_module.bwd_config(headdim, 227 * 1024, int(cc))
+    assert chosen.hopper == (kernel == "hopper")
+    with dispatch.heuristic_only():
+        grads = backward(dev, causal=causal, deterministic=deterministic)
+    check_grads(grads, host, causal=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softmax_scale", [0.3, 2.0])
@@ -256,6 +286,7 @@ def test_query_chunks_are_bitwise_exact(monkeypatch, rng, dtype, headdim, block_
     dout, q, k, v = dev
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     kd = 128 if headdim > 64 else 64
+    monkeypatch.setattr(backward_module, "HEURISTIC_BWD_SM90", {})  # the sm_80 dK/dV kernel on Hopper too
     grads = {}
     for chunk in (0, 16, 32, 64):  # 0: the whole block
         monkeypatch.setitem(backward_module.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))

@@ -1,6 +1,8 @@
 """Compile-only checks (NVRTC, no GPU): configs agree with the C++ traits and
 the kernel sources resolve both from the source tree and from a wheel."""
 
+import dataclasses
+
 import pytest
 
 from cuflash import compile as cf_compile
@@ -51,6 +53,28 @@ def test_sm90_smem_bytes_match_cpp_traits():
         for c, dt in pairs
     )
     prog = nvrtc.createProgram(cf_compile.kernel_source("fwd_sm90") + "\n" + asserts, "check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])
+    except nvrtc.NVRTCError:
+        pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_bwd_sm90_smem_bytes_match_cpp_traits():
+    from cuflash.backward import HEURISTIC_BWD_SM90
+
+    configs = [(c, s) for c in HEURISTIC_BWD_SM90.values() for s in (2, 3)]
+    asserts = []
+    for cfg, stages in configs:
+        cfg = dataclasses.replace(cfg, stages=stages)
+        assert cfg.is_valid()
+        for atomic in (True, False):
+            traits = (f"cuflash::BwdSm90Traits<{cfg.headdim}, {cfg.dkdv_block_m}, {stages}, "
+                      f"{'true' if atomic else 'false'}>")
+            asserts.append(f"static_assert({traits}::SMEM_BYTES == {cfg.dkdv_smem_bytes(atomic)}, \"{traits}\");")
+            asserts.append(f"static_assert({traits}::BN == {cfg.dkdv_block_n}, \"{traits}\");")
+    prog = nvrtc.createProgram(cf_compile.kernel_source("bwd_sm90") + "\n" + "\n".join(asserts), "check.cu", [], [])
     try:
         nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])
     except nvrtc.NVRTCError:

@@ -1,0 +1,309 @@
+// FlashAttention backward for Hopper (sm_90a): dK and dV, and dQ by fp32
+// atomics, with wgmma, bulk tensor copies and warp specialisation; fp16 / bf16.
+//
+// The math is that of bwd_sm80.cuh (with lse2 = lse * log2(e) and
+// Delta = rowsum(dO o O) from its bwd_preprocess_kernel):
+//   S^T = K Q^T,  P^T = 2^(S^T * c - lse2[query]),  dP^T = V dO^T,
+//   dS^T = P^T o (dP^T - Delta[query]),
+//   dV += P^T dO,  dK += dS^T Q (times scale at the end),  dQ += dS K.
+// One CTA per block of BN = 128 keys (and kv head, batch), three warpgroups.
+// Warpgroup 0 is the producer: one thread copies K and V once, then for every
+// query block that sees these keys (over the query heads of a GQA group) Q,
+// dO (bulk tensor copies, 128-byte swizzle) and the block's lse2 and Delta
+// rows (plain bulk copies) into a STAGES-deep ring on mbarriers. Warpgroups 1
+// and 2 are the consumers; consumer c owns keys 64c .. 64c+63 and holds their
+// dK and dV accumulators for the whole CTA:
+//   S^T, dP^T:  wgmma SS, M = 64 keys, N = BM queries (K, V and Q, dO K-major);
+//   dV, dK:     wgmma RS, P^T and dS^T from registers (the accumulators
+//               rounded to 16 bits), dO and Q as MN-major B operands;
+//   dQ:         dS^T goes to shared memory (double-buffered); after a barrier
+//               between the consumers, wgmma SS with dS (MN-major A, read
+//               from dS^T) and K (MN-major B): consumer c takes query rows
+//               64c.. (BM = 128) or head-dim columns c * D/2.. (BM = 64), and
+//               adds them to an fp32 buffer with vector reductions.
+// Without ATOMIC_DQ (deterministic mode) the kernel stops at dK and dV and
+// bwd_sm80.cuh's bwd_dq_kernel computes dQ.
+#pragma once
+#include "common.cuh"
+#include "sm90_tiles.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+template <int D_, int BM_, int STAGES_, bool ATOMIC_DQ_>
+struct BwdSm90Traits {
+    static constexpr int D = D_, BM = BM_, STAGES = STAGES_;
+    static constexpr bool ATOMIC_DQ = ATOMIC_DQ_;
+    static constexpr int CONSUMERS = 2;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int BN = 64 * CONSUMERS;  // keys per CTA
+    static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;
+    static constexpr int DS_BYTES = ATOMIC_DQ ? BN * BM * 2 : 0;  // one dS^T buffer: [key][query]
+    static constexpr int ROW_BYTES = BM * 4;                       // one block's lse2 (or Delta)
+    static constexpr int BARRIERS = 1 + 2 * STAGES;
+    // Shared memory: K, V, STAGES x Q, STAGES x dO, 2 x dS^T (tiles 1024-byte
+    // aligned), STAGES x lse2, STAGES x Delta, mbarriers.
+    static constexpr int OFF_V = KV_BYTES;
+    static constexpr int OFF_Q = 2 * KV_BYTES;
+    static constexpr int OFF_DO = OFF_Q + STAGES * QB_BYTES;
+    static constexpr int OFF_DS = OFF_DO + STAGES * QB_BYTES;
+    static constexpr int OFF_ROWS = OFF_DS + 2 * DS_BYTES;
+    static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
+    static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
+    // Register split as in fwd_sm90.cuh: producer + 2 x consumer <= 3 x 168.
+    static constexpr int ENTRY_REGS = 168;
+    static constexpr int CONSUMER_REGS = 232;
+    static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
+    // Each consumer's share of dQ = dS K: 64 query rows x DQ_N head-dim columns.
+    static constexpr int DQ_N = BM == 128 ? D : D / 2;
+
+    // dK + dV hold D / 2 registers per thread, S^T + dP^T BM / 2 more: the two
+    // shapes that fit the consumers' registers (and give dQ a 64-wide wgmma).
+    static_assert((D == 64 && BM == 128) || (D == 128 && BM == 64), "head dim 64 with BM 128, or 128 with BM 64");
+    static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
+    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+};
+
+template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(384, 1)
+    bwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
+                    const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
+                    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+                    u16* __restrict__ dk, u16* __restrict__ dv, int nq, int nk, int d, int group, int nq_pad,
+                    long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb, long long dv_sn,
+                    long long dv_sh, float scale_log2, float scale) {
+    using T = BwdSm90Traits<D, BM, STAGES, ATOMIC_DQ>;
+    constexpr int BN = T::BN;
+    constexpr int NT_S = BM / 8, NT_D = D / 8, NT_DQ = T::DQ_N / 8;
+    constexpr bool IS_BF16 = DTYPE == BF16;
+    static_assert(DTYPE == F16 || DTYPE == BF16, "16-bit inputs only");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = smem_addr(smem_raw);
+    const u32 sK = base, sV = base + T::OFF_V;
+    auto sQ = [&](int st) { return base + T::OFF_Q + st * T::QB_BYTES; };
+    auto sdO = [&](int st) { return base + T::OFF_DO + st * T::QB_BYTES; };
+    auto sdS = [&](int buf) { return base + T::OFF_DS + buf * T::DS_BYTES; };
+    // lse2 of stage st at rows[st * BM], Delta at rows[(STAGES + st) * BM]
+    const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);
+    const u32 bars = base + T::OFF_BARS;
+    const u32 full_kv = bars;
+    auto full = [&](int s) { return bars + 8 * (1 + s); };
+    auto empty = [&](int s) { return bars + 8 * (1 + STAGES + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int nheads = gridDim.y * group;
+    const int n0 = n_block * BN;
+    const int diag = nk - nq;
+
+    // Query blocks [m_begin, m_blocks) see this key block; causal: query i
+    // sees key j iff j <= i + diag. Step t takes head g = t / per_head of the
+    // group; each key block starts at a different query block (rotated by
+    // its index), so the CTAs of one head do not add into the same dQ rows at
+    // the same time.
+    const int m_blocks = (nq + BM - 1) / BM;
+    const int m_begin = CAUSAL ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BM) : 0;
+    const int per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
+    const int n_iter = group * per_head;
+    const int rotation = per_head > 0 ? n_block % per_head : 0;
+    auto query_block = [&](int t) {
+        const int i = t % per_head + rotation;
+        return m_begin + (i >= per_head ? i - per_head : i);
+    };
+
+    if (tid == 0) {
+        mbar_init(full_kv, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 4 * T::CONSUMERS);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------ producer
+        setmaxnreg_dec<T::PRODUCER_REGS>();
+        if (tid != 0) return;
+        tma_prefetch_desc(map_q);
+        tma_prefetch_desc(map_do);
+        // One box per 64-column panel (tensor dims: head dim, seq, head, batch);
+        // rows past the sequence arrive as zeros.
+        mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
+        for (int p = 0; p < D / 64; ++p) {
+            tma_load_4d(sK + p * BN * 128, map_k, p * 64, n0, hk, b, full_kv);
+            tma_load_4d(sV + p * BN * 128, map_v, p * 64, n0, hk, b, full_kv);
+        }
+        const u32 rows_smem = base + T::OFF_ROWS;
+        for (int t = 0; t < n_iter; ++t) {
+            const int st = t % STAGES, use = t / STAGES;
+            const int h = hk * group + t / per_head, m0 = query_block(t) * BM;
+            if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
+            mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
+            for (int p = 0; p < D / 64; ++p) {
+                tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, m0, h, b, full(st));
+                tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, m0, h, b, full(st));
+            }
+            // lse2 and Delta rows are padded to nq_pad: BM floats are always in range.
+            const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+            bulk_load(rows_smem + st * T::ROW_BYTES, lse2 + row_off, T::ROW_BYTES, full(st));
+            bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full(st));
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumers
+    setmaxnreg_inc<T::CONSUMER_REGS>();
+    const int c = wg - 1;
+    const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows of the consumer's 64
+    const int key_lane0 = n0 + 64 * c + warp_row0 + (lane >> 2);
+
+    float acc_dk[NT_D * 4], acc_dv[NT_D * 4];
+#pragma unroll
+    for (int i = 0; i < NT_D * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    // Q and dO as the MN-major B operands of dK and dV (K = queries, N = head
+    // dim): the leading offset is the distance between 64-column panels, the
+    // stride that between 8-row atoms (as V in fwd_sm90.cuh).
+    auto qb_desc = [&](u32 tile, int kk) { return desc_mn_major_sw128<BM * 128, 1024>(tile, kk); };
+    auto release = [&](u32 bar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+    };
+
+    mbar_wait(full_kv, 0);
+    for (int t = 0; t < n_iter; ++t) {
+        const int st = t % STAGES;
+        const int h = hk * group + t / per_head, m0 = query_block(t) * BM;
+        mbar_wait(full(st), (t / STAGES) & 1);
+
+        // S^T and dP^T, then P^T while dP^T is still computed.
+        float acc_s[NT_S * 4], acc_dp[NT_S * 4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<BM, DTYPE>::ss(acc_s, desc_k_major_sw128<BN>(sK, 64 * c, ks), desc_k_major_sw128<BM>(sQ(st), 0, ks),
+                                 ks > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<BM, DTYPE>::ss(acc_dp, desc_k_major_sw128<BN>(sV, 64 * c, ks),
+                                 desc_k_major_sw128<BM>(sdO(st), 0, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+
+        // P^T = 2^(S^T c - lse2[query]); keys past nk (zero rows of K) and,
+        // under the causal mask, keys after the query get P = 0. Queries past
+        // nq have lse2 = +inf, hence P = 0.
+        const float* lse2_s = rows + st * BM;
+        const float* delta_s = rows + (STAGES + st) * BM;
+        const bool masked = (CAUSAL && n0 + BN - 1 > m0 + diag) || (!EVEN_N && n0 + BN > nk);
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float p = exp2_approx(fmaf(acc_s[j * 4 + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if (masked) {
+                    const int key = key_lane0 + 8 * (e >> 1);
+                    const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                    bool keep = EVEN_N || key < nk;
+                    if constexpr (CAUSAL) keep = keep && key <= query + diag;
+                    if (!keep) p = 0.f;
+                }
+                acc_s[j * 4 + e] = p;
+            }
+        }
+        wgmma_wait<0>();
+        // dS^T = P^T o (dP^T - Delta[query])
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+            const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * (lane & 3));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
+        }
+        AFragments<DTYPE, BM> p_frag, ds_frag;
+        p_frag.pack(acc_s);
+        ds_frag.pack(acc_dp);
+
+        // dV += P^T dO, dK += dS^T Q
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<D, DTYPE>::template rs<true>(acc_dv, p_frag.r[kk], qb_desc(sdO(st), kk));
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<D, DTYPE>::template rs<true>(acc_dk, ds_frag.r[kk], qb_desc(sQ(st), kk));
+        wgmma_commit();
+
+        if constexpr (ATOMIC_DQ) {
+            // dS^T into the swizzled [key][query] tile; register (kk, 2 half + r)
+            // of the A fragments holds row r of the 8-column tile 2 kk + half.
+            const u32 ds_tile = sdS(t & 1);
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int key = 64 * c + warp_row0 + (lane >> 2) + 8 * r;
+                    const int col = 8 * j + 2 * (lane & 3);
+                    const u32 addr = ds_tile + 2 * (tile_offset<BN, BM>(key, col >> 3) + (col & 7));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag.r[j / 2][2 * (j % 2) + r])
+                                 : "memory");
+                }
+            fence_proxy_async();
+            named_bar_sync<256>(1);  // both consumers' dS^T are in
+
+            // dQ (64 queries x DQ_N columns) = dS K: A = dS^T read MN-major
+            // (M = queries: the 64-column panel of this consumer's rows), B =
+            // K read MN-major (N = head dim: this consumer's 64-column panel).
+            float acc_dq[NT_DQ * 4];
+            const u32 a_tile = ds_tile + (BM == 128 ? c * BN * 128 : 0);
+            const u32 b_tile = sK + (BM == 128 ? 0 : c * BN * 128);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BN / 16; ++ks)
+                Wgmma<T::DQ_N, DTYPE>::template ss<true, true>(acc_dq, desc_mn_major_sw128<BN * 128, 1024>(a_tile, ks),
+                                                             desc_mn_major_sw128<BN * 128, 1024>(b_tile, ks), ks > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            release(empty(st));
+
+            // dq_accum is (B, H, nq_pad, D): padded rows need no bounds check.
+            const int q_row = m0 + (BM == 128 ? 64 * c : 0) + warp_row0 + (lane >> 2);
+            const int col0 = (BM == 128 ? 0 : c * T::DQ_N) + 2 * (lane & 3);
+            float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + q_row) * D + col0;
+#pragma unroll
+            for (int j = 0; j < NT_DQ; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    red_add_f32x2(dq_rows + 8 * r * D + 8 * j, acc_dq[j * 4 + 2 * r], acc_dq[j * 4 + 2 * r + 1]);
+        } else {
+            wgmma_wait<0>();
+            release(empty(st));
+        }
+    }
+
+    // Epilogue: dK (times scale) and dV stored from registers; a quad writes
+    // 16 contiguous bytes of a row.
+    u16* dk_head = dk + b * dk_sb + hk * dk_sh;
+    u16* dv_head = dv + b * dv_sb + hk * dv_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_lane0 + 8 * r;
+        if (key >= nk) continue;
+#pragma unroll
+        for (int j = 0; j < NT_D; ++j) {
+            const int col = 8 * j + 2 * (lane & 3);
+            if (col < d) {
+                *reinterpret_cast<u32*>(dk_head + key * dk_sn + col) =
+                    pack2<IS_BF16>(acc_dk[j * 4 + 2 * r] * scale, acc_dk[j * 4 + 2 * r + 1] * scale);
+                *reinterpret_cast<u32*>(dv_head + key * dv_sn + col) =
+                    pack2<IS_BF16>(acc_dv[j * 4 + 2 * r], acc_dv[j * 4 + 2 * r + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
