@@ -17,11 +17,11 @@ from cuflash.config import BwdConfig
 
 # (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
-# kernel (cuda_src/bwd_sm90.cuh), in 2 and 3 stages.
+# kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages.
 _H64 = BwdConfig(64, 128, 8, 4, 64, hopper=True)
 _H128 = BwdConfig(128, 64, 8, 4, 64, hopper=True)
 CANDIDATES = {
-    64: [(_H64, False), (dataclasses.replace(_H64, stages=3), False), (BwdConfig(64, 128, 8, 4, 64), False),
+    64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
          (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
     128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
           (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True), (BwdConfig(128, 64, 8, 4, 64), True)],

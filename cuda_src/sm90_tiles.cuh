@@ -106,6 +106,26 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
                  : "memory");
 }
 
+// dst[i] += src[i] for `bytes` / 4 floats, from shared memory to global memory
+// (element-wise atomic adds; both addresses 16-byte aligned, bytes a multiple
+// of 16). Completes in the issuing thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups are pending: READ, until
+// their sources have been read (the shared memory may be rewritten); else
+// until they have completed.
+template <int N, bool READ>
+__device__ __forceinline__ void bulk_wait() {
+    if constexpr (READ)
+        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Copies the box at coordinates (c0 innermost .. c3) of the tensor map into
 // shared memory at `dst`; the bytes are counted on mbarrier `bar`
 // (out-of-range elements arrive as zeros and are counted too).

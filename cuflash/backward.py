@@ -45,9 +45,11 @@ HEURISTIC_BWD = {
 # Kernel head dim -> the Hopper dK/dV kernel (cuda_src/bwd_sm90.cuh), used on
 # compute capability 9.0; the deterministic dQ kernel keeps the sm_80 table's
 # tiles. See bench/PERFLOG.md for its measurements.
+# Measured (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k): 3 stages +2-5% over
+# 2 at head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
 HEURISTIC_BWD_SM90 = {
-    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=2, hopper=True)
-    for kd, block_m in BwdConfig.HOPPER_BLOCK_M.items()
+    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=stages, hopper=True)
+    for kd, block_m, stages in ((64, 128, 2), (128, 64, 3))
 }
 
 
@@ -212,10 +214,12 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     dkdv(grid, (cfg.dkdv_threads, 1, 1), args, shared_mem=smem)
 
     if atomic_dq:
-        convert = _compile.get_kernel(cfg.family, BwdConfig.convert_dq_name(dtype_name), 0)
+        convert = _compile.get_kernel(*cfg.dq_accum_convert(dtype_name), 0)
+        sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
+        if not cfg.hopper:
+            sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
         convert(((seqlen_q + rows_per_cta - 1) // rows_per_cta, nheads, batch), (32 * rows_per_cta, 1, 1),
-                (dq_accum, dq, numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim),
-                 numpy.int32(cfg.headdim), *_strides(dq), numpy.float32(scale)))
+                (dq_accum, dq, *sizes, *_strides(dq), numpy.float32(scale)))
     else:
         even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
         smem = cfg.dq_smem_bytes()

@@ -63,6 +63,9 @@ def shipped_specialisations():
                                                                        (True, False)):
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq), cfg.dkdv_smem_bytes(atomic_dq),
                 family=cfg.dkdv_family)
+        for dtype_name in DTYPE_NAMES:
+            family, name = cfg.dq_accum_convert(dtype_name)
+            add(cfg, name, 0, family=family)
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):

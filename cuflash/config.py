@@ -213,6 +213,11 @@ class BwdConfig:
         return 128 if self.hopper else 16 * self.dkdv_warps
 
     @property
+    def hopper_dq_cols(self) -> int:
+        """BwdSm90Traits::DQ_N: head-dim columns of each consumer's share of dQ."""
+        return self.headdim if self.dkdv_block_m == 128 else self.headdim // 2
+
+    @property
     def dkdv_chunk(self) -> int:
         return self.dkdv_chunk_m or self.dkdv_block_m
 
@@ -224,8 +229,9 @@ class BwdConfig:
         if self.hopper:  # BwdSm90Traits::SMEM_BYTES
             qb, n = 2 * self.dkdv_block_m * self.headdim, self.dkdv_block_n
             ds = 2 * n * self.dkdv_block_m if atomic_dq else 0
-            return 2 * 2 * n * self.headdim + 2 * self.stages * qb + 2 * ds + 2 * self.stages * 4 * self.dkdv_block_m \
-                + 8 * (1 + 2 * self.stages)
+            dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
+            return (2 * 2 * n * self.headdim + 2 * self.stages * qb + 2 * ds + 2 * dq
+                    + 2 * self.stages * 4 * self.dkdv_block_m + 8 * (1 + 2 * self.stages))
         kv = self.dkdv_block_n * self.headdim
         qb = self.dkdv_block_m * self.headdim
         rows = 4 * 2 * self.stages * self.dkdv_block_m
@@ -276,6 +282,14 @@ class BwdConfig:
     @staticmethod
     def convert_dq_name(dtype_name: str) -> str:
         return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
+
+    def dq_accum_convert(self, dtype_name: str) -> tuple[str, str]:
+        """(family, name) of the kernel turning dq_accum into dq: the Hopper kernel
+        leaves each block of dq_accum in its own (fragment) order."""
+        if self.hopper:
+            args = [_cpp_bool(dtype_name == "bfloat16"), self.headdim, self.dkdv_block_m]
+            return "bwd_sm90", "cuflash::bwd_sm90_convert_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return self.family, self.convert_dq_name(dtype_name)
 
     def short_name(self) -> str:
         if self.hopper:
