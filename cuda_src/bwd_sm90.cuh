@@ -21,7 +21,7 @@
 //               from dS^T) and K (MN-major B): consumer c takes query rows
 //               64c.. (BM = 128) or head-dim columns c * D/2.. (BM = 64). Its
 //               accumulators go to shared memory as they lie in registers
-//               (conflict-free 16-byte stores), and one thread adds the tile
+//               (conflict-free 16-byte stores), and each warp adds its part
 //               to the query block's fp32 dq_accum with a bulk reduction; so
 //               dq_accum holds each block in that fragment order
 //               (dq_fragment_index), which bwd_sm90_convert_dq_kernel undoes.
@@ -211,6 +211,28 @@ __global__ void __launch_bounds__(384, 1)
         if (lane == 0) mbar_arrive(bar);
     };
 
+    // A step's dQ tile into dq_accum ((B, H, nq_pad, D) floats: padded rows
+    // need no bounds check), each warp on its own: its accumulators to shared
+    // memory in fragment order (a contiguous 4 KB per warp; once the warp's
+    // previous reduction has read them), then one bulk reduction.
+    auto flush_dq = [&](const float (&acc_dq)[NT_DQ * 4], long long block) {
+        constexpr int WARP_FLOATS = NT_DQ * 32 * 4;
+        const u32 dq_tile = base + T::OFF_DQ + c * T::DQ_BYTES + (warp & 3) * WARP_FLOATS * 4;
+        if (lane == 0) bulk_wait<0, true>();
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < NT_DQ; ++j)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_tile + (j * 32 + lane) * 16),
+                         "f"(acc_dq[4 * j]), "f"(acc_dq[4 * j + 1]), "f"(acc_dq[4 * j + 2]), "f"(acc_dq[4 * j + 3])
+                         : "memory");
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+            bulk_reduce_add_f32(dq_accum + block + (warp & 3) * WARP_FLOATS, dq_tile, WARP_FLOATS * 4);
+            bulk_commit();
+        }
+    };
+
     mbar_wait(full_kv, 0);
     for (int t = 0; t < n_iter; ++t) {
         const int st = t % STAGES;
@@ -297,9 +319,9 @@ __global__ void __launch_bounds__(384, 1)
             // dQ (64 queries x DQ_N columns) = dS K: A = dS^T read MN-major
             // (M = queries: the 64-column panel of this consumer's rows), B =
             // K read MN-major (N = head dim: this consumer's 64-column panel).
-            float acc_dq[NT_DQ * 4];
             const u32 a_tile = ds_tile + (BM == 128 ? c * BN * 128 : 0);
             const u32 b_tile = sK + (BM == 128 ? 0 : c * BN * 128);
+            float acc_dq[NT_DQ * 4];
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BN / 16; ++ks)
@@ -308,37 +330,16 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_commit();
             wgmma_wait<0>();
             release(empty(st));
-
-            // The tile to shared memory in fragment order, once the previous
-            // step's reduction has read it; then one bulk reduction into the
-            // block's dq_accum ((B, H, nq_pad, D) floats: padded rows need no
-            // bounds check).
-            const u32 dq_tile = base + T::OFF_DQ + c * T::DQ_BYTES;
-            const bool leader = tid == 128 * wg;
-            if (leader) bulk_wait<0, true>();
-            named_bar_sync<128>(2 + c);
-#pragma unroll
-            for (int j = 0; j < NT_DQ; ++j)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                                 dq_tile + (((warp & 3) * NT_DQ + j) * 32 + lane) * 16),
-                             "f"(acc_dq[4 * j]), "f"(acc_dq[4 * j + 1]), "f"(acc_dq[4 * j + 2]), "f"(acc_dq[4 * j + 3])
-                             : "memory");
-            fence_proxy_async();
-            named_bar_sync<128>(2 + c);
-            if (leader) {
-                bulk_reduce_add_f32(dq_accum + (((long long)b * nheads + h) * nq_pad + m0) * D + c * 64 * T::DQ_N,
-                                    dq_tile, T::DQ_BYTES);
-                bulk_commit();
-            }
+            flush_dq(acc_dq, (((long long)b * nheads + h) * nq_pad + m0) * D + c * 64 * T::DQ_N);
         } else {
             wgmma_wait<0>();
             release(empty(st));
         }
     }
 
-    // The last reduction must have completed before the CTA exits.
+    // The last reductions must complete before the CTA exits.
     if constexpr (ATOMIC_DQ) {
-        if (tid == 128 * wg) bulk_wait<0, false>();
+        if (lane == 0) bulk_wait<0, false>();
     }
 
     // Epilogue: dK (times scale) and dV stored from registers; a quad writes
