@@ -23,6 +23,7 @@ _H128 = BwdConfig(128, 64, 8, 4, 64, hopper=True)
 CANDIDATES = {
     64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
          (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
+    96: [(_H128, False), (BwdConfig(96, 64, 8, 4, 64), False)],
     128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
           (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True), (BwdConfig(128, 64, 8, 4, 64), True)],
 }
@@ -42,7 +43,7 @@ def main():
     for d in map(int, a.headdim.split(",")):
         for n in map(int, a.seqlen.split(",")):
             for causal in (False, True):
-                h, b = 2048 // d, 16384 // n
+                h, b = max(2048 // d, 1), 16384 // n
                 tq, tk, tv, tdo = (torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, a.dtype))
                                    for _ in range(4))
                 flops = 3.5 * 4 * b * h * n * n * d / (2 if causal else 1)
@@ -60,7 +61,7 @@ def main():
                 q, k, v, do = (cupy.from_dlpack(x) for x in (tq, tk, tv, tdo))
                 for cfg, det in CANDIDATES[d]:
                     # The table entries the heuristic reads: the Hopper one first, where present.
-                    backward.HEURISTIC_BWD_SM90 = {d: cfg} if cfg.hopper else {}
+                    backward.HEURISTIC_BWD_SM90 = {cfg.headdim: cfg} if cfg.hopper else {}
                     if not cfg.hopper:
                         backward.HEURISTIC_BWD[d] = cfg
                     def run():

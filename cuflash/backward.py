@@ -1,7 +1,9 @@
 """Attention gradients: FlashAttention-2 backward by recomputation.
 
 The forward keeps only out and the logsumexp (O(N) memory); the backward
-recomputes P tile by tile from them. Kernels are in cuda_src/bwd_sm80.cuh.
+recomputes P tile by tile from them. Kernels are in cuda_src/bwd_sm80.cuh
+(every GPU) and cuda_src/bwd_sm90.cuh (the dK/dV kernel with fused dQ for
+head dims 33-128 on compute capability 9.0).
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ HEURISTIC_BWD_SM90 = {
 }
 
 
+# Kernel head dims without a Hopper backward of their own that run on the next
+# larger one, the extra columns zero-filled by the tensor maps.
+SM90_BWD_PADDED = {96: 128}
+
+
+def hopper_bwd_headdim(kd: int) -> int | None:
+    """The Hopper dK/dV kernel's head dim for kernel head dim `kd`, or None if it has none."""
+    return kd if kd in BwdConfig.HOPPER_BLOCK_M else SM90_BWD_PADDED.get(kd)
+
+
 def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
     """Smaller tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB)."""
     return (BwdConfig(kd, 64, 4, 4, 64), BwdConfig(kd, 32, 4, 4, 32), BwdConfig(kd, 32, 2, 2, 16))
@@ -85,8 +97,9 @@ def bwd_config(headdim: int, max_smem: int, arch: int = 80) -> BwdConfig:
     """The Hopper kernel on compute capability 9.0 where it has the head dim; else the sm_80
     table's tiles, or smaller ones where the device has less shared memory per block."""
     kd = kernel_headdim(headdim)
-    if arch == 90 and kd in HEURISTIC_BWD_SM90 and fits(HEURISTIC_BWD_SM90[kd], max_smem):
-        return HEURISTIC_BWD_SM90[kd]
+    hopper = HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == 90 else None
+    if hopper is not None and fits(hopper, max_smem):
+        return hopper
     for cfg in (HEURISTIC_BWD[kd], *bwd_fallbacks(kd)):
         if fits(cfg, max_smem):
             return cfg

@@ -92,9 +92,10 @@ class BwdTuning(TunedFamily):
                      else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
-        if problem.arch == 90 and kd in BwdConfig.HOPPER_BLOCK_M:
+        hopper_kd = backward.hopper_bwd_headdim(kd)
+        if problem.arch == 90 and hopper_kd is not None:
             # The Hopper dK/dV kernel first (the heuristic's choice there), in both ring depths.
-            hopper = backward.HEURISTIC_BWD_SM90[kd]
+            hopper = backward.HEURISTIC_BWD_SM90[hopper_kd]
             configs = [dataclasses.replace(hopper, stages=stages, **dq)
                        for stages in HOPPER_STAGES for dq in dq_fields] + configs
         return configs
@@ -150,7 +151,9 @@ class BwdTuning(TunedFamily):
             cfg = BwdConfig(**fields)
         except TypeError:
             return None
-        usable = (cfg.is_valid() and cfg.headdim == problem.kernel_headdim and backward.fits(cfg, problem.max_smem)
+        kd = problem.kernel_headdim
+        headdim = backward.hopper_bwd_headdim(kd) if cfg.hopper else kd
+        usable = (cfg.is_valid() and cfg.headdim == headdim and backward.fits(cfg, problem.max_smem)
                   and (not cfg.hopper or problem.arch == 90))
         return cfg if usable else None
 

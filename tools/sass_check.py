@@ -1,4 +1,5 @@
-"""SASS of the Hopper fast paths: tensor-core and local-memory instructions.
+"""SASS of the Hopper fast paths (forward, and the backward's dK/dV kernel):
+tensor-core and local-memory instructions.
 
 Compiles each kernel with NVRTC, disassembles it with cuobjdump (CUDA
 toolkit; on the GPU machine) and counts HGMMA / QGMMA (wgmma), HMMA
@@ -24,19 +25,24 @@ from tabulate import tabulate
 
 from cuflash import compile as cf_compile
 from cuflash.config import FP8_DTYPE_NAME
+from cuflash.backward import HEURISTIC_BWD_SM90
 from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
 
 OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
 
 
 def fast_paths():
-    """(name expression, dtype name) of each Hopper fast path."""
+    """(family, name expression, dtype name) of each Hopper fast path: forward and backward."""
     pairs = [(cfg, dt) for cfg in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
     pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
-    return [(cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
+    paths = [("fwd_sm90", cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
+    paths += [(cfg.dkdv_family, cfg.dkdv_name(dt, causal, True, True, atomic_dq), dt)
+              for cfg in HEURISTIC_BWD_SM90.values() for dt in ("float16", "bfloat16") for causal in (False, True)
+              for atomic_dq in (True, False)]
+    return paths
 
 
-def disassemble(cubin: bytes, name: str) -> str:
+def disassemble(cubin: bytes, family: str, name: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
@@ -45,7 +51,7 @@ def disassemble(cubin: bytes, name: str) -> str:
             return done.stdout
         # Taking the kernel's address instantiates it for nvcc's device pass.
         source = Path(tmp) / "k.cu"
-        source.write_text(cf_compile.kernel_source("fwd_sm90") + f"\nstatic const void* instance = (const void*)&{name};\n")
+        source.write_text(cf_compile.kernel_source(family) + f"\nstatic const void* instance = (const void*)&{name};\n")
         subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(path),
                         str(source)], check=True, capture_output=True, text=True)
         return subprocess.run(["cuobjdump", "--dump-sass", str(path)], check=True, capture_output=True,
@@ -61,14 +67,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dump", metavar="DIR", help="also write each kernel's SASS to DIR")
     args = parser.parse_args(argv)
     rows, failed = [], []
-    for name, dtype_name in fast_paths():
-        report = cf_compile.compile_report("fwd_sm90", name, "sm_90a", keep_cubin=True)
+    for family, name, dtype_name in fast_paths():
+        report = cf_compile.compile_report(family, name, "sm_90a", keep_cubin=True)
         if not report.ok:
             failed.append(name)
             rows.append([name, "compile error"])
             continue
         try:
-            sass = disassemble(report.cubin, name)
+            sass = disassemble(report.cubin, family, name)
         except subprocess.CalledProcessError as exc:
             print(f"{name}: {' '.join(exc.cmd[:2])} failed:\n{exc.stderr[-2000:]}", file=sys.stderr)
             failed.append(name)
