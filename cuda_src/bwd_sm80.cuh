@@ -548,7 +548,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         gemm_rs_nn<BF16, KS_K, NT_D>(acc_dq, ds_frag, k_smem, bt_off, 0);
     }
     cp_async_wait<0>();
-    // Each warp writes only its own rows of the Q tile, which only it read.
+    // Every thread's copies into the Q tile have landed (a block whose rows
+    // see no key skips the loop and its barriers: without this one, another
+    // thread's Q copy could overwrite the dQ rows written below).
+    __syncthreads();
     acc_to_smem<BF16, BR, D>(sQ, acc_dq, warp_row0, scale, lane);
     __syncthreads();
     store_tile<BR, D, THREADS>(dq_tile, sQ, dq_sn, nq - m0, d, tid);
