@@ -26,11 +26,13 @@ _LOG2E = 1.4426950408889634
 #   causal; the 64 x 64, 4-warp tile 0.83-0.85x. Holding the scores of 64
 #   queries at a time (dkdv_chunk_m=64) makes the dK/dV kernel spill-free but
 #   costs 2-9% (bench/bwd_sweep.py, 2k and 8k: e.g. 270 against 296 TFLOP/s
-#   at 8k non-causal): the whole block (which spills up to 196 bytes) stays.
+#   at 8k non-causal): the whole block (which spills up to 240 bytes) stays.
 # - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
 #   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal. It spills (up to
-#   96 bytes); chunks of 32 / 16 queries (spill-free at 16) are 9-12% / 18-21%
-#   slower (bench/bwd_sweep.py, 2k and 8k).
+#   40 bytes); chunks of 32 / 16 queries are 9-12% / 18-21% slower
+#   (bench/bwd_sweep.py, 2k and 8k).
+# On compute capability 9.0 the Hopper kernel below replaces these dK/dV
+# tiles at head dims 33-128.
 # - other head dims: unmeasured; tiles that fit the shared memory.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
@@ -46,9 +48,9 @@ HEURISTIC_BWD = {
 
 # Kernel head dim -> the Hopper dK/dV kernel (cuda_src/bwd_sm90.cuh), used on
 # compute capability 9.0; the deterministic dQ kernel keeps the sm_80 table's
-# tiles. See bench/PERFLOG.md for its measurements.
-# Measured (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k): 3 stages +2-5% over
-# 2 at head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
+# tiles. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
+# bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
+# head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
 HEURISTIC_BWD_SM90 = {
     kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=stages, hopper=True)
     for kd, block_m, stages in ((64, 128, 2), (128, 64, 3))
