@@ -19,26 +19,28 @@ from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
 
 _LOG2E = 1.4426950408889634
 
-# Kernel head dim -> backward tiles. Measured on an H200, fwd+bwd, fp16,
-# 16k tokens, hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same
-# run (bench/PERFLOG.md):
+# Kernel head dim -> sm_80 backward tiles, the fast path on GPUs before Hopper.
+# Measured on an H200 (the sm_80 kernels there), fwd+bwd, fp16, 16k tokens,
+# hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same run
+# (bench/PERFLOG.md, bench/bwd_sweep.py):
 # - d64: 128 query rows x 128 keys, 8 warps: 0.92-0.93x non-causal, 0.83-0.90x
-#   causal; the 64 x 64, 4-warp tile 0.83-0.85x. Holding the scores of 64
-#   queries at a time (dkdv_chunk_m=64) makes the dK/dV kernel spill-free but
-#   costs 2-9% (bench/bwd_sweep.py, 2k and 8k: e.g. 270 against 296 TFLOP/s
-#   at 8k non-causal): the whole block (which spills up to 240 bytes) stays.
+#   causal; the 64 x 64, 4-warp tile 0.83-0.85x.
 # - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
-#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal. It spills (up to
-#   40 bytes); chunks of 32 / 16 queries are 9-12% / 18-21% slower
-#   (bench/bwd_sweep.py, 2k and 8k).
-# On compute capability 9.0 the Hopper kernel below replaces these dK/dV
-# tiles at head dims 33-128.
+#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal.
+# Holding all of a block's scores next to the dK and dV accumulators spills
+# (up to 240 bytes at d64, 40 at d128); holding 64 (d64) or 32 (d128) queries'
+# scores at a time (dkdv_chunk_m) is spill-free for every variant on sm_80 and
+# measured 2-9% (d64) and 9-12% (d128) slower on the H200. The table takes the
+# spill-free tiles (the autotuner also tries the whole block); the fallbacks
+# for smaller shared memories are chunked likewise.
 # - other head dims: unmeasured; tiles that fit the shared memory.
+# On compute capability 9.0 the Hopper kernel below replaces the dK/dV tiles
+# at head dims 33-128.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
-    64: BwdConfig(64, 128, 8, 4, 64),
+    64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
     96: BwdConfig(96, 64, 8, 4, 64),
-    128: BwdConfig(128, 64, 8, 4, 64),
+    128: BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32),
     160: BwdConfig(160, 32, 4, 4, 32),
     192: BwdConfig(192, 32, 4, 4, 32),
     224: BwdConfig(224, 32, 4, 4, 32),
@@ -52,7 +54,7 @@ HEURISTIC_BWD = {
 # bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
 # head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
 HEURISTIC_BWD_SM90 = {
-    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=stages, hopper=True)
+    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=stages, dkdv_chunk_m=0, hopper=True)
     for kd, block_m, stages in ((64, 128, 2), (128, 64, 3))
 }
 
@@ -69,7 +71,8 @@ def hopper_bwd_headdim(kd: int) -> int | None:
 
 def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
     """Smaller tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB)."""
-    return (BwdConfig(kd, 64, 4, 4, 64), BwdConfig(kd, 32, 4, 4, 32), BwdConfig(kd, 32, 2, 2, 16))
+    return (BwdConfig(kd, 64, 4, 4, 64, dkdv_chunk_m=32), BwdConfig(kd, 32, 4, 4, 32, dkdv_chunk_m=16),
+            BwdConfig(kd, 32, 2, 2, 16, dkdv_chunk_m=16))
 
 
 @dataclasses.dataclass(frozen=True)
