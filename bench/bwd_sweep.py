@@ -18,14 +18,15 @@ from cuflash.config import BwdConfig
 # (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
 # kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages.
-_H64 = BwdConfig(64, 128, 8, 4, 64, hopper=True)
-_H128 = BwdConfig(128, 64, 8, 4, 64, hopper=True)
+_H64 = backward.HEURISTIC_BWD_SM90[64]
+_H128 = dataclasses.replace(backward.HEURISTIC_BWD_SM90[128], stages=2)
 CANDIDATES = {
     64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
          (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
     96: [(_H128, False), (BwdConfig(96, 64, 8, 4, 64), False)],
     128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
-          (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True), (BwdConfig(128, 64, 8, 4, 64), True)],
+          (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True),
+          (dataclasses.replace(_H128, stages=3), True), (BwdConfig(128, 64, 8, 4, 64), True)],
 }
 
 

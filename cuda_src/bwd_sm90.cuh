@@ -28,7 +28,7 @@
 //               (Measured on an H200, hdim 128, 8k: per-thread vector
 //               reductions instead cost 30% of the backward's time.)
 // Without ATOMIC_DQ (deterministic mode) the kernel stops at dK and dV and
-// bwd_sm80.cuh's bwd_dq_kernel computes dQ.
+// bwd_sm90_dq_kernel (below) computes dQ.
 #pragma once
 #include "common.cuh"
 #include "sm90_tiles.cuh"
@@ -359,6 +359,195 @@ __global__ void __launch_bounds__(384, 1)
                 *reinterpret_cast<u32*>(dv_head + key * dv_sn + col) =
                     pack2<IS_BF16>(acc_dv[j * 4 + 2 * r], acc_dv[j * 4 + 2 * r + 1]);
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- dQ alone
+// Deterministic mode's dQ: one CTA per block of 128 queries (and head,
+// batch) sums over its key blocks in a fixed order, so no atomics:
+//   S = Q K^T, P = 2^(S c - lse2[row]), dP = dO V^T, dS = P o (dP - Delta[row]),
+//   dQ += dS K   (times scale at the end).
+// The producer copies Q, dO and the rows' lse2 and Delta once, then K and V
+// tiles of BN keys into a STAGES-deep ring (as the forward kernel does); each
+// of the two consumer warpgroups owns 64 query rows: S and dP by wgmma SS,
+// dQ by wgmma RS with dS from registers and K as the MN-major B operand.
+template <int D_, int BN_, int STAGES_>
+struct BwdSm90DqTraits {
+    static constexpr int D = D_, BN = BN_, STAGES = STAGES_;
+    static constexpr int CONSUMERS = 2;
+    static constexpr int BM = 64 * CONSUMERS;
+    static constexpr int QB_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, ROW_BYTES = BM * 4;
+    static constexpr int BARRIERS = 1 + 4 * STAGES;
+    // Q, dO, STAGES x K, STAGES x V (1024-byte aligned tiles), lse2, Delta, mbarriers.
+    static constexpr int OFF_DO = QB_BYTES;
+    static constexpr int OFF_K = 2 * QB_BYTES;
+    static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+    static constexpr int OFF_ROWS = OFF_V + STAGES * KV_BYTES;
+    static constexpr int OFF_BARS = OFF_ROWS + 2 * ROW_BYTES;
+    static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
+    static constexpr int ENTRY_REGS = 168, CONSUMER_REGS = 232;
+    static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
+
+    static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64), "head dim 64 with BN 128, or 128 with BN 64");
+    static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
+    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+};
+
+template <int D, int BN, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N>
+__global__ void __launch_bounds__(384, 1)
+    bwd_sm90_dq_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
+                       const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
+                       const float* __restrict__ lse2, const float* __restrict__ delta, u16* __restrict__ dq, int nq,
+                       int nk, int d, int group, int nq_pad, long long dq_sb, long long dq_sn, long long dq_sh,
+                       float scale_log2, float scale) {
+    using T = BwdSm90DqTraits<D, BN, STAGES>;
+    constexpr int BM = T::BM;
+    constexpr int NT_S = BN / 8, NT_D = D / 8;
+    constexpr bool IS_BF16 = DTYPE == BF16;
+    static_assert(DTYPE == F16 || DTYPE == BF16, "16-bit inputs only");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = smem_addr(smem_raw);
+    const u32 sQ = base, sdO = base + T::OFF_DO;
+    auto sK = [&](int st) { return base + T::OFF_K + st * T::KV_BYTES; };
+    auto sV = [&](int st) { return base + T::OFF_V + st * T::KV_BYTES; };
+    const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);  // lse2 [BM], then Delta [BM]
+    const u32 bars = base + T::OFF_BARS;
+    const u32 full_q = bars;
+    auto full_kv = [&](int s) { return bars + 8 * (1 + s); };
+    auto empty_kv = [&](int s) { return bars + 8 * (1 + STAGES + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    // Causal: the longest query blocks first.
+    const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
+    const int m0 = m_block * BM, diag = nk - nq;
+    // Key blocks [0, n_end) hold keys some row of the block sees.
+    const int n_blocks = (nk + BN - 1) / BN;
+    int n_end = n_blocks;
+    if constexpr (CAUSAL) {
+        const int last_key = m0 + BM - 1 + diag;
+        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+    }
+    u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
+
+    if (tid == 0) {
+        mbar_init(full_q, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_kv(s), 1);
+            mbar_init(empty_kv(s), 4 * T::CONSUMERS);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------ producer
+        setmaxnreg_dec<T::PRODUCER_REGS>();
+        if (tid != 0 || n_end == 0) return;
+        mbar_arrive_expect_tx(full_q, 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
+        for (int p = 0; p < D / 64; ++p) {
+            tma_load_4d(sQ + p * BM * 128, map_q, p * 64, m0, h, b, full_q);
+            tma_load_4d(sdO + p * BM * 128, map_do, p * 64, m0, h, b, full_q);
+        }
+        const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+        bulk_load(base + T::OFF_ROWS, lse2 + row_off, T::ROW_BYTES, full_q);
+        bulk_load(base + T::OFF_ROWS + T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full_q);
+        for (int i = 0; i < n_end; ++i) {
+            const int st = i % STAGES, use = i / STAGES;
+            if (use > 0) mbar_wait(empty_kv(st), (use - 1) & 1);
+            mbar_arrive_expect_tx(full_kv(st), 2 * T::KV_BYTES);
+            for (int p = 0; p < D / 64; ++p) {
+                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, i * BN, hk, b, full_kv(st));
+                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, i * BN, hk, b, full_kv(st));
+            }
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumers
+    setmaxnreg_inc<T::CONSUMER_REGS>();
+    const int c = wg - 1;
+    const int warp_row0 = 64 * c + 16 * (warp & 3);  // this warp's 16 rows of the block
+    float acc_dq[NT_D * 4];
+#pragma unroll
+    for (int i = 0; i < NT_D * 4; ++i) acc_dq[i] = 0.f;
+
+    if (n_end > 0) {
+        mbar_wait(full_q, 0);
+        // This lane's two rows: lse2 (+inf past nq or for a row without keys: P = 0) and Delta.
+        float lse2_r[2], delta_r[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lse2_r[r] = rows[warp_row0 + (lane >> 2) + 8 * r];
+            delta_r[r] = rows[BM + warp_row0 + (lane >> 2) + 8 * r];
+        }
+        for (int i = 0; i < n_end; ++i) {
+            const int st = i % STAGES, n0 = i * BN;
+            mbar_wait(full_kv(st), (i / STAGES) & 1);
+            float acc_s[NT_S * 4], acc_dp[NT_S * 4];
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<BN, DTYPE>::ss(acc_s, desc_k_major_sw128<BM>(sQ, 64 * c, ks),
+                                     desc_k_major_sw128<BN>(sK(st), 0, ks), ks > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<BN, DTYPE>::ss(acc_dp, desc_k_major_sw128<BM>(sdO, 64 * c, ks),
+                                     desc_k_major_sw128<BN>(sV(st), 0, ks), ks > 0);
+            wgmma_commit();
+            wgmma_wait<1>();
+
+            // P = 2^(S c - lse2[row]); keys past nk (zero rows of K) and, under
+            // the causal mask, keys after the row get P = 0.
+            const bool masked = (CAUSAL && n0 + BN - 1 > m0 + diag) || (!EVEN_N && n0 + BN > nk);
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float p = exp2_approx(fmaf(acc_s[j * 4 + e], scale_log2, -lse2_r[e >> 1]));
+                    if (masked) {
+                        const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                        const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                        bool keep = EVEN_N || key < nk;
+                        if constexpr (CAUSAL) keep = keep && key <= row + diag;
+                        if (!keep) p = 0.f;
+                    }
+                    acc_s[j * 4 + e] = p;
+                }
+            wgmma_wait<0>();
+            // dS = P o (dP - Delta[row]), as the A fragments of dQ += dS K
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - delta_r[e >> 1]);
+            AFragments<DTYPE, BN> ds_frag;
+            ds_frag.pack(acc_dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                Wgmma<D, DTYPE>::template rs<true>(acc_dq, ds_frag.r[kk],
+                                                   desc_mn_major_sw128<BN * 128, 1024>(sK(st), kk));
+            wgmma_commit();
+            wgmma_wait<0>();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_kv(st));
+        }
+    }
+
+    // Epilogue: dQ (times scale) stored from registers; zeros for a block whose rows see no key.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + (lane >> 2) + 8 * r;
+        if (row >= nq - m0) continue;
+#pragma unroll
+        for (int j = 0; j < NT_D; ++j) {
+            const int col = 8 * j + 2 * (lane & 3);
+            if (col < d)
+                *reinterpret_cast<u32*>(dq_tile + row * dq_sn + col) =
+                    pack2<IS_BF16>(acc_dq[j * 4 + 2 * r] * scale, acc_dq[j * 4 + 2 * r + 1] * scale);
         }
     }
 }

@@ -48,13 +48,12 @@ HEURISTIC_BWD = {
 }
 
 
-# Kernel head dim -> the Hopper dK/dV kernel (cuda_src/bwd_sm90.cuh), used on
-# compute capability 9.0; the deterministic dQ kernel keeps the sm_80 table's
-# tiles. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
+# Kernel head dim -> the Hopper backward kernels (cuda_src/bwd_sm90.cuh), used
+# on compute capability 9.0. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
 # bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
 # head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
 HEURISTIC_BWD_SM90 = {
-    kd: dataclasses.replace(HEURISTIC_BWD[kd], dkdv_block_m=block_m, stages=stages, dkdv_chunk_m=0, hopper=True)
+    kd: BwdConfig(kd, block_m, 8, 8, BwdConfig.HOPPER_DQ_BLOCK_N[kd], stages=stages, hopper=True)
     for kd, block_m, stages in ((64, 128, 2), (128, 64, 3))
 }
 
@@ -241,10 +240,14 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     else:
         even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
         smem = cfg.dq_smem_bytes()
-        dq_kernel = _compile.get_kernel(cfg.family, cfg.dq_name(dtype_name, causal, even_n, even_d), smem)
-        dq_kernel((-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_warps, 1, 1),
-                  (q, k, v, dout, lse2, delta, dq, *ints, *_strides(q, k, v, dout, dq), *scales),
-                  shared_mem=smem)
+        dq_kernel = _compile.get_kernel(cfg.dq_family, cfg.dq_name(dtype_name, causal, even_n, even_d), smem)
+        if cfg.hopper:
+            maps = (tma.seq_major_map(q, cfg.dq_block_m), tma.seq_major_map(k, cfg.dq_block_n),
+                    tma.seq_major_map(v, cfg.dq_block_n), tma.seq_major_map(dout, cfg.dq_block_m))
+            args = (*maps, lse2, delta, dq, *ints, *_strides(dq), *scales)
+        else:
+            args = (q, k, v, dout, lse2, delta, dq, *ints, *_strides(q, k, v, dout, dq), *scales)
+        dq_kernel((-(-seqlen_q // cfg.dq_block_m), nheads, batch), (cfg.dq_threads, 1, 1), args, shared_mem=smem)
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None):

@@ -28,7 +28,7 @@ FAST_PATH_HEADDIMS = (64, 128)
 # entry (cuda_src/fwd_sm90.cuh, bwd_sm90.cuh: ENTRY_REGS); with another, a
 # consumer warpgroup could wait forever for registers.
 SM90_ENTRY_REGISTERS = 168
-SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel")
+SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
 SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128)}
@@ -64,6 +64,7 @@ def shipped_specialisations():
                                                                        (True, False)):
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq), cfg.dkdv_smem_bytes(atomic_dq),
                 family=cfg.dkdv_family)
+            add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.dq_family)
         for dtype_name in DTYPE_NAMES:
             family, name = cfg.dq_accum_convert(dtype_name)
             add(cfg, name, 0, family=family)

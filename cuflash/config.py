@@ -179,11 +179,12 @@ class BwdConfig:
     min_blocks: CTAs per SM promised to the register allocator (__launch_bounds__).
     dkdv_chunk_m: query rows whose scores the dK/dV kernel holds in registers at
         once (a multiple of 16 dividing dkdv_block_m); 0 means the whole block.
-    hopper: dK/dV (and the fused dQ) on the Hopper kernel (cuda_src/bwd_sm90.cuh,
-        sm_90a): 128 keys per CTA, dkdv_block_m query rows per step (128 at head
-        dim 64, 64 at 128), `stages` deep; dkdv_warps, min_blocks and
-        dkdv_chunk_m then do not apply. The preprocess, dQ conversion and
-        deterministic dQ kernels are the sm_80 ones in either case.
+    hopper: the Hopper kernels (cuda_src/bwd_sm90.cuh, sm_90a). dK/dV (and
+        the fused dQ): 128 keys per CTA, dkdv_block_m query rows per step (128
+        at head dim 64, 64 at 128); the deterministic dQ kernel: 128 query rows
+        per CTA (dq_warps = 8: two warpgroups), dq_block_n keys per step (128
+        at head dim 64, 64 at 128); both `stages` deep. dkdv_warps, min_blocks
+        and dkdv_chunk_m then do not apply; the preprocess kernel is the sm_80 one.
     """
 
     headdim: int
@@ -199,6 +200,8 @@ class BwdConfig:
     family = "bwd_sm80"  # the row-wise helpers' and the dQ kernel's family
     # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits).
     HOPPER_BLOCK_M = {64: 128, 128: 64}
+    # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
+    HOPPER_DQ_BLOCK_N = {64: 128, 128: 64}
 
     @property
     def dkdv_family(self) -> str:
@@ -238,7 +241,18 @@ class BwdConfig:
         ds = 2 * self.dkdv_block_n * self.dkdv_block_m if atomic_dq else 0
         return 2 * (2 * kv + 2 * self.stages * qb) + rows + ds
 
+    @property
+    def dq_family(self) -> str:
+        return "bwd_sm90" if self.hopper else "bwd_sm80"
+
+    @property
+    def dq_threads(self) -> int:
+        return 384 if self.hopper else 32 * self.dq_warps
+
     def dq_smem_bytes(self) -> int:
+        if self.hopper:  # BwdSm90DqTraits::SMEM_BYTES
+            return (2 * 2 * self.dq_block_m * self.headdim + 2 * self.stages * 2 * self.dq_block_n * self.headdim
+                    + 2 * 4 * self.dq_block_m + 8 * (1 + 4 * self.stages))
         return 2 * (2 * self.dq_block_m * self.headdim + 2 * self.stages * self.dq_block_n * self.headdim)
 
     def is_valid(self) -> bool:
@@ -246,7 +260,7 @@ class BwdConfig:
         rows = (32, 64, 128)
         if self.hopper:
             hopper_ok = self.HOPPER_BLOCK_M.get(self.headdim) == self.dkdv_block_m and 2 <= self.stages <= 3
-            dq_ok = self.dq_block_m in rows and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16
+            dq_ok = self.dq_warps == 8 and self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n
             smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
             return hopper_ok and dq_ok and smem <= 227 * 1024
         if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
@@ -271,6 +285,11 @@ class BwdConfig:
         return "cuflash::bwd_dkdv_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def dq_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
+        """The deterministic dQ kernel; the Hopper one has no even_d argument."""
+        if self.hopper:
+            args = [self.headdim, self.dq_block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
+                    _cpp_bool(even_n)]
+            return "cuflash::bwd_sm90_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
         args = [self.headdim, self.dq_warps, self.dq_block_n, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d)]
         return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in args) + ">"

@@ -96,14 +96,13 @@ class BwdTuning(TunedFamily):
         if problem.arch == 90 and hopper_kd is not None:
             # The Hopper dK/dV kernel first (the heuristic's choice there), in both ring depths.
             hopper = backward.HEURISTIC_BWD_SM90[hopper_kd]
-            configs = [dataclasses.replace(hopper, stages=stages, **dq)
-                       for stages in HOPPER_STAGES for dq in dq_fields] + configs
+            configs = [dataclasses.replace(hopper, stages=stages) for stages in HOPPER_STAGES] + configs
         return configs
 
     def keep(self, cfg: BwdConfig, limits) -> bool:
         """Static filter: the traits' asserts, tile sides, this device's shared memory and threads."""
         smem = max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes())
-        threads = max(cfg.dkdv_threads, 32 * cfg.dq_warps)
+        threads = max(cfg.dkdv_threads, cfg.dq_threads)
         return (
             cfg.is_valid()
             and cfg.dkdv_block_n <= TILE_ALIGN
@@ -124,8 +123,8 @@ class BwdTuning(TunedFamily):
                             cfg.dkdv_smem_bytes(atomic), cfg.dkdv_threads, runs=i == 0)
                  for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]
         if not atomic:
-            specs += [KernelSpec(cfg.family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
-                                 32 * cfg.dq_warps, runs=i == 0)
+            specs += [KernelSpec(cfg.dq_family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
+                                 cfg.dq_threads, runs=i == 0)
                       for i, n in enumerate(length_variants(problem, cfg.dq_block_m, cfg.dq_block_n))]
         return specs
 

@@ -74,6 +74,9 @@ def test_bwd_sm90_smem_bytes_match_cpp_traits():
                       f"{'true' if atomic else 'false'}>")
             asserts.append(f"static_assert({traits}::SMEM_BYTES == {cfg.dkdv_smem_bytes(atomic)}, \"{traits}\");")
             asserts.append(f"static_assert({traits}::BN == {cfg.dkdv_block_n}, \"{traits}\");")
+        dq_traits = f"cuflash::BwdSm90DqTraits<{cfg.headdim}, {cfg.dq_block_n}, {stages}>"
+        asserts.append(f"static_assert({dq_traits}::SMEM_BYTES == {cfg.dq_smem_bytes()}, \"{dq_traits}\");")
+        asserts.append(f"static_assert({dq_traits}::BM == {cfg.dq_block_m}, \"{dq_traits}\");")
     prog = nvrtc.createProgram(cf_compile.kernel_source("bwd_sm90") + "\n" + "\n".join(asserts), "check.cu", [], [])
     try:
         nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])

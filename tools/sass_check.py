@@ -1,4 +1,4 @@
-"""SASS of the Hopper fast paths (forward, and the backward's dK/dV kernel):
+"""SASS of the Hopper fast paths (forward, and the backward's dK/dV and dQ kernels):
 tensor-core and local-memory instructions.
 
 Compiles each kernel with NVRTC, disassembles it with cuobjdump (CUDA
@@ -39,6 +39,8 @@ def fast_paths():
     paths += [(cfg.dkdv_family, cfg.dkdv_name(dt, causal, True, True, atomic_dq), dt)
               for cfg in HEURISTIC_BWD_SM90.values() for dt in ("float16", "bfloat16") for causal in (False, True)
               for atomic_dq in (True, False)]
+    paths += [(cfg.dq_family, cfg.dq_name(dt, causal, True, True), dt)
+              for cfg in HEURISTIC_BWD_SM90.values() for dt in ("float16", "bfloat16") for causal in (False, True)]
     return paths
 
 
