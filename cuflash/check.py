@@ -18,7 +18,7 @@ import sys
 from tabulate import tabulate
 
 from . import compile as _compile
-from .backward import bwd_fallbacks, HEURISTIC_BWD, HEURISTIC_BWD_SM90
+from .backward import bwd_fallbacks, hopper_bwd_plans, HEURISTIC_BWD
 from .config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
 from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
 from .fp8 import TRANSPOSE_V_KERNEL
@@ -59,15 +59,15 @@ def shipped_specialisations():
                     add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq),
                         cfg.dkdv_smem_bytes(atomic_dq))
                 add(cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes())
-    for cfg in HEURISTIC_BWD_SM90.values():
-        for dtype_name, causal, even_n, atomic_dq in itertools.product(DTYPE_NAMES, (False, True), (True, False),
-                                                                       (True, False)):
-            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq), cfg.dkdv_smem_bytes(atomic_dq),
-                family=cfg.dkdv_family)
-            add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.dq_family)
-        for dtype_name in DTYPE_NAMES:
-            family, name = cfg.dq_accum_convert(dtype_name)
-            add(cfg, name, 0, family=family)
+    for cfg, deterministic in hopper_bwd_plans():
+        for dtype_name, causal, even_n in itertools.product(DTYPE_NAMES, (False, True), (True, False)):
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic),
+                cfg.dkdv_smem_bytes(not deterministic), family=cfg.dkdv_family)
+            if deterministic:
+                add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.dq_family)
+            else:
+                family, name = cfg.dq_accum_convert(dtype_name)
+                add(cfg, name, 0, family=family)
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):

@@ -15,6 +15,7 @@ Run: PYTHONPATH=. python tools/sass_check.py [--dump DIR]
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from tabulate import tabulate
 
 from cuflash import compile as cf_compile
 from cuflash.config import FP8_DTYPE_NAME
-from cuflash.backward import HEURISTIC_BWD_SM90
+from cuflash.backward import hopper_bwd_plans
 from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
 
 OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
@@ -36,11 +37,11 @@ def fast_paths():
     pairs = [(cfg, dt) for cfg in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
     pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     paths = [("fwd_sm90", cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
-    paths += [(cfg.dkdv_family, cfg.dkdv_name(dt, causal, True, True, atomic_dq), dt)
-              for cfg in HEURISTIC_BWD_SM90.values() for dt in ("float16", "bfloat16") for causal in (False, True)
-              for atomic_dq in (True, False)]
-    paths += [(cfg.dq_family, cfg.dq_name(dt, causal, True, True), dt)
-              for cfg in HEURISTIC_BWD_SM90.values() for dt in ("float16", "bfloat16") for causal in (False, True)]
+    for cfg, det in hopper_bwd_plans():
+        for dt, causal in itertools.product(("float16", "bfloat16"), (False, True)):
+            paths.append((cfg.dkdv_family, cfg.dkdv_name(dt, causal, True, True, not det), dt))
+            if det:
+                paths.append((cfg.dq_family, cfg.dq_name(dt, causal, True, True), dt))
     return paths
 
 
