@@ -250,27 +250,15 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int n0 = n_block * BC;
     const int diag = nk - nq;
 
-    // Query blocks [m_begin, m_blocks) see this key block; causal: row i sees key j iff j <= i + diag.
-    const int m_blocks = (nq + BR - 1) / BR;
-    const int m_begin = CAUSAL ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BR) : 0;
-    const int per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
-    const int n_iter = group * per_head;
-
-    // Query block of step t. Each key block starts at a different query block
-    // (rotated by its index), so the CTAs of one head do not add into the same
-    // dQ rows at the same time.
-    const int rotation = per_head > 0 ? n_block % per_head : 0;
-    auto query_block = [&](int t) {
-        const int i = t % per_head + rotation;
-        return m_begin + (i >= per_head ? i - per_head : i);
-    };
+    const QueryBlockSteps<BR, CAUSAL> steps(n_block, n0, nq, nk, group);
+    const int n_iter = steps.count;
 
     float acc_dk[NT_D][4], acc_dv[NT_D][4];
     zero(acc_dk);
     zero(acc_dv);
 
     auto load_q_block = [&](int t) {
-        const int g = t / per_head, m0 = query_block(t) * BR, h = hk * group + g;
+        const int g = steps.head(t), m0 = steps.query_block(t) * BR, h = hk * group + g;
         const int st = t % STAGES;
         const int tid = thread_index_volatile();
         const long long q_off = b * q_sb + h * q_sh + m0 * q_sn, do_off = b * do_sb + h * do_sh + m0 * do_sn;
@@ -304,7 +292,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int warp_key0 = warp * 16;
 
     for (int t = 0; t < n_iter; ++t) {
-        const int g = t / per_head, m0 = query_block(t) * BR, h = hk * group + g;
+        const int g = steps.head(t), m0 = steps.query_block(t) * BR, h = hk * group + g;
         const int st = t % STAGES;
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // block t landed; every warp is done with block t-1

@@ -136,20 +136,8 @@ __global__ void __launch_bounds__(384, 1)
     const int n0 = n_block * BN;
     const int diag = nk - nq;
 
-    // Query blocks [m_begin, m_blocks) see this key block; causal: query i
-    // sees key j iff j <= i + diag. Step t takes head g = t / per_head of the
-    // group; each key block starts at a different query block (rotated by
-    // its index), so the CTAs of one head do not add into the same dQ rows at
-    // the same time.
-    const int m_blocks = (nq + BM - 1) / BM;
-    const int m_begin = CAUSAL ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BM) : 0;
-    const int per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
-    const int n_iter = group * per_head;
-    const int rotation = per_head > 0 ? n_block % per_head : 0;
-    auto query_block = [&](int t) {
-        const int i = t % per_head + rotation;
-        return m_begin + (i >= per_head ? i - per_head : i);
-    };
+    const QueryBlockSteps<BM, CAUSAL> steps(n_block, n0, nq, nk, group);
+    const int n_iter = steps.count;
 
     if (tid == 0) {
         mbar_init(full_kv, 1);
@@ -177,7 +165,7 @@ __global__ void __launch_bounds__(384, 1)
         const u32 rows_smem = base + T::OFF_ROWS;
         for (int t = 0; t < n_iter; ++t) {
             const int st = t % STAGES, use = t / STAGES;
-            const int h = hk * group + t / per_head, m0 = query_block(t) * BM;
+            const int h = hk * group + steps.head(t), m0 = steps.query_block(t) * BM;
             if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
             mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
             for (int p = 0; p < D / 64; ++p) {
@@ -236,7 +224,7 @@ __global__ void __launch_bounds__(384, 1)
     mbar_wait(full_kv, 0);
     for (int t = 0; t < n_iter; ++t) {
         const int st = t % STAGES;
-        const int h = hk * group + t / per_head, m0 = query_block(t) * BM;
+        const int h = hk * group + steps.head(t), m0 = steps.query_block(t) * BM;
         mbar_wait(full(st), (t / STAGES) & 1);
 
         // S^T and dP^T, then P^T while dP^T is still computed.

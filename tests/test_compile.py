@@ -12,10 +12,10 @@ from cuflash.dispatch import HEURISTIC_FWD
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 
-def _compiles(source: str) -> tuple[bool, str]:
+def _compiles(source: str, arch: str = "compute_80") -> tuple[bool, str]:
     prog = nvrtc.createProgram(source, "check.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_80"])
+        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, f"-arch={arch}"])
         return True, ""
     except nvrtc.NVRTCError:
         return False, nvrtc.getProgramLog(prog)
@@ -52,13 +52,8 @@ def test_sm90_smem_bytes_match_cpp_traits():
         f" == {c.smem_bytes(dt)}, \"{c.short_name()} {dt}\");"
         for c, dt in pairs
     )
-    prog = nvrtc.createProgram(cf_compile.kernel_source("fwd_sm90") + "\n" + asserts, "check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])
-    except nvrtc.NVRTCError:
-        pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    ok, log = _compiles(cf_compile.kernel_source("fwd_sm90") + "\n" + asserts, "compute_90a")
+    assert ok, log
 
 
 def test_bwd_sm90_smem_bytes_match_cpp_traits():
@@ -77,13 +72,8 @@ def test_bwd_sm90_smem_bytes_match_cpp_traits():
         dq_traits = f"cuflash::BwdSm90DqTraits<{cfg.headdim}, {cfg.dq_block_n}, {stages}>"
         asserts.append(f"static_assert({dq_traits}::SMEM_BYTES == {cfg.dq_smem_bytes()}, \"{dq_traits}\");")
         asserts.append(f"static_assert({dq_traits}::BM == {cfg.dq_block_m}, \"{dq_traits}\");")
-    prog = nvrtc.createProgram(cf_compile.kernel_source("bwd_sm90") + "\n" + "\n".join(asserts), "check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, [*cf_compile.COMPILE_OPTIONS, "-arch=compute_90a"])
-    except nvrtc.NVRTCError:
-        pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    ok, log = _compiles(cf_compile.kernel_source("bwd_sm90") + "\n" + "\n".join(asserts), "compute_90a")
+    assert ok, log
 
 
 def test_traits_mismatch_is_detected():
