@@ -65,6 +65,17 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     }
 }
 
+// p[0] += x, p[1] += y in global memory, without reading back; one vector
+// reduction on sm_90+.
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
 // One warp per query row: dq[row, :d] = scale * dq_accum[row, :d] in the input dtype.
 template <bool BF16>
 __global__ void bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int nq, int nq_pad,

@@ -115,17 +115,6 @@ __device__ __forceinline__ int thread_index_volatile() {
     return t;
 }
 
-// p[0] += x, p[1] += y in global memory, without reading back; one vector
-// reduction on sm_90+.
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
-}
-
 // ---------------------------------------------------------------- smem tiles
 // A ROWS x D tile of 16-bit elements is stored as D/PW column panels of PW
 // elements (PW = 64 when D % 64 == 0, else 32). Within a panel each row is
