@@ -225,7 +225,7 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     dq_accum = cupy.zeros((batch, nheads, nq_pad, cfg.headdim), cupy.float32) if atomic_dq else lse2
     even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
     smem = cfg.dkdv_smem_bytes(atomic_dq)
-    dkdv = _compile.get_kernel(cfg.dkdv_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq), smem)
+    dkdv = _compile.get_kernel(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, atomic_dq), smem)
     grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
     if cfg.hopper:
         # Q, K, V and dO reach the Hopper kernel as tensor maps (cuflash/tma.py).
@@ -238,7 +238,7 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     dkdv(grid, (cfg.dkdv_threads, 1, 1), args, shared_mem=smem)
 
     if atomic_dq:
-        convert = _compile.get_kernel(*cfg.dq_accum_convert(dtype_name), 0)
+        convert = _compile.get_kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name), 0)
         sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
         if not cfg.hopper:
             sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
@@ -247,7 +247,7 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     else:
         even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
         smem = cfg.dq_smem_bytes()
-        dq_kernel = _compile.get_kernel(cfg.dq_family, cfg.dq_name(dtype_name, causal, even_n, even_d), smem)
+        dq_kernel = _compile.get_kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d), smem)
         if cfg.hopper:
             maps = (tma.seq_major_map(q, cfg.dq_block_m), tma.seq_major_map(k, cfg.dq_block_n),
                     tma.seq_major_map(v, cfg.dq_block_n), tma.seq_major_map(dout, cfg.dq_block_m))

@@ -62,12 +62,11 @@ def shipped_specialisations():
     for cfg, deterministic in hopper_bwd_plans():
         for dtype_name, causal, even_n in itertools.product(DTYPE_NAMES, (False, True), (True, False)):
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic),
-                cfg.dkdv_smem_bytes(not deterministic), family=cfg.dkdv_family)
+                cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
             if deterministic:
-                add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.dq_family)
+                add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.kernel_family)
             else:
-                family, name = cfg.dq_accum_convert(dtype_name)
-                add(cfg, name, 0, family=family)
+                add(cfg, cfg.dq_accum_convert_name(dtype_name), 0, family=cfg.kernel_family)
     # Fallbacks for GPUs with less shared memory: one representative variant each.
     for kd in HEURISTIC_FWD:
         for cfg in small_fwd_configs(kd):

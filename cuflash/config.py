@@ -197,15 +197,16 @@ class BwdConfig:
     dkdv_chunk_m: int = 0
     hopper: bool = False
 
-    family = "bwd_sm80"  # the row-wise helpers' and the dQ kernel's family
+    family = "bwd_sm80"  # the preprocess kernel's family (and every kernel's without hopper)
     # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits).
     HOPPER_BLOCK_M = {64: 128, 128: 64}
     # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
     HOPPER_DQ_BLOCK_N = {64: 128, 128: 64}
 
     @property
-    def dkdv_family(self) -> str:
-        return "bwd_sm90" if self.hopper else "bwd_sm80"
+    def kernel_family(self) -> str:
+        """The family of the dK/dV, deterministic dQ and dQ conversion kernels."""
+        return "bwd_sm90" if self.hopper else self.family
 
     @property
     def dkdv_threads(self) -> int:
@@ -240,10 +241,6 @@ class BwdConfig:
         rows = 4 * 2 * self.stages * self.dkdv_block_m
         ds = 2 * self.dkdv_block_n * self.dkdv_block_m if atomic_dq else 0
         return 2 * (2 * kv + 2 * self.stages * qb) + rows + ds
-
-    @property
-    def dq_family(self) -> str:
-        return "bwd_sm90" if self.hopper else "bwd_sm80"
 
     @property
     def dq_threads(self) -> int:
@@ -302,13 +299,13 @@ class BwdConfig:
     def convert_dq_name(dtype_name: str) -> str:
         return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
 
-    def dq_accum_convert(self, dtype_name: str) -> tuple[str, str]:
-        """(family, name) of the kernel turning dq_accum into dq: the Hopper kernel
-        leaves each block of dq_accum in its own (fragment) order."""
+    def dq_accum_convert_name(self, dtype_name: str) -> str:
+        """The kernel turning dq_accum into dq: the Hopper kernel leaves each
+        block of dq_accum in its own (fragment) order."""
         if self.hopper:
             args = [_cpp_bool(dtype_name == "bfloat16"), self.headdim, self.dkdv_block_m]
-            return "bwd_sm90", "cuflash::bwd_sm90_convert_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
-        return self.family, self.convert_dq_name(dtype_name)
+            return "cuflash::bwd_sm90_convert_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return self.convert_dq_name(dtype_name)
 
     def short_name(self) -> str:
         if self.hopper:

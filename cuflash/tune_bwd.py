@@ -36,9 +36,9 @@ QUICK_SPACE = {
     "min_blocks": (1,),
 }
 DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (32, 64, 128)}
-# Ring depths of the Hopper dK/dV kernel (its tile shape is fixed per head dim).
-HOPPER_STAGES = (2, 3)
 QUICK_DQ_SPACE = {"dq_warps": (4, 8), "dq_block_n": (64,)}
+# Ring depths of the Hopper kernels (their tile shapes are fixed per head dim).
+HOPPER_STAGES = (2, 3)
 
 
 def _product(values: dict) -> list[dict]:
@@ -94,7 +94,7 @@ class BwdTuning(TunedFamily):
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
         hopper_kd = backward.hopper_bwd_headdim(kd)
         if problem.arch == 90 and hopper_kd is not None:
-            # The Hopper dK/dV kernel first (the heuristic's choice there), in both ring depths.
+            # The Hopper kernels first (the heuristic's choice there), in both ring depths.
             hopper = backward.HEURISTIC_BWD_SM90[hopper_kd]
             configs = [dataclasses.replace(hopper, stages=stages) for stages in HOPPER_STAGES] + configs
         return configs
@@ -119,11 +119,11 @@ class BwdTuning(TunedFamily):
         """
         dtype_name, causal, even_d = problem.dtype_name, problem.causal, problem.headdim == cfg.headdim
         atomic = not problem.deterministic
-        specs = [KernelSpec(cfg.dkdv_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
+        specs = [KernelSpec(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
                             cfg.dkdv_smem_bytes(atomic), cfg.dkdv_threads, runs=i == 0)
                  for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]
         if not atomic:
-            specs += [KernelSpec(cfg.dq_family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
+            specs += [KernelSpec(cfg.kernel_family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
                                  cfg.dq_threads, runs=i == 0)
                       for i, n in enumerate(length_variants(problem, cfg.dq_block_m, cfg.dq_block_n))]
         return specs

@@ -39,9 +39,9 @@ def fast_paths():
     paths = [("fwd_sm90", cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
     for cfg, det in hopper_bwd_plans():
         for dt, causal in itertools.product(("float16", "bfloat16"), (False, True)):
-            paths.append((cfg.dkdv_family, cfg.dkdv_name(dt, causal, True, True, not det), dt))
+            paths.append((cfg.kernel_family, cfg.dkdv_name(dt, causal, True, True, not det), dt))
             if det:
-                paths.append((cfg.dq_family, cfg.dq_name(dt, causal, True, True), dt))
+                paths.append((cfg.kernel_family, cfg.dq_name(dt, causal, True, True), dt))
     return paths
 
 
