@@ -19,11 +19,15 @@
 //               shared memory: MN-major for 16-bit types; for fp8, which wgmma
 //               reads K-major only, a transposed copy Vt (head dim x keys)
 //               whose keys are permuted within each 32 so that the fp8
-//               A-fragment of P needs no shuffles (see fp8_prep.cuh).
+//               A-fragment of P needs no shuffles (see fp8_prep.cuh), in
+//               panels of 64 keys with the 64-byte swizzle, so that BC may be
+//               any multiple of 64.
 // Two overlaps keep the tensor cores busy during the softmax:
-// - ping-pong: the consumers take turns issuing their GEMMs (two named
-//   barriers; a tile's last P V is issued outside the turns), so one's
-//   softmax runs while the other's GEMMs execute;
+// - ping-pong (PINGPONG): the consumers take turns issuing their GEMMs (two
+//   named barriers; a tile's last P V is issued outside the turns), so one's
+//   softmax runs while the other's GEMMs execute. Without it each consumer
+//   issues as soon as its tiles are in: the tuner's choice (faster for short
+//   causal rows at head dim 64, slower elsewhere);
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
 //   together, then computes the softmax of S_t while the P V GEMM runs, and
 //   rescales O once it has completed.
@@ -65,8 +69,9 @@ struct FwdSm90Traits {
     static constexpr int KSTEPS_QK = D * ELEM / 32, KSTEPS_PV = BC * ELEM / 32;
 
     static_assert(D == 64 || D == 128 || D == 256, "wgmma n = head dim: 64, 128 or 256");
-    static_assert(BC == 64 || BC == 128 || BC == 192, "wgmma n = BC: 64, 128 or 192");
-    static_assert(DTYPE != E4M3 || (BC == 128 && D >= 128), "fp8: 128-byte rows of Vt (BC = 128) and of Q, K");
+    static_assert(BC == 64 || BC == 80 || BC == 128 || BC == 176 || BC == 192,
+                  "wgmma n = BC: 64, 80, 128, 176 or 192 (tools/gen_wgmma.py)");
+    static_assert(DTYPE != E4M3 || (BC % 64 == 0 && D >= 128), "fp8: 64-key panels of Vt, 128-byte rows of Q, K");
     static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
     static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
 };
@@ -110,7 +115,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
     }
 }
 
-template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N>
+template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, u16* __restrict__ o, float* __restrict__ lse,
@@ -147,10 +152,10 @@ __global__ void __launch_bounds__(384, 1)
     // 16-bit V is the MN-major B operand of P V: the descriptor's leading
     // offset is the distance between 64-column panels (BC * 128 B), its stride
     // that between 8-row atoms (1024 B) (tests/test_sm90_gpu.py). fp8 Vt is
-    // K-major: D rows of BC = 128 key bytes.
+    // K-major: BC / 64 panels of D rows of 64 key bytes.
     auto v_desc = [&](u32 tile, int ks) {
         if constexpr (FP8)
-            return desc_k_major_sw128<D>(tile, 0, ks);
+            return desc_k_major_sw64<D>(tile, ks);
         else
             return desc_mn_major_sw128<BC * 128, 1024>(tile, ks);
     };
@@ -212,7 +217,7 @@ __global__ void __launch_bounds__(384, 1)
             }
             // Q, K and 16-bit V: one box per 128-byte panel of the row
             // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
-            // BC keys x D rows (dims: keys, head dim, kv head, batch).
+            // 64 keys x D rows per panel (dims: keys, head dim, kv head, batch).
             mbar_arrive_expect_tx(full_q, T::Q_BYTES);
             for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                 tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
@@ -227,7 +232,8 @@ __global__ void __launch_bounds__(384, 1)
                 if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
                 mbar_arrive_expect_tx(full_v(st), T::KV_BYTES);
                 if constexpr (FP8) {
-                    tma_load_4d(v_tile, map_v, n0, 0, hk, tile.b, full_v(st));
+                    for (int p = 0; p < BC / 64; ++p)
+                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, tile.b, full_v(st));
                 } else {
                     for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                         tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, full_v(st));
@@ -257,9 +263,13 @@ __global__ void __launch_bounds__(384, 1)
     // then lets the other consumer issue. Consumer 1 opens the first turn for
     // consumer 0; consumer 0 takes a last sync at the end for consumer 1's
     // last hand-over, so that every arrival has a matching sync.
-    auto begin_turn = [&] { named_bar_sync<256>(1 + c); };
-    auto end_turn = [&] { named_bar_arrive<256>(2 - c); };
-    if (c == 1) named_bar_arrive<256>(1);
+    auto begin_turn = [&] {
+        if constexpr (PINGPONG) named_bar_sync<256>(1 + c);
+    };
+    auto end_turn = [&] {
+        if constexpr (PINGPONG) named_bar_arrive<256>(2 - c);
+    };
+    if (PINGPONG && c == 1) named_bar_arrive<256>(1);
 
     int kv_iter = 0;
     for (int q_iter = 0;; ++q_iter) {
@@ -404,7 +414,7 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
     }
-    if (c == 0) begin_turn();
+    if (c == 0) begin_turn();  // a no-op without PINGPONG
 }
 
 }  // namespace cuflash

@@ -34,6 +34,16 @@ __device__ __forceinline__ u64 desc_k_major_sw128(u32 tile_addr, int row0, int k
     return smem_desc_sw128(tile_addr + (ks >> 2) * (ROWS * 128) + row0 * 128 + (ks & 3) * 32, 16, 1024);
 }
 
+// ---------------------------------------------------------------- 64B swizzle
+// Panels of ROWS rows of 64 bytes, row r at r * 64 B, 16-byte chunk c at
+// ((c ^ ((r / 2) % 4)) * 16): each 8-row group is a 512-byte swizzle atom, as
+// TMA writes a box of 64-byte rows with CU_TENSOR_MAP_SWIZZLE_64B. K-major
+// operand, 32-byte k step `ks`: two steps per panel, panels ROWS * 64 B apart.
+template <int ROWS>
+__device__ __forceinline__ u64 desc_k_major_sw64(u32 tile_addr, int ks) {
+    return smem_desc(tile_addr + (ks >> 1) * (ROWS * 64) + (ks & 1) * 32, 16, 512) | (2ull << 62);
+}
+
 // MN-major B operand (K = tile rows, N = tile columns), k16 step `ks`: rows
 // ks*16 .. +15 of every panel; LEAD and STRIDE are the descriptor's byte
 // offsets (for V: panel distance and 8-row atom distance).

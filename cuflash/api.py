@@ -294,7 +294,7 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
     map_k = tma.seq_major_map(k, cfg.block_n)
     if problem.dtype_name == FP8_DTYPE_NAME:
         vt = fp8.transpose_v(v)
-        map_v = tma.keys_major_map(vt, cfg.block_n, cfg.headdim)
+        map_v = tma.keys_major_map(vt, cfg.headdim)
         descale_q, descale_k, descale_v = descale
     else:
         map_v = tma.seq_major_map(v, cfg.block_n)

@@ -107,6 +107,8 @@ class FwdConfig:
 
 # Head dims of the Hopper forward kernel (wgmma n = head dim).
 SM90_HEADDIMS = (64, 128, 256)
+# Opt-in shared memory per block on compute capability 9.0 (FwdSm90Traits' static_assert).
+SM90_SMEM_LIMIT = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -114,10 +116,12 @@ class FwdSm90Config:
     """Tile shape of the Hopper (sm_90a, wgmma, TMA, warp-specialised) forward kernel.
 
     headdim: kernel head dim (64, 128 or 256).
-    block_n: keys per K/V tile (64, 128 or 192; 128 for fp8).
+    block_n: keys per K/V tile (64, 80, 128, 176 or 192; a multiple of 64 for fp8).
     stages: K/V tiles in flight in the producer's ring.
     persistent: one CTA per SM taking work tiles from a counter (True), or
     one CTA per tile (False); the same kernel, launched on another grid.
+    pingpong: the two consumer warpgroups take turns issuing their GEMMs
+    (True), or each issues as soon as its tiles are in (False).
     Query rows per work tile are fixed at 128: two consumer warpgroups of 64
     rows, plus one producer warpgroup.
     """
@@ -126,11 +130,14 @@ class FwdSm90Config:
     block_n: int
     stages: int = 2
     persistent: bool = True
+    pingpong: bool = True
 
     family = "fwd_sm90"
     block_m = 128
     threads = 384
     min_blocks = 1
+    # The wgmma n values FwdSm90Traits accepts (cuda_src/wgmma.cuh).
+    BLOCK_N = (64, 80, 128, 176, 192)
 
     def smem_bytes(self, dtype_name: str = "float16") -> int:
         """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the mbarriers, the tile index."""
@@ -138,14 +145,14 @@ class FwdSm90Config:
         return (self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + 8 * (2 + 4 * self.stages) + 16
 
     def supports(self, dtype_name: str) -> bool:
-        return dtype_name != FP8_DTYPE_NAME or (self.block_n == 128 and self.headdim >= 128)
+        return dtype_name != FP8_DTYPE_NAME or (self.block_n % 64 == 0 and self.headdim >= 128)
 
     def is_valid(self) -> bool:
         return (
             self.headdim in SM90_HEADDIMS
-            and self.block_n in (64, 128, 192)
+            and self.block_n in self.BLOCK_N
             and 1 <= self.stages <= 4
-            and self.smem_bytes() <= 227 * 1024
+            and self.smem_bytes() <= SM90_SMEM_LIMIT
         )
 
     def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool = True) -> str:
@@ -153,12 +160,12 @@ class FwdSm90Config:
         if dtype_name not in SM90_DTYPES or not self.supports(dtype_name):
             raise ValueError(f"unsupported dtype {dtype_name!r} for {self.short_name()}")
         args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
-                _cpp_bool(even_n)]
+                _cpp_bool(even_n), _cpp_bool(self.pingpong)]
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
-        return f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}" + (
-            "" if self.persistent else "_np")
+        return (f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
+                + ("" if self.persistent else "_np") + ("" if self.pingpong else "_npp"))
 
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every

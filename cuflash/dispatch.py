@@ -82,11 +82,12 @@ def heuristic_only():
 # CTA per tile within the noise (+-5%), 64-key tiles 15-20% slower. hdim 64:
 # 192-key tiles, 3 stages: 445 at 8k against 413 with 128-key tiles (+4-8% at
 # 2k-16k, both masks). hdim 256 (bf16): 649-716 (0.92-0.98x cuDNN), against
-# 221 for the sm_80 kernel.
+# 221 for the sm_80 kernel; 80-key tiles (the widest whose two stages fit)
+# +2-5% over 64 at 2k and 8k, both masks (bench/PERFLOG.md).
 HEURISTIC_SM90 = {
     64: FwdSm90Config(64, 192, 3),
     128: FwdSm90Config(128, 128, 2),
-    256: FwdSm90Config(256, 64, 2),
+    256: FwdSm90Config(256, 80, 2),
 }
 
 # Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
@@ -107,9 +108,13 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
-# 128 kernel (zero-filled columns), larger ones on the 256 kernel.
+# 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
+# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k): at head dim 128,
+# 192-key tiles with 3 stages 726 -> 791 non-causal 8k and 780 -> 828 at 16k
+# against 128-key tiles with 2 (+4% causal); 128-key tiles with 3 stages
+# are between the two. 256 keys do not fit the consumers' registers.
 HEURISTIC_FP8 = {
-    128: FwdSm90Config(128, 128, 2),
+    128: FwdSm90Config(128, 192, 3),
     256: FwdSm90Config(256, 128, 2),
 }
 

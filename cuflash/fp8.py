@@ -14,8 +14,8 @@ try:
 except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a dependency
     _E4M3 = None
 
-# Vt's key padding: a multiple of the transpose kernel's 64-key blocks (and of
-# the 32-key groups of the fp8 P fragments).
+# Vt's key padding: a multiple of the transpose kernel's 64-key blocks, of the
+# Hopper kernel's 64-key Vt panels and of the fp8 P fragments' 32-key groups.
 VT_KEY_PAD = 64
 TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel"
 

@@ -23,6 +23,8 @@ TMA_DESC_DTYPE = numpy.dtype([("opaque", numpy.uint64, (16,))])
 
 # Bytes of one swizzled panel row: the box's inner extent (128B swizzle).
 PANEL_BYTES = 128
+# Keys per panel of fp8 Vt (64-byte swizzle: cuda_src/sm90_tiles.cuh, desc_k_major_sw64).
+VT_PANEL_KEYS = 64
 
 
 def _driver():
@@ -49,8 +51,10 @@ def _init_driver():
 
 @functools.lru_cache(maxsize=4096)
 def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
-           box: tuple[int, ...]) -> numpy.void:
+           box: tuple[int, ...], swizzle_bytes: int = PANEL_BYTES) -> numpy.void:
     """A tiled tensor map over `dims` (innermost first, elements) with byte strides of dims 1..3.
+
+    swizzle_bytes: 128 or 64, the shared-memory swizzle (the box's inner extent in bytes).
 
     Cached on its arguments: a training loop that reuses its buffers encodes once.
     """
@@ -66,7 +70,8 @@ def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[
         [driver.cuuint32_t(n) for n in box],
         [driver.cuuint32_t(1)] * len(dims),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        {128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+         64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}[swizzle_bytes],
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
@@ -106,8 +111,9 @@ def seq_major_map(x, box_rows: int) -> numpy.void:
     return encode(x.data.ptr, x.itemsize, dims, strides, (PANEL_BYTES // x.itemsize, box_rows, 1, 1))
 
 
-def keys_major_map(vt, box_keys: int, box_rows: int) -> numpy.void:
-    """Map over fp8 Vt (batch, heads_kv, headdim, keys), keys contiguous; box: `box_keys` keys x `box_rows` rows.
+def keys_major_map(vt, box_rows: int) -> numpy.void:
+    """Map over fp8 Vt (batch, heads_kv, headdim, keys), keys contiguous; box: one 64-byte-swizzled panel
+    of VT_PANEL_KEYS keys x `box_rows` rows.
 
     Coordinates in the kernel: (key, row of head dim, kv head, batch).
     """
@@ -115,7 +121,7 @@ def keys_major_map(vt, box_keys: int, box_rows: int) -> numpy.void:
     sb, sh, sd, _ = vt.strides
     dims = (keys, headdim, heads, batch)
     strides = _safe_strides(keys * vt.itemsize, (headdim, heads, batch), (sd, sh, sb))
-    return encode(vt.data.ptr, vt.itemsize, dims, strides, (box_keys, box_rows, 1, 1))
+    return encode(vt.data.ptr, vt.itemsize, dims, strides, (VT_PANEL_KEYS, box_rows, 1, 1), swizzle_bytes=64)
 
 
 def usable(x) -> bool:

@@ -35,8 +35,10 @@ QUICK_SPACE = {
 }
 
 # Hopper kernel candidates (compute capability 9.0 only), per field.
-# (block_n 192 spills at head dim 128 and above: the compile filter drops it there.)
-SPACE_SM90 = {"block_n": (64, 128, 192), "stages": (2, 3), "persistent": (True, False)}
+# (block_n 192 spills at head dim 128 and above: the compile filter drops it there;
+# is_valid drops the tiles that do not fit in shared memory.)
+SPACE_SM90 = {"block_n": FwdSm90Config.BLOCK_N, "stages": (2, 3), "persistent": (True, False),
+              "pingpong": (True, False)}
 
 
 class FwdInputs:

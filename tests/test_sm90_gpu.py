@@ -133,13 +133,16 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
                                          (FwdSm90Config(128, 128, 2, persistent=False), 128),
                                          (FwdSm90Config(256, 64, 2, persistent=False), 256),
                                          (FwdSm90Config(64, 192, 3), 32), (FwdSm90Config(128, 128, 2), 96),
-                                         (FwdSm90Config(256, 64, 2), 160)],
+                                         (FwdSm90Config(256, 64, 2), 160), (FwdSm90Config(128, 176, 2), 128),
+                                         (FwdSm90Config(64, 192, 3, pingpong=False), 64),
+                                         (FwdSm90Config(128, 176, 2, pingpong=False, persistent=False), 128)],
                          ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else f"d{x}")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1025, 1025), (300, 77), (64, 700)])
 def test_sm90_other_configs(cfg, headdim, causal, nq, nk, rng):
-    """The tuner's other Hopper tiles (block_n 64 and 192, 3 stages, one CTA
-    per tile), and head dims below the kernel's (columns zero-filled by TMA)."""
+    """The tuner's other Hopper tiles (block_n 64, 80, 176 and 192, 3 stages,
+    one CTA per tile, no ping-pong), and head dims below the kernel's (columns
+    zero-filled by TMA)."""
     batch, nheads, nheads_kv = 2, 6, 2
     q = rng.standard_normal((batch, nq, nheads, headdim), dtype=np.float32).astype(np.float16)
     k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=np.float32).astype(np.float16)
@@ -246,6 +249,22 @@ def _fp8_attention(bits, scales, causal):
                              v_descale=cupy.asarray(scales[2]))
     assert got is out and got.dtype == ml_dtypes.bfloat16
     return got.get().astype(np.float64), lse.get()
+
+
+@hopper
+@pytest.mark.parametrize("cfg", [FwdSm90Config(128, 64, 3), FwdSm90Config(128, 128, 3), FwdSm90Config(128, 192, 2),
+                                 FwdSm90Config(128, 192, 3, persistent=False)], ids=lambda c: c.short_name())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(300, 77), (129, 1000), (64, 193)])
+def test_fp8_tile_widths(monkeypatch, cfg, causal, nq, nk, rng):
+    """fp8 with K/V tiles of one to three 64-key Vt panels, the last one
+    partly or wholly past the keys (the tensor map zero-fills it)."""
+    monkeypatch.setitem(dispatch.HEURISTIC_FP8, 128, cfg)
+    bits, scales, values = _fp8_inputs(rng, 2, nq, nk, 4, 2, 128)
+    got, _ = _fp8_attention(bits, scales, causal)
+    ref = reference.attention(*values, causal=causal)
+    naive = reference.attention_naive_fp8(*values, causal=causal)
+    assert_close_2x(got, ref, naive, 1e-2)
 
 
 @hopper

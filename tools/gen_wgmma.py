@@ -8,7 +8,7 @@ Run: python tools/gen_wgmma.py
 
 from pathlib import Path
 
-N_VALUES = (64, 128, 192, 256)
+N_VALUES = (64, 80, 128, 176, 192, 256)
 # PTX type -> the DTYPE template argument (cuda_src/common.cuh: F16, BF16, E4M3).
 TYPES = {"f16": 0, "bf16": 1, "e4m3": 2}
 
