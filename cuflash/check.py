@@ -20,7 +20,7 @@ from tabulate import tabulate
 from . import compile as _compile
 from .backward import bwd_fallbacks, hopper_bwd_plans, HEURISTIC_BWD
 from .config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
-from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, HEURISTIC_SM90, small_fwd_configs
+from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, sm90_table_configs, small_fwd_configs
 from .fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
@@ -74,7 +74,7 @@ def shipped_specialisations():
         for cfg in bwd_fallbacks(kd):
             add(cfg, cfg.dkdv_name("float16", True, False, False, True), cfg.dkdv_smem_bytes(True))
             add(cfg, cfg.dq_name("float16", True, False, False), cfg.dq_smem_bytes())
-    sm90 = [(cfg, dtype_name) for cfg in HEURISTIC_SM90.values() for dtype_name in DTYPE_NAMES]
+    sm90 = [(cfg, dtype_name) for cfg in sm90_table_configs() for dtype_name in DTYPE_NAMES]
     sm90 += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     for cfg, dtype_name in sm90:
         for causal, even_n in itertools.product((False, True), (True, False)):

@@ -90,6 +90,26 @@ HEURISTIC_SM90 = {
     256: FwdSm90Config(256, 80, 2),
 }
 
+# Short key sequences: kernel head dim -> (longest seqlen_k, config). Head dim
+# 64 at 1k keys, 128-key tiles without ping-pong: +8% over the table's, both
+# masks, in two runs (H100 sweep, H200 A/B; bench/PERFLOG.md); at 2k within
+# +-3%, at 8k 3% slower.
+SM90_SHORT_KEYS = {64: (1024, FwdSm90Config(64, 128, 3, pingpong=False))}
+
+
+def sm90_table_configs() -> list[FwdSm90Config]:
+    """Every 16-bit Hopper config the tables choose (for the compile and SASS checks)."""
+    return list(HEURISTIC_SM90.values()) + [cfg for _, cfg in SM90_SHORT_KEYS.values()]
+
+
+def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int) -> FwdSm90Config | None:
+    """The Hopper table's config for a kernel head dim and key length, if it has one."""
+    headdim = sm90_headdim(kernel_headdim)
+    short = SM90_SHORT_KEYS.get(headdim)
+    if short is not None and seqlen_k <= short[0]:
+        return short[1]
+    return HEURISTIC_SM90.get(headdim)
+
 # Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
 # that serves them (its extra columns zero-filled by the tensor-map copies).
 # Measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
@@ -109,12 +129,14 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
-# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k): at head dim 128,
-# 192-key tiles with 3 stages 726 -> 791 non-causal 8k and 780 -> 828 at 16k
-# against 128-key tiles with 2 (+4% causal); 128-key tiles with 3 stages
-# are between the two. 256 keys do not fit the consumers' registers.
+# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k, three interleaved
+# A/B runs): at head dim 128, 192-key tiles with 3-4 stages, with or without
+# ping-pong, and 128-key tiles with 3-4 stages are all 5-11% above 128-key
+# tiles with 2, within 4% of each other; 192 keys with 4 stages were never
+# below the others. 256 keys do not fit the consumers' registers. Head dim
+# 256: 128-key tiles with 2 stages (1006 TFLOP/s at 8k) against 963 with 3.
 HEURISTIC_FP8 = {
-    128: FwdSm90Config(128, 192, 3),
+    128: FwdSm90Config(128, 192, 4),
     256: FwdSm90Config(256, 128, 2),
 }
 
@@ -137,7 +159,7 @@ def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
-    sm90 = HEURISTIC_SM90.get(sm90_headdim(problem.kernel_headdim)) if problem.arch == 90 else None
+    sm90 = heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k) if problem.arch == 90 else None
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]

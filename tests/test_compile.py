@@ -43,9 +43,9 @@ def test_smem_bytes_match_cpp_traits():
 
 def test_sm90_smem_bytes_match_cpp_traits():
     from cuflash.config import SM90_DTYPES, FwdSm90Config
-    from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
+    from cuflash.dispatch import HEURISTIC_FP8, sm90_table_configs
 
-    pairs = [(c, dt) for c in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
+    pairs = [(c, dt) for c in sm90_table_configs() for dt in ("float16", "bfloat16")]
     pairs += [(c, "float8_e4m3") for c in HEURISTIC_FP8.values()]
     # The tuner's other tile widths.
     pairs += [(FwdSm90Config(d, n, st), "float16") for d, n, st in ((128, 176, 2), (256, 64, 2), (64, 80, 3))]

@@ -20,6 +20,15 @@ def test_hopper_takes_the_sm90_kernel(headdim):
     assert isinstance(cfg, FwdSm90Config) and cfg.headdim >= headdim
 
 
+@pytest.mark.parametrize("headdim", [64, 48])
+def test_hopper_short_keys_at_headdim_64(headdim):
+    # Up to 1k keys, head dims served by the 64 kernel take its short-key tiles.
+    short = dispatch.SM90_SHORT_KEYS[64][1]
+    assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=1024)) == short
+    assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=1025)) == dispatch.HEURISTIC_SM90[64]
+    assert dispatch.heuristic_fwd_config(problem(128, arch=90, seqlen=512)) == dispatch.HEURISTIC_SM90[128]
+
+
 @pytest.mark.parametrize("headdim", [8, 32])
 def test_hopper_falls_back_where_no_sm90_kernel(headdim):
     assert isinstance(dispatch.heuristic_fwd_config(problem(headdim, arch=90)), FwdConfig)

@@ -7,8 +7,9 @@ toolkit; on the GPU machine) and counts HGMMA / QGMMA (wgmma), HMMA
 Where cuobjdump cannot read NVRTC's cubin (an NVRTC newer than the toolkit),
 the kernels are built by the toolkit's nvcc instead.
 Exits non-zero if a kernel shows no wgmma instruction, or local memory at
-head dims 64 and 128 (the hdim-256 producer thread, at 24 registers, spills
-a few bytes: reported, not failed).
+head dims 64 and 128 (at head dim 256 the producer thread, at 24 registers,
+and the consumers' index set-up before the key loop spill 8-32 bytes:
+reported, not failed).
 Run: PYTHONPATH=. python tools/sass_check.py [--dump DIR]
 """
 
@@ -27,14 +28,14 @@ from tabulate import tabulate
 from cuflash import compile as cf_compile
 from cuflash.config import FP8_DTYPE_NAME
 from cuflash.backward import hopper_bwd_plans
-from cuflash.dispatch import HEURISTIC_FP8, HEURISTIC_SM90
+from cuflash.dispatch import HEURISTIC_FP8, sm90_table_configs
 
 OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
 
 
 def fast_paths():
     """(family, name expression, dtype name) of each Hopper fast path: forward and backward."""
-    pairs = [(cfg, dt) for cfg in HEURISTIC_SM90.values() for dt in ("float16", "bfloat16")]
+    pairs = [(cfg, dt) for cfg in sm90_table_configs() for dt in ("float16", "bfloat16")]
     pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     paths = [("fwd_sm90", cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
     for cfg, det in hopper_bwd_plans():
