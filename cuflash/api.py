@@ -59,7 +59,9 @@ def _require_cupy_array(name: str, x) -> None:
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
 
 
+@functools.lru_cache(maxsize=None)
 def _require_device(device_id: int) -> None:
+    """Raises unless device_id is a GPU cuflash runs on (a pass is memoised: it is asked on every call)."""
     cupy = _cupy()
     try:
         count = cupy.cuda.runtime.getDeviceCount()
