@@ -82,8 +82,10 @@ def heuristic_only():
 # CTA per tile within the noise (+-5%), 64-key tiles 15-20% slower. hdim 64:
 # 192-key tiles, 3 stages: 445 at 8k against 413 with 128-key tiles (+4-8% at
 # 2k-16k, both masks). hdim 256 (bf16): 649-716 (0.92-0.98x cuDNN), against
-# 221 for the sm_80 kernel; 80-key tiles (the widest whose two stages fit)
-# +2-5% over 64 at 2k and 8k, both masks (bench/PERFLOG.md).
+# 221 for the sm_80 kernel; 80-key tiles (the widest whose two stages fit):
+# +3-5% over 64 at 2k and 8k, both masks, in an interleaved A/B; in the
+# benchmark 681-702 non-causal and 438-657 causal, the causal 2k row below the
+# 64-key tiles' 472 of an earlier run (bench/PERFLOG.md).
 HEURISTIC_SM90 = {
     64: FwdSm90Config(64, 192, 3),
     128: FwdSm90Config(128, 128, 2),
@@ -110,6 +112,7 @@ def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int) -> FwdSm90Config |
         return short[1]
     return HEURISTIC_SM90.get(headdim)
 
+
 # Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
 # that serves them (its extra columns zero-filled by the tensor-map copies).
 # Measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
@@ -129,12 +132,14 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
-# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k, three interleaved
-# A/B runs): at head dim 128, 192-key tiles with 3-4 stages, with or without
-# ping-pong, and 128-key tiles with 3-4 stages are all 5-11% above 128-key
-# tiles with 2, within 4% of each other; 192 keys with 4 stages were never
-# below the others. 256 keys do not fit the consumers' registers. Head dim
-# 256: 128-key tiles with 2 stages (1006 TFLOP/s at 8k) against 963 with 3.
+# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k): at head dim 128,
+# in three interleaved A/B runs, 192-key tiles with 3-4 stages (with or
+# without ping-pong) and 128-key tiles with 3-4 stages were 5-11% above
+# 128-key tiles with 2 and within 4% of each other, 192 keys with 4 stages
+# never below the others; the benchmark did not confirm the gain (841-855
+# against 842-874 for 128-key tiles in an earlier run). 256 keys do not fit
+# the consumers' registers. Head dim 256: 128-key tiles with 2 stages (1006
+# TFLOP/s at 8k) against 963 with 3.
 HEURISTIC_FP8 = {
     128: FwdSm90Config(128, 192, 4),
     256: FwdSm90Config(256, 128, 2),
