@@ -15,7 +15,7 @@ import numpy
 
 from . import api, dispatch, tma
 from . import compile as _compile
-from .config import BWD_ROW_PAD, BwdConfig, kernel_headdim
+from .config import BWD_ROW_PAD, SM90_SMEM_LIMIT, BwdConfig, kernel_headdim
 
 _LOG2E = 1.4426950408889634
 
@@ -114,7 +114,7 @@ def bwd_config(headdim: int, max_smem: int, arch: int = 80, deterministic: bool 
 
 def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
     """(config, deterministic) of every Hopper backward the heuristic can pick: what check compiles."""
-    return [(bwd_config(kd, 227 * 1024, 90, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
+    return [(bwd_config(kd, SM90_SMEM_LIMIT, 90, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:

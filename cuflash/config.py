@@ -266,7 +266,7 @@ class BwdConfig:
             hopper_ok = self.HOPPER_BLOCK_M.get(self.headdim) == self.dkdv_block_m and 2 <= self.stages <= 3
             dq_ok = self.dq_warps == 8 and self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n
             smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
-            return hopper_ok and dq_ok and smem <= 227 * 1024
+            return hopper_ok and dq_ok and smem <= SM90_SMEM_LIMIT
         if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
                 and 2 <= self.stages <= 3 and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16):
             return False
@@ -275,7 +275,7 @@ class BwdConfig:
             return False
         dq_cols = self.headdim // (self.dkdv_warps // row_tiles)
         smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
-        return dq_cols % 16 == 0 and smem <= 227 * 1024
+        return dq_cols % 16 == 0 and smem <= SM90_SMEM_LIMIT
 
     def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
         """The dK/dV kernel; the Hopper one has no even_d argument (TMA zero-fills columns past d)."""
