@@ -31,6 +31,9 @@
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
 //   together, then computes the softmax of S_t while the P V GEMM runs, and
 //   rescales O once it has completed.
+// The output tile leaves through shared memory and bulk tensor stores where
+// it fits beside the ring (STAGE_O), so that the consumers start the next tile
+// while it is written out; else straight from registers.
 // The online softmax is the one of fwd_sm80.cuh: running row max and sum,
 // exp2 with scale*log2(e) folded into one FMA, 1/l deferred to the end. fp8
 // scores and outputs are dequantised by per-(batch, kv head) factors: the
@@ -42,9 +45,10 @@
 
 namespace cuflash {
 
-template <int D_, int BC_, int STAGES_, int DTYPE_>
+template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_>
 struct FwdSm90Traits {
     static constexpr int D = D_, BC = BC_, STAGES = STAGES_, DTYPE = DTYPE_;
+    static constexpr bool STAGE_O = STAGE_O_;
     static constexpr int ELEM = DTYPE == E4M3 ? 1 : 2;  // bytes per input element
     static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -53,9 +57,11 @@ struct FwdSm90Traits {
     static constexpr int PANEL_ELEMS = 128 / ELEM;
     // Tile bytes, which are also each copy's transfer count (TMA writes whole boxes).
     static constexpr int Q_BYTES = BR * D * ELEM, KV_BYTES = BC * D * ELEM;
+    // The output tile staged for its bulk tensor store (16-bit elements).
+    static constexpr int O_BYTES = STAGE_O ? BR * D * 2 : 0;
     static constexpr int BARRIERS = 2 + 4 * STAGES;
     // + the index of the tile in flight, handed from producer to consumers.
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 8 * BARRIERS + 16;
     // Register split (setmaxnreg): the warpgroups share the CTA's allocation
     // at entry, 168 per thread (__launch_bounds__(384, 1)), so PRODUCER_REGS +
     // 2 x CONSUMER_REGS must not exceed 3 x 168 (a consumer's increase waits
@@ -115,15 +121,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
     }
 }
 
-template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG>
+template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG, bool STAGE_O>
 __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
-                    const __grid_constant__ TmaDesc map_v, u16* __restrict__ o, float* __restrict__ lse,
+                    const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_o,
+                    u16* __restrict__ o, float* __restrict__ lse,
                     const float* __restrict__ descale_q, const float* __restrict__ descale_k,
                     const float* __restrict__ descale_v, int* __restrict__ tile_counter, int nq, int nk, int d,
                     int group, int nheads, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
                     float scale_log2) {
-    using T = FwdSm90Traits<D, BC, STAGES, DTYPE>;
+    using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O>;
     constexpr int BR = T::BR;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     constexpr bool FP8 = DTYPE == E4M3;
@@ -133,7 +140,8 @@ __global__ void __launch_bounds__(384, 1)
     const u32 sQ = smem_addr(smem_raw);
     const u32 sK = sQ + T::Q_BYTES;
     const u32 sV = sK + STAGES * T::KV_BYTES;
-    const u32 bars = sV + STAGES * T::KV_BYTES;
+    const u32 sO = sV + STAGES * T::KV_BYTES;
+    const u32 bars = sO + T::O_BYTES;
     const u32 full_q = bars, empty_q = bars + 8;
     // Written by the producer before it arrives on full_q, read by the
     // consumers after their wait on it; rewritten after empty_q completes.
@@ -209,7 +217,12 @@ __global__ void __launch_bounds__(384, 1)
             const Tile tile = tile_at(t);
             const int hk = tile.h / group;
             const int n_end = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk).end;
-            const int next = atomicAdd(tile_counter, 1) + gridDim.x;
+            // Every tile taken draws one ticket, so tickets run 0 .. num_tiles - 1
+            // and the last one's holder resets the counter for the next launch
+            // (one counter per stream, cuflash/api.py).
+            const int ticket = atomicAdd(tile_counter, 1);
+            if (ticket == num_tiles - 1) atomicExch(tile_counter, 0);
+            const int next = ticket + gridDim.x;
             if (n_end == 0) {  // the consumers write its empty rows
                 mbar_arrive(full_q);
                 t = next;
@@ -248,6 +261,7 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_inc<T::CONSUMER_REGS>();
     const int c = wg - 1;
     const int warp_row0 = c * 64 + (warp & 3) * 16;
+    const bool stage_leader = STAGE_O && tid % 128 == 0;  // issues this consumer's output stores
 
     auto issue_s = [&](float (&acc_s)[NT_S * 4], int st) {
 #pragma unroll
@@ -393,27 +407,56 @@ __global__ void __launch_bounds__(384, 1)
         }
         kv_iter += n_end;
 
-        // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2,
-        // stored from registers (a quad writes 16 contiguous bytes of a row).
+        // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2.
+        // STAGE_O: this consumer's 64 rows go to its half of the staging tile
+        // (D / 64 panels of the 128-byte swizzle; a quad writes one 16-byte
+        // chunk of a row, 8 rows in 8 distinct chunks: conflict-free), which
+        // one thread then hands to bulk tensor stores (rows past nq and
+        // columns past d are clipped by the tensor map), so that the consumer
+        // goes on to the next tile while they run. Otherwise each quad stores
+        // its 16 contiguous bytes of a row straight to global memory.
         constexpr float LN2 = 0.6931471805599453f;
+        u16* o_stage = reinterpret_cast<u16*>(smem_raw + (sO - sQ)) + c * 64 * D;
+        if constexpr (STAGE_O) {
+            if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
+            named_bar_sync<128>(3 + c);
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
             const float inv = l > 0.f ? o_scale / l : 0.f;
             const int row = warp_row0 + (lane >> 2) + 8 * r;
-            if (row >= rows_valid) continue;
-            if ((lane & 3) == 0)
+            if (row < rows_valid && (lane & 3) == 0)
                 lse_rows[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
-            u16* o_row = o_tile + row * o_sn;
+            if constexpr (STAGE_O) {
 #pragma unroll
-            for (int j = 0; j < NT_O; ++j) {
-                const int col = j * 8 + 2 * (lane & 3);
-                if (col < d)
-                    *reinterpret_cast<u32*>(o_row + col) =
+                for (int j = 0; j < NT_O; ++j)
+                    *reinterpret_cast<u32*>(o_stage + tile_offset<64, D>(row - c * 64, j) + 2 * (lane & 3)) =
                         pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+            } else {
+                if (row >= rows_valid) continue;
+                u16* o_row = o_tile + row * o_sn;
+#pragma unroll
+                for (int j = 0; j < NT_O; ++j) {
+                    const int col = j * 8 + 2 * (lane & 3);
+                    if (col < d)
+                        *reinterpret_cast<u32*>(o_row + col) =
+                            pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+                }
+            }
+        }
+        if constexpr (STAGE_O) {
+            fence_proxy_async();  // the staged rows, before the async proxy reads them
+            named_bar_sync<128>(3 + c);
+            if (stage_leader && c * 64 < rows_valid) {
+                for (int p = 0; p < D / 64; ++p)
+                    tma_store_4d(map_o, sO + c * 64 * D * 2 + p * 64 * 128, p * 64, tile.m0 + c * 64, tile.h,
+                                 tile.b);
+                bulk_commit();
             }
         }
     }
+    if (STAGE_O && stage_leader) bulk_wait<0, true>();  // shared memory stays until the stores have read it
     if (c == 0) begin_turn();  // a no-op without PINGPONG
 }
 

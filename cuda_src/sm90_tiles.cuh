@@ -147,6 +147,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc& map, int c0,
         : "memory");
 }
 
+// Copies shared memory at `src` (laid out as tma_load_4d would write the box)
+// to the box at coordinates (c0 innermost .. c3) of the tensor map; elements
+// past a dim's end are not written. Completes in the issuing thread's bulk
+// group (bulk_commit, bulk_wait).
+__device__ __forceinline__ void tma_store_4d(const TmaDesc& map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     reinterpret_cast<u64>(&map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc& map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&map)) : "memory");
 }

@@ -282,6 +282,25 @@ def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None) -> N
     kernel(grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
 
 
+# (device id, stream handle) -> the Hopper forward's tile counter on that stream.
+_tile_counters: dict = {}
+
+
+def _tile_counter(device_id: int):
+    """The int32 from which the Hopper forward's CTAs draw tiles past the first wave.
+
+    The kernel's last ticket resets it to 0, so one counter serves every launch
+    on a stream (launches on one stream run in order; other streams get their
+    own) and no call pays for an allocation and a memset.
+    """
+    cupy = _cupy()
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = cupy.zeros(1, dtype=cupy.int32)
+    return counter
+
+
 def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> None:
     """The Hopper kernel: Q, K, V (fp8: Vt) reach it as tensor maps (cuflash/tma.py)."""
     cupy = _cupy()
@@ -301,23 +320,25 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
     else:
         map_v = tma.seq_major_map(v, cfg.block_n)
         descale_q = descale_k = descale_v = lse  # not read by 16-bit kernels
+    # Each consumer warpgroup stores its 64 rows of a tile (out is 16-byte aligned: validate_output).
+    map_o = tma.seq_major_map(out, cfg.block_m // 2) if cfg.stage_o else map_q  # map_q: not read
     o_strides = [numpy.int64(s) for s in _elem_strides(out)[:3]]
     num_tiles = (seqlen_q + cfg.block_m - 1) // cfg.block_m * nheads * batch
     grid = (min(num_tiles, sm_count(q.device.id)) if cfg.persistent else num_tiles, 1, 1)
-    tile_counter = cupy.zeros(1, dtype=cupy.int32)  # tiles past the first wave, taken by atomicAdd
-    # vt, tile_counter and any contiguous copies are freed when this returns,
-    # before the kernel has run: safe because CuPy's memory pool hands a freed
-    # block out again only in stream order (to later work on this stream).
+    # vt and any contiguous copies are freed when this returns, before the
+    # kernel has run: safe because CuPy's memory pool hands a freed block out
+    # again only in stream order (to later work on this stream).
     args = (
         map_q,
         map_k,
         map_v,
+        map_o,
         out,
         lse,
         descale_q,
         descale_k,
         descale_v,
-        tile_counter,
+        _tile_counter(q.device.id),
         numpy.int32(seqlen_q),
         numpy.int32(seqlen_k),
         numpy.int32(headdim),

@@ -81,7 +81,7 @@ def run_speed(shape, libs, repeats, l2_bytes) -> dict:
     for lib in libs:
         sets = [bench_libs.random_qkv(shape.batch, shape.seqlen, shape.heads, shape.headdim, cupy.float32, seed)
                 for seed in range(n_sets)]
-        row["libs"][lib.name] = benchmark.time_library(lib, shape, sets, repeats)
+        row["libs"].update(benchmark.time_libraries([lib], shape, sets, repeats))
         sets = None
         bench_libs.synchronize()
     return row

@@ -36,6 +36,8 @@ MiB = 1 << 20
 # either out of memory or so slow that it only stretches the run.
 NAIVE_MAX_SCORES_BYTES = 16 * GiB
 NAIVE_MAX_SEQLEN = 8192
+# Timing rounds per benchmark row (time_calls).
+TIMING_ROUNDS = 5
 
 
 class Skip(Exception):
@@ -109,38 +111,76 @@ class TorchEvents:
         return start.elapsed_time(end)
 
 
-def time_calls(lib, fns, repeats: int, budget_ms: float = 3000.0) -> dict:
-    """Median device time of one call, rotating over ``fns`` (one per input set).
+def describe(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
-    Each call is bracketed by its own pair of events. There is no
-    synchronisation between warm-up and the timed calls, so the GPU queue stays
-    full and host-side launch latency is hidden as it would be in a model.
-    """
+
+def _warm_up(lib, fns) -> float:
+    """Calls that touch every input set and trigger compilation, autotuning and
+    workspace allocation; returns the time of the last one, already warm."""
     n = len(fns)
-    synchronize()
+    warm = max(3, n)
     with lib.context():
-        # Warm-up: touches every input set and triggers compilation,
-        # autotuning and workspace allocation. The last call, already warm,
-        # gives the time estimate.
-        warm = max(3, n)
         for i in range(warm - 1):
             fns[i % n]()
         start = lib.events.record()
         fns[(warm - 1) % n]()
         end = lib.events.record()
         end.synchronize()
-        estimate = lib.events.elapsed_ms(start, end)
+    return lib.events.elapsed_ms(start, end)
+
+
+def time_calls(entries: dict, repeats: int, budget_ms: float = 3000.0, rounds: int = TIMING_ROUNDS) -> dict:
+    """Median device time of one call for each library, timed in interleaved rounds.
+
+    entries: name -> (lib, fns), fns one call per input set, rotated over.
+    Every library is warmed up, then each of `rounds` rounds times a share of
+    every library's calls, starting one library further along each round: a
+    variant timed first in every round measured 5-10% low in A/B runs
+    (bench/PERFLOG.md), so no library may hold one place. Each call is
+    bracketed by its own pair of events, with no synchronisation between a
+    library's calls, so the GPU queue stays full and host-side launch latency
+    is hidden as it would be in a model. Returns name -> {"ms", "min_ms",
+    "repeats"}, or {"error": text} for a library that raised.
+    """
+    results, plans = {}, {}
+    for name, (lib, fns) in entries.items():
+        synchronize()
+        try:
+            estimate = _warm_up(lib, fns)
+        except Exception as exc:
+            results[name] = {"error": describe(exc)}
+            continue
         # Long shapes (the naive baseline above all) get fewer repeats.
         reps = max(min(repeats, 5), min(repeats, int(budget_ms / max(estimate, 1e-3))))
-        marks = []
-        for i in range(reps):
-            start = lib.events.record()
-            fns[i % n]()
-            marks.append((start, lib.events.record()))
-        marks[-1][1].synchronize()
+        plans[name] = (lib, fns, reps, [])
+    names = list(plans)
+    for r in range(rounds):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            lib, fns, reps, marks = plans[name]
+            if name in results:  # raised in an earlier round
+                continue
+            first, stop = reps * r // rounds, reps * (r + 1) // rounds
+            synchronize()
+            try:
+                with lib.context():
+                    for i in range(first, stop):
+                        start = lib.events.record()
+                        fns[i % len(fns)]()
+                        marks.append((start, lib.events.record()))
+                synchronize()
+            except Exception as exc:
+                results[name] = {"error": describe(exc)}
+    for name in names:
+        if name not in results:
+            lib, _, reps, marks = plans[name]
+            times = [lib.events.elapsed_ms(s, e) for s, e in marks]
+            results[name] = {"ms": statistics.median(times), "min_ms": min(times), "repeats": reps}
     synchronize()
-    times = [lib.events.elapsed_ms(s, e) for s, e in marks]
-    return {"ms": statistics.median(times), "min_ms": min(times), "repeats": reps}
+    return results
 
 
 # --------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import math
 import sys
 
 from cuflash import bench_libs
-from cuflash.bench_libs import MiB, Skip
+from cuflash.bench_libs import MiB, Skip, describe
 
 HIDDEN = 2048
 TOKENS = 16384  # batch * seqlen, constant across shapes
@@ -249,11 +249,6 @@ def release_memory(torch_libs) -> None:
         torch_libs[0]._torch.cuda.empty_cache()
 
 
-def describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
 def check_shape(shape, qkv, cuflash, reference) -> dict:
     """Run cuflash once and compare it with the reference."""
     import cupy
@@ -284,21 +279,27 @@ def check_shape(shape, qkv, cuflash, reference) -> dict:
     return result
 
 
-def time_library(lib, shape, sets, repeats, flops=None, budget_ms=3000.0) -> dict:
-    """Time `lib` on `sets` (tuples of prepare's inputs); flops default to the forward's."""
+def time_libraries(libs, shape, sets, repeats, flops=None, budget_ms=3000.0) -> dict:
+    """Time `libs` on `sets` (tuples of prepare's inputs) in interleaved rounds
+    (bench_libs.time_calls); flops default to the forward's. Returns lib name -> result."""
     flops = shape.flops if flops is None else flops
+    entries, results = {}, {}
+    for lib in libs:
+        try:
+            entries[lib.name] = (lib, [lib.prepare(*inputs, shape.causal) for inputs in sets])
+        except Skip as exc:
+            results[lib.name] = {"skipped": str(exc)}
+        except Exception as exc:
+            results[lib.name] = {"error": describe(exc)}
     try:
-        fns = [lib.prepare(*inputs, shape.causal) for inputs in sets]
-        result = bench_libs.time_calls(lib, fns, repeats, budget_ms)
-    except Skip as exc:
-        return {"skipped": str(exc)}
-    except Exception as exc:
-        return {"error": describe(exc)}
+        results.update(bench_libs.time_calls(entries, repeats, budget_ms))
     finally:
-        fns = None
+        entries = None
         bench_libs.synchronize()
-    result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
-    return result
+    for result in results.values():
+        if "ms" in result:
+            result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
+    return {lib.name: results[lib.name] for lib in libs}
 
 
 def run_shape(shape, libs, reference, repeats, l2_bytes, tuned=None) -> dict:
@@ -315,7 +316,7 @@ def run_shape(shape, libs, reference, repeats, l2_bytes, tuned=None) -> dict:
     row["check"] = check_shape(shape, sets[0], libs[0], reference)
     if tuned is not None:
         row["check_tuned"] = check_shape(shape, sets[0], tuned, reference)
-    row["libs"] = {lib.name: time_library(lib, shape, sets, repeats) for lib in libs}
+    row["libs"] = time_libraries(libs, shape, sets, repeats)
     mine = [libs[0]] + ([tuned] if tuned is not None else [])
     row["ok"] = (all(bool(row.get(c, {"ok": True})["ok"]) for c in ("check", "check_tuned"))
                  and all("tflops" in row["libs"][lib.name] for lib in mine))
@@ -384,9 +385,7 @@ def run_shape_bwd(shape, libs, reference, repeats, l2_bytes) -> dict:
     row.update(heads=shape.heads, batch=shape.batch, flops=shape.bwd_flops, fwd_flops=shape.flops,
                input_sets=n_sets)
     row.update(check_shape_bwd(shape, sets[0], libs[0], libs[1], reference))
-    row["libs"] = {
-        lib.name: time_library(lib, shape, sets, repeats, shape.bwd_flops, BWD_BUDGET_MS) for lib in libs
-    }
+    row["libs"] = time_libraries(libs, shape, sets, repeats, shape.bwd_flops, BWD_BUDGET_MS)
     row["ok"] = (all(row.get(c, {"ok": True})["ok"] for c in ("check", "check_det"))
                  and row.get("determinism") == "det ok"
                  and all("tflops" in row["libs"][lib.name] for lib in libs[:2]))

@@ -122,6 +122,8 @@ class FwdSm90Config:
     one CTA per tile (False); the same kernel, launched on another grid.
     pingpong: the two consumer warpgroups take turns issuing their GEMMs
     (True), or each issues as soon as its tiles are in (False).
+    stage_o: the output tile leaves through shared memory and bulk tensor
+    stores (True; it must fit beside the ring), or straight from registers.
     Query rows per work tile are fixed at 128: two consumer warpgroups of 64
     rows, plus one producer warpgroup.
     """
@@ -131,6 +133,7 @@ class FwdSm90Config:
     stages: int = 2
     persistent: bool = True
     pingpong: bool = True
+    stage_o: bool = True
 
     family = "fwd_sm90"
     block_m = 128
@@ -140,12 +143,22 @@ class FwdSm90Config:
     BLOCK_N = (64, 80, 128, 176, 192)
 
     def smem_bytes(self, dtype_name: str = "float16") -> int:
-        """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the mbarriers, the tile index."""
+        """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the staged output tile (16-bit), the
+        mbarriers, the tile index."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
-        return (self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + 8 * (2 + 4 * self.stages) + 16
+        o_bytes = self.block_m * self.headdim * 2 if self.stage_o else 0
+        return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + o_bytes
+                + 8 * (2 + 4 * self.stages) + 16)
 
     def supports(self, dtype_name: str) -> bool:
-        return dtype_name != FP8_DTYPE_NAME or (self.block_n % 64 == 0 and self.headdim >= 128)
+        if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim < 128):
+            return False
+        return self.smem_bytes(dtype_name) <= SM90_SMEM_LIMIT
+
+    def staged_if_fits(self) -> FwdSm90Config:
+        """This config with stage_o where the staged output tile fits (16-bit inputs), else without."""
+        staged = dataclasses.replace(self, stage_o=True)
+        return staged if staged.is_valid() else dataclasses.replace(self, stage_o=False)
 
     def is_valid(self) -> bool:
         return (
@@ -160,12 +173,13 @@ class FwdSm90Config:
         if dtype_name not in SM90_DTYPES or not self.supports(dtype_name):
             raise ValueError(f"unsupported dtype {dtype_name!r} for {self.short_name()}")
         args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
-                _cpp_bool(even_n), _cpp_bool(self.pingpong)]
+                _cpp_bool(even_n), _cpp_bool(self.pingpong), _cpp_bool(self.stage_o)]
         return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
         return (f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
-                + ("" if self.persistent else "_np") + ("" if self.pingpong else "_npp"))
+                + ("" if self.persistent else "_np") + ("" if self.pingpong else "_npp")
+                + ("" if self.stage_o else "_nso"))
 
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every

@@ -84,19 +84,24 @@ def heuristic_only():
 # 2k-16k, both masks). hdim 256 (bf16): 649-716 (0.92-0.98x cuDNN), against
 # 221 for the sm_80 kernel; 80-key tiles (the widest whose two stages fit):
 # +3-5% over 64 at 2k and 8k, both masks, in an interleaved A/B; in the
-# benchmark 681-702 non-causal and 438-657 causal, the causal 2k row below the
-# 64-key tiles' 472 of an earlier run (bench/PERFLOG.md).
+# benchmark 681-702 non-causal and 438-657 causal. A later same-run A/B with
+# rotating order (H100) confirmed 80 over 64 keys on every row, causal 2k
+# included (493 against 481).
+# The output tile staged in shared memory for bulk tensor stores (stage_o),
+# same-run A/B on an H100: hdim 128 +4-9% at 2k, +0-2% at 8k-16k; hdim 64
+# with 192-key tiles 1-4% slower, so that one stores from registers; hdim 256
+# has no room for it.
 HEURISTIC_SM90 = {
-    64: FwdSm90Config(64, 192, 3),
+    64: FwdSm90Config(64, 192, 3, stage_o=False),
     128: FwdSm90Config(128, 128, 2),
-    256: FwdSm90Config(256, 80, 2),
+    256: FwdSm90Config(256, 80, 2, stage_o=False),
 }
 
 # Short key sequences: kernel head dim -> (longest seqlen_k, config). Head dim
-# 64 at 1k keys, 128-key tiles without ping-pong: +8% over the table's, both
-# masks, in two runs (H100 sweep, H200 A/B; bench/PERFLOG.md); at 2k within
-# +-3%, at 8k 3% slower.
-SM90_SHORT_KEYS = {64: (1024, FwdSm90Config(64, 128, 3, pingpong=False))}
+# 64 up to 2k keys: 128-key tiles without ping-pong, output staged: +3-4% over
+# the table's at 2k, both masks, +1-15% at 1k (H100, same-run A/B with
+# rotating order); at 8k 1-4% slower.
+SM90_SHORT_KEYS = {64: (2048, FwdSm90Config(64, 128, 3, pingpong=False))}
 
 
 def sm90_table_configs() -> list[FwdSm90Config]:
@@ -132,16 +137,15 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
-# an H200 (bench/PERFLOG.md, V transpose included, 8k-16k): at head dim 128,
-# in three interleaved A/B runs, 192-key tiles with 3-4 stages (with or
-# without ping-pong) and 128-key tiles with 3-4 stages were 5-11% above
-# 128-key tiles with 2 and within 4% of each other, 192 keys with 4 stages
-# never below the others; the benchmark did not confirm the gain (841-855
-# against 842-874 for 128-key tiles in an earlier run). 256 keys do not fit
-# the consumers' registers. Head dim 256: 128-key tiles with 2 stages (1006
-# TFLOP/s at 8k) against 963 with 3.
+# an H100 (bench/PERFLOG.md, V transpose included, 8k-16k, same-run A/B with
+# rotating order): at head dim 128, 192-key tiles with 2 stages and the output
+# staged: 835 / 870 non-causal, 745 / 825 causal; 3 stages within 2% of it;
+# 128-key tiles 2-11% slower; 192 keys with 4 stages (no room for the staged
+# output) 9-15% slower. 256 keys do not fit the consumers' registers. Head dim
+# 256: 128-key tiles with 2 stages, output staged: 1153 at 8k against 1058
+# without.
 HEURISTIC_FP8 = {
-    128: FwdSm90Config(128, 192, 4),
+    128: FwdSm90Config(128, 192, 2),
     256: FwdSm90Config(256, 128, 2),
 }
 

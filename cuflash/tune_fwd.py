@@ -36,7 +36,8 @@ QUICK_SPACE = {
 
 # Hopper kernel candidates (compute capability 9.0 only), per field.
 # (block_n 192 spills at head dim 128 and above: the compile filter drops it there;
-# is_valid drops the tiles that do not fit in shared memory.)
+# is_valid drops the tiles that do not fit in shared memory; the output tile is
+# staged in shared memory wherever it fits.)
 SPACE_SM90 = {"block_n": FwdSm90Config.BLOCK_N, "stages": (2, 3), "persistent": (True, False),
               "pingpong": (True, False)}
 
@@ -84,7 +85,7 @@ class FwdTuning(TunedFamily):
                  for combo in itertools.product(*values.values())]
         sm90_d = dispatch.sm90_headdim(problem.kernel_headdim)
         if problem.arch == 90 and sm90_d is not None:
-            space += [FwdSm90Config(sm90_d, **dict(zip(SPACE_SM90, combo)))
+            space += [FwdSm90Config(sm90_d, **dict(zip(SPACE_SM90, combo))).staged_if_fits()
                       for combo in itertools.product(*SPACE_SM90.values())]
         return space
 

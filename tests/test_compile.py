@@ -48,9 +48,12 @@ def test_sm90_smem_bytes_match_cpp_traits():
     pairs = [(c, dt) for c in sm90_table_configs() for dt in ("float16", "bfloat16")]
     pairs += [(c, "float8_e4m3") for c in HEURISTIC_FP8.values()]
     # The tuner's other tile widths.
-    pairs += [(FwdSm90Config(d, n, st), "float16") for d, n, st in ((128, 176, 2), (256, 64, 2), (64, 80, 3))]
+    pairs += [(FwdSm90Config(d, n, st, stage_o=so), "float16")
+              for d, n, st, so in ((128, 176, 2, False), (256, 64, 2, False), (64, 80, 3, True), (128, 128, 2, False))]
+    pairs += [(FwdSm90Config(128, n, st), "float8_e4m3") for n, st in ((128, 2), (192, 3))]
     asserts = "\n".join(
-        f"static_assert(cuflash::FwdSm90Traits<{c.headdim}, {c.block_n}, {c.stages}, {SM90_DTYPES[dt]}>::SMEM_BYTES"
+        f"static_assert(cuflash::FwdSm90Traits<{c.headdim}, {c.block_n}, {c.stages}, {SM90_DTYPES[dt]}, "
+        f"{'true' if c.stage_o else 'false'}>::SMEM_BYTES"
         f" == {c.smem_bytes(dt)}, \"{c.short_name()} {dt}\");"
         for c, dt in pairs
     )

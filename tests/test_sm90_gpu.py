@@ -131,18 +131,23 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
 @hopper
 @pytest.mark.parametrize("cfg,headdim", [(FwdSm90Config(64, 192, 3), 64), (FwdSm90Config(128, 64, 3), 128),
                                          (FwdSm90Config(128, 128, 2, persistent=False), 128),
-                                         (FwdSm90Config(256, 64, 2, persistent=False), 256),
+                                         (FwdSm90Config(256, 64, 2, persistent=False, stage_o=False), 256),
                                          (FwdSm90Config(64, 192, 3), 32), (FwdSm90Config(128, 128, 2), 96),
-                                         (FwdSm90Config(256, 64, 2), 160), (FwdSm90Config(128, 176, 2), 128),
+                                         (FwdSm90Config(256, 64, 2, stage_o=False), 160),
+                                         (FwdSm90Config(128, 176, 2, stage_o=False), 128),
+                                         (FwdSm90Config(128, 128, 2, stage_o=False), 96),
+                                         (FwdSm90Config(64, 192, 3, stage_o=False), 64),
                                          (dispatch.SM90_SHORT_KEYS[64][1], 64),
-                                         (FwdSm90Config(128, 176, 2, pingpong=False, persistent=False), 128)],
+                                         (FwdSm90Config(128, 176, 2, pingpong=False, persistent=False, stage_o=False),
+                                          128)],
                          ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else f"d{x}")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1025, 1025), (300, 77), (64, 700)])
 def test_sm90_other_configs(cfg, headdim, causal, nq, nk, rng):
     """The tuner's other Hopper tiles (block_n 64, 80, 176 and 192, 3 stages,
-    one CTA per tile, no ping-pong), and head dims below the kernel's (columns
-    zero-filled by TMA)."""
+    one CTA per tile, no ping-pong, output stored from registers), and head
+    dims below the kernel's (columns zero-filled by TMA loads and clipped by
+    TMA stores)."""
     batch, nheads, nheads_kv = 2, 6, 2
     q = rng.standard_normal((batch, nq, nheads, headdim), dtype=np.float32).astype(np.float16)
     k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=np.float32).astype(np.float16)
@@ -252,8 +257,9 @@ def _fp8_attention(bits, scales, causal):
 
 
 @hopper
-@pytest.mark.parametrize("cfg", [FwdSm90Config(128, 64, 3), FwdSm90Config(128, 128, 3), FwdSm90Config(128, 192, 2),
-                                 FwdSm90Config(128, 192, 3, persistent=False)], ids=lambda c: c.short_name())
+@pytest.mark.parametrize("cfg", [FwdSm90Config(128, 64, 3), FwdSm90Config(128, 128, 3), FwdSm90Config(128, 192, 3),
+                                 FwdSm90Config(128, 192, 3, persistent=False),
+                                 FwdSm90Config(128, 192, 4, stage_o=False)], ids=lambda c: c.short_name())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(300, 77), (129, 1000), (64, 193)])
 def test_fp8_tile_widths(monkeypatch, cfg, causal, nq, nk, rng):
