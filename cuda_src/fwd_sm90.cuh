@@ -96,12 +96,24 @@ constexpr float RESCALE_LOG2 = 8.f;
 template <int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float scale_log2) {
+    // The row max as MAX_CHAINS interleaved chains joined by a tree: one chain
+    // of NT dependent max instructions made the max a latency stall between
+    // the S GEMM and the exponentials (SASS of the fp8 kernel).
+    constexpr int MAX_CHAINS = 4;
+    static_assert(NT >= MAX_CHAINS, "a chain per partial max");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
+        float part[MAX_CHAINS];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j * 4 + 2 * r], s[j * 4 + 2 * r + 1]));
-        mx = quad_max(mx);
+        for (int j = 0; j < NT; ++j) {
+            const float m2 = fmaxf(s[j * 4 + 2 * r], s[j * 4 + 2 * r + 1]);
+            part[j % MAX_CHAINS] = j < MAX_CHAINS ? m2 : fmaxf(part[j % MAX_CHAINS], m2);
+        }
+#pragma unroll
+        for (int w = MAX_CHAINS / 2; w > 0; w /= 2)
+#pragma unroll
+            for (int k = 0; k < w; ++k) part[k] = fmaxf(part[k], part[k + w]);
+        const float mx = quad_max(fmaxf(row_max[r], part[0]));
         alpha[r] = 1.f;
         if (mx * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2) {
             alpha[r] = exp2_approx((row_max[r] - mx) * scale_log2);
