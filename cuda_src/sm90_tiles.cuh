@@ -52,6 +52,15 @@ __device__ __forceinline__ u64 desc_mn_major_sw128(u32 tile_addr, int ks) {
     return smem_desc_sw128(tile_addr + ks * 16 * 128, LEAD, STRIDE);
 }
 
+// Stores x to this thread's word of shared memory at `sink`, so that the
+// arithmetic x depends on is done before a later wgmma.wait_group: ptxas keeps
+// shared-memory stores in order with the wait but moves arithmetic freely
+// across it, and (SASS of the forward) placed the wait for P V before the
+// softmax meant to run under it.
+__device__ __forceinline__ void order_before_wait(u32 sink, float x) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sink), "f"(x) : "memory");
+}
+
 // Orders shared-memory writes this thread has observed (its own, or others'
 // through a barrier or mbarrier wait) before its later reads through the
 // async proxy (wgmma).
