@@ -15,20 +15,30 @@ from tabulate import tabulate
 from cuflash import api, dispatch
 from cuflash.config import FwdConfig, FwdSm90Config
 
+
+
+def hopper(*args, **fields) -> FwdSm90Config:
+    """A Hopper config; unless stage_o is given, its output tile staged in shared memory where that fits
+    (as the tuner's)."""
+    cfg = FwdSm90Config(*args, **fields)
+    return cfg if "stage_o" in fields else cfg.staged_if_fits()
+
+
 CANDIDATES = {
-    64: [FwdConfig(64, 64, 4, 2, 2), FwdSm90Config(64, 128, 3), FwdSm90Config(64, 128, 3, pingpong=False),
-         FwdSm90Config(64, 176, 2), FwdSm90Config(64, 192, 3), FwdSm90Config(64, 192, 3, pingpong=False)],
-    128: [FwdSm90Config(128, 128, 2), FwdSm90Config(128, 128, 2, pingpong=False), FwdSm90Config(128, 176, 2),
-          FwdSm90Config(128, 176, 2, pingpong=False), FwdSm90Config(128, 128, 2, persistent=False)],
-    256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 64, 2), FwdSm90Config(256, 80, 2),
-          FwdSm90Config(256, 64, 2, pingpong=False), FwdSm90Config(256, 80, 2, pingpong=False)],
+    64: [FwdConfig(64, 64, 4, 2, 2), hopper(64, 128, 3), hopper(64, 128, 3, pingpong=False),
+         hopper(64, 176, 2), hopper(64, 192, 3), hopper(64, 192, 3, stage_o=False),
+         hopper(64, 192, 3, pingpong=False)],
+    128: [hopper(128, 128, 2), hopper(128, 128, 2, stage_o=False), hopper(128, 128, 2, pingpong=False),
+          hopper(128, 176, 2), hopper(128, 176, 2, pingpong=False), hopper(128, 128, 2, persistent=False)],
+    256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), hopper(256, 64, 2), hopper(256, 80, 2),
+          hopper(256, 64, 2, pingpong=False), hopper(256, 80, 2, pingpong=False)],
     # Head dims without a Hopper kernel of their own: the sm_80 kernel the
     # dispatcher picks against the next larger Hopper kernel (columns past the
     # head dim zero-filled by the tensor-map copies).
-    32: [FwdConfig(32, 64, 4, 2, 2), FwdSm90Config(64, 192, 3)],
-    96: [FwdConfig(96, 64, 4, 1, 2), FwdSm90Config(128, 128, 2)],
-    160: [FwdConfig(160, 64, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 80, 2)],
-    192: [FwdConfig(192, 32, 4, 1, 2, q_in_regs=False), FwdSm90Config(256, 80, 2)],
+    32: [FwdConfig(32, 64, 4, 2, 2), hopper(64, 192, 3)],
+    96: [FwdConfig(96, 64, 4, 1, 2), hopper(128, 128, 2)],
+    160: [FwdConfig(160, 64, 4, 1, 2, q_in_regs=False), hopper(256, 80, 2)],
+    192: [FwdConfig(192, 32, 4, 1, 2, q_in_regs=False), hopper(256, 80, 2)],
 }
 
 

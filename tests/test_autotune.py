@@ -353,3 +353,28 @@ def test_hopper_192_key_tiles_are_tuned_with_both_length_variants():
     assert wide, "no 192-key Hopper candidate kept"
     names = FWD.kernel_names(wide[0], problem)
     assert len(names) == 2 and names[0] != names[1]
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_hopper_candidates_stage_the_output_wherever_it_fits(headdim):
+    from cuflash.config import SM90_SMEM_LIMIT, FwdSm90Config
+
+    problem = FwdProblem("float16", headdim, False, 4096, 4096, 1, arch=90)
+    hopper = [c for c in FWD.space(problem, quick=False) if isinstance(c, FwdSm90Config) and c.is_valid()]
+    assert hopper
+    for cfg in hopper:
+        staged = dataclasses.replace(cfg, stage_o=True)
+        assert cfg.stage_o == (staged.smem_bytes() <= SM90_SMEM_LIMIT), cfg.short_name()
+
+
+def test_staged_output_counts_in_shared_memory():
+    from cuflash.config import FwdSm90Config
+
+    assert FwdSm90Config(128, 128, 2).staged_if_fits().stage_o
+    assert not FwdSm90Config(256, 80, 2).staged_if_fits().stage_o
+    assert not FwdSm90Config(128, 176, 2).supports("float16")
+    assert FwdSm90Config(128, 176, 2, stage_o=False).supports("float16")
+    # fp8 inputs stage a 16-bit (bf16) output tile: 192-key tiles fit it with 3 stages, not with 4.
+    assert FwdSm90Config(128, 192, 3).supports("float8_e4m3")
+    assert not FwdSm90Config(128, 192, 4).supports("float8_e4m3")
+    assert FwdSm90Config(128, 192, 4, stage_o=False).supports("float8_e4m3")
