@@ -7,7 +7,8 @@
 #        (check), run the GPU tests, and read the Hopper fast paths' SASS
 #        (tools/sass_check.py: wgmma instructions, no local memory);
 # bench: the forward benchmark (every default shape), forward+backward
-#        (--quick), and fp8 (head dims 128 and 256, 2k-16k).
+#        (--quick), head dim 256 (bf16), and fp8 (head dims 128 and 256,
+#        2k-16k).
 # A failing step does not stop the later ones, so one call always yields
 # benchmark numbers; the exit status is non-zero if any step failed. Logs and
 # the benchmarks' JSON go to $OUT (./bench_out when OUT is unset). The two
@@ -59,6 +60,7 @@ fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
     step bench "$PYTHON" -m cuflash bench --json "$OUT/bench.json"
     step bench_bwd "$PYTHON" -m cuflash bench --backward --quick --json "$OUT/bench_bwd.json"
+    step bench_256 "$PYTHON" -m cuflash bench --headdim 256 --dtype bf16 --no-memory --json "$OUT/bench_256.json"
     step bench_fp8 "$PYTHON" -m cuflash bench --fp8 --headdim 128 --headdim 256 --seqlen 2k,8k,16k \
         --json "$OUT/bench_fp8.json"
 fi
