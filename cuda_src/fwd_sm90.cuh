@@ -26,8 +26,9 @@
 // - ping-pong (PINGPONG): the consumers take turns issuing their GEMMs (two
 //   named barriers; a tile's last P V is issued outside the turns), so one's
 //   softmax runs while the other's GEMMs execute. Without it each consumer
-//   issues as soon as its tiles are in (faster at head dim 64 up to 1k keys,
-//   slower elsewhere: dispatch.SM90_SHORT_KEYS; a tuner choice);
+//   issues as soon as its tiles are in (faster at head dim 64 up to 2k keys,
+//   as fast for fp8 at head dim 128, slower elsewhere: dispatch.py; a tuner
+//   choice);
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
 //   together (fp8 at head dim 128: P V once S_t is in, LATE_PV), then
 //   computes the softmax of S_t while the P V GEMM runs, and rescales O once
