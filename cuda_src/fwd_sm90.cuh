@@ -326,13 +326,15 @@ __global__ void __launch_bounds__(384, 1)
         const Tile tile = tile_at(t);
         const int hk = tile.h / group;
         const int rows_valid = nq - tile.m0;
-        u16* o_tile = o + tile.b * o_sb + tile.h * o_sh + tile.m0 * o_sn;
-        float* lse_rows = lse + ((long long)tile.b * nheads + tile.h) * nq + tile.m0;
+        // Formed where used, not live across the key loop (at head dim 256
+        // the consumers' registers are short).
+        auto o_tile = [&] { return o + tile.b * o_sb + tile.h * o_sh + tile.m0 * o_sn; };
+        auto lse_rows = [&] { return lse + ((long long)tile.b * nheads + tile.h) * nq + tile.m0; };
         const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
         const int n_end = blocks.end, n_masked = blocks.end - blocks.unmasked;
         if (n_end == 0) {  // no row of this tile sees a key
             release(empty_q);
-            write_empty_rows<64, D, 128>(o_tile + c * 64 * o_sn, o_sn, lse_rows + c * 64, rows_valid - c * 64, d,
+            write_empty_rows<64, D, 128>(o_tile() + c * 64 * o_sn, o_sn, lse_rows() + c * 64, rows_valid - c * 64, d,
                                          tid - 128 * wg);
             continue;
         }
@@ -473,7 +475,7 @@ __global__ void __launch_bounds__(384, 1)
             const float inv = l > 0.f ? o_scale / l : 0.f;
             const int row = warp_row0 + (lane >> 2) + 8 * r;
             if (row < rows_valid && (lane & 3) == 0)
-                lse_rows[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+                lse_rows()[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
             if constexpr (STAGE_O) {
 #pragma unroll
                 for (int j = 0; j < NT_O; ++j)
@@ -481,7 +483,7 @@ __global__ void __launch_bounds__(384, 1)
                         pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
             } else {
                 if (row >= rows_valid) continue;
-                u16* o_row = o_tile + row * o_sn;
+                u16* o_row = o_tile() + row * o_sn;
 #pragma unroll
                 for (int j = 0; j < NT_O; ++j) {
                     const int col = j * 8 + 2 * (lane & 3);
