@@ -378,3 +378,15 @@ def test_staged_output_counts_in_shared_memory():
     assert FwdSm90Config(128, 192, 3).supports("float8_e4m3")
     assert not FwdSm90Config(128, 192, 4).supports("float8_e4m3")
     assert FwdSm90Config(128, 192, 4, stage_o=False).supports("float8_e4m3")
+
+
+def test_quick_hopper_space_is_a_subset_of_the_full_one():
+    from cuflash.config import FwdSm90Config
+
+    problem = FwdProblem("float16", 128, True, 4096, 4096, 1, arch=90)
+    quick = [c for c in tuner.candidates(FWD, problem, H100, quick=True) if isinstance(c, FwdSm90Config)]
+    full = [c for c in tuner.candidates(FWD, problem, H100, quick=False) if isinstance(c, FwdSm90Config)]
+    assert quick[0] == dispatch.heuristic_fwd_config(problem)
+    assert set(quick) <= set(full) and len(quick) < len(full)
+    assert {c.block_n for c in quick} == {c.block_n for c in full}
+    assert {c.pingpong for c in quick} == {True, False}
