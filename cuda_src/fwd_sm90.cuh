@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(384, 1)
     // LATE_PV: step i issues S_i alone and P_{i-1} V_{i-1} once S_i is in, so
     // that S_i does not queue behind P V; the softmax still runs under P V.
     // fp8 at head dim 128, whose GEMMs are short beside its softmax: +4-11%
-    // without ping-pong in a same-run A/B; 16-bit types 12-19% slower.
+    // in a same-run A/B; 16-bit types 12-19% slower.
     constexpr bool LATE_PV = FP8 && D == 128;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];

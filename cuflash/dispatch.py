@@ -141,8 +141,9 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 # rotating order): at head dim 128, 192-key tiles with 2 stages and the output
 # staged: 835 / 870 non-causal, 745 / 825 causal; 3 stages within 2% of it;
 # 128-key tiles 2-11% slower; 192 keys with 4 stages (no room for the staged
-# output) 9-15% slower. 256 keys do not fit the consumers' registers. Without
-# ping-pong, once the kernel issues P V after S (fwd_sm90.cuh, LATE_PV): +3-6%.
+# output) 9-15% slower. 256 keys do not fit the consumers' registers. Since
+# the kernel issues P V after S (fwd_sm90.cuh, LATE_PV), ping-pong is a wash:
+# without it +3-4% in one A/B, -8% to +1% in the next; left off.
 # Head dim 256: 128-key tiles with 2 stages, output staged: 1153 at 8k
 # against 1058 without.
 HEURISTIC_FP8 = {
