@@ -160,9 +160,9 @@ def time_calls(entries: dict, repeats: int, budget_ms: float = 3000.0, rounds: i
     for r in range(rounds):
         shift = r % max(len(names), 1)
         for name in names[shift:] + names[:shift]:
-            lib, fns, reps, marks = plans[name]
             if name in results:  # raised in an earlier round
                 continue
+            lib, fns, reps, marks = plans[name]
             first, stop = reps * r // rounds, reps * (r + 1) // rounds
             synchronize()
             try:

@@ -148,7 +148,7 @@ class FwdSm90Config:
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
         o_bytes = self.block_m * self.headdim * 2 if self.stage_o else 0
         return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + o_bytes
-                + 8 * (2 + 4 * self.stages) + 16 + 4 * 2 * self.block_m)
+                + 8 * (2 + 4 * self.stages) + 16 + 4 * (self.threads - 128))
 
     def supports(self, dtype_name: str) -> bool:
         if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim < 128):
