@@ -30,9 +30,8 @@
 //   as fast for fp8 at head dim 128, slower elsewhere: dispatch.py; a tuner
 //   choice);
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
-//   together (fp8 at head dim 128: P V once S_t is in, LATE_PV), then
-//   computes the softmax of S_t while the P V GEMM runs, and rescales O once
-//   it has completed.
+//   together, then computes the softmax of S_t while the P V GEMM runs, and
+//   rescales O once it has completed.
 // The output tile leaves through shared memory and bulk tensor stores where
 // it fits beside the ring (STAGE_O), so that the consumers start the next tile
 // while it is written out; else straight from registers.
@@ -62,10 +61,13 @@ struct FwdSm90Traits {
     // The output tile staged for its bulk tensor store (16-bit elements).
     static constexpr int O_BYTES = STAGE_O ? BR * D * 2 : 0;
     static constexpr int BARRIERS = 2 + 4 * STAGES;
-    // A word per consumer thread that orders its softmax before a wgmma wait (order_before_wait).
-    static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS;
+    // A word per consumer thread that orders its softmax before a wgmma wait
+    // (order_before_wait), and 16 bytes per consumer warp that keep its work
+    // tile's coordinates and kv head across the key loop (stash_shared).
+    static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 16 * 4 * CONSUMERS;
     // + the index of the tile in flight, handed from producer to consumers (16 bytes).
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 8 * BARRIERS + 16 + SINK_BYTES;
+    static constexpr int SMEM_BYTES =
+        Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 8 * BARRIERS + 16 + SINK_BYTES + TILE_WORDS_BYTES;
     // Register split (setmaxnreg): the warpgroups share the CTA's allocation
     // at entry, 168 per thread (__launch_bounds__(384, 1)), so PRODUCER_REGS +
     // 2 x CONSUMER_REGS must not exceed 3 x 168 (a consumer's increase waits
@@ -108,6 +110,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
     // the S GEMM and the exponentials (SASS of the fp8 kernel).
     constexpr int MAX_CHAINS = 4;
     static_assert(NT >= MAX_CHAINS && NT >= SUM_CHAINS, "a chain per partial max and sum");
+    float mx[2];  // the max of this thread's scores of each row and the running max
+    bool grows = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float part[MAX_CHAINS];
@@ -120,12 +124,27 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
         for (int w = MAX_CHAINS / 2; w > 0; w /= 2)
 #pragma unroll
             for (int k = 0; k < w; ++k) part[k] = fmaxf(part[k], part[k + w]);
-        const float mx = quad_max(fmaxf(row_max[r], part[0]));
+        mx[r] = fmaxf(row_max[r], part[0]);
+        grows = grows || mx[r] * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2;
         alpha[r] = 1.f;
-        if (mx * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2) {
-            alpha[r] = exp2_approx((row_max[r] - mx) * scale_log2);
-            row_max[r] = mx;
+    }
+    // A row's max moves only when the max over its quad passes the running max
+    // by RESCALE_LOG2. Where no thread of the warp holds such a score (most
+    // steps once a row has seen a few tiles) one vote skips the two shuffle
+    // rounds of the quad max, which lie between the S GEMM and the first
+    // exponential; the result is the same.
+    if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m = quad_max(mx[r]);
+            if (m * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2) {
+                alpha[r] = exp2_approx((row_max[r] - m) * scale_log2);
+                row_max[r] = m;
+            }
         }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
         const float offset = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
         float sum[SUM_CHAINS];
 #pragma unroll
@@ -154,7 +173,7 @@ __global__ void __launch_bounds__(384, 1)
                     u16* __restrict__ o, float* __restrict__ lse,
                     const float* __restrict__ descale_q, const float* __restrict__ descale_k,
                     const float* __restrict__ descale_v, int* __restrict__ tile_counter, int nq, int nk, int d,
-                    int group, int nheads, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
+                    int group, int nheads, int nheads_kv, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
                     float scale_log2) {
     using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O>;
     constexpr int BR = T::BR;
@@ -162,11 +181,6 @@ __global__ void __launch_bounds__(384, 1)
     constexpr bool FP8 = DTYPE == E4M3;
     constexpr bool BF16_OUT = DTYPE != F16;  // fp8 attention writes bf16
     constexpr int SUM_CHAINS = FP8 && D == 128 ? 4 : 1;
-    // LATE_PV: step i issues S_i alone and P_{i-1} V_{i-1} once S_i is in, so
-    // that S_i does not queue behind P V; the softmax still runs under P V.
-    // fp8 at head dim 128, whose GEMMs are short beside its softmax: +4-11%
-    // in a same-run A/B; 16-bit types 12-19% slower.
-    constexpr bool LATE_PV = FP8 && D == 128;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sQ = smem_addr(smem_raw);
@@ -202,14 +216,15 @@ __global__ void __launch_bounds__(384, 1)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int diag = nk - nq;
-    const int m_blocks = (nq + BR - 1) / BR;
     // Work tile -> (query block, head, batch): query blocks innermost, so
     // that a head's K and V stay in L2 while its blocks run; under a causal
-    // mask the longest blocks first.
+    // mask the longest blocks first. Each warpgroup passes the block count
+    // itself: one computed before the register split (setmaxnreg) was kept in
+    // local memory at head dim 256.
     struct Tile {
         int m0, h, b;
     };
-    auto tile_at = [&](int t) {
+    auto tile_at = [&](int t, int m_blocks) {
         int m = t % m_blocks;
         if constexpr (CAUSAL) m = m_blocks - 1 - m;
         const int hb = t / m_blocks;
@@ -246,45 +261,50 @@ __global__ void __launch_bounds__(384, 1)
                 mbar_arrive(full_q);
                 break;
             }
-            const Tile tile = tile_at(t);
+            // The lengths made opaque per tile: ptxas otherwise hoists the
+            // tile arithmetic's invariants out of this loop, and at head dim
+            // 256 (24 producer registers) kept them in local memory.
+            const int nq_t = opaque(nq), nk_t = opaque(nk);
+            const Tile tile = tile_at(t, (nq_t + BR - 1) / BR);
             const int hk = tile.h / group;
-            const int n_end = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk).end;
-            // Every tile taken draws one ticket, so tickets run 0 .. num_tiles - 1
-            // and the last one's holder resets the counter for the next launch
-            // (one counter per stream, cuflash/api.py).
-            const int ticket = atomicAdd(tile_counter, 1);
-            if (ticket == num_tiles - 1) atomicExch(tile_counter, 0);
-            const int next = ticket + gridDim.x;
+            const int n_end = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq_t, nk_t).end;
             if (n_end == 0) {  // the consumers write its empty rows
                 mbar_arrive(full_q);
-                t = next;
-                continue;
-            }
-            // Q, K and 16-bit V: one box per 128-byte panel of the row
-            // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
-            // 64 keys x D rows per panel (dims: keys, head dim, kv head, batch).
-            mbar_arrive_expect_tx(full_q, T::Q_BYTES);
-            for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
-            // Key blocks descending, so that the masked ones come first.
-            for (int i = 0; i < n_end; ++i, ++kv_iter) {
-                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = (n_end - 1 - i) * BC;
-                const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
-                if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
-                mbar_arrive_expect_tx(full_k(st), T::KV_BYTES);
+            } else {
+                // Q, K and 16-bit V: one box per 128-byte panel of the row
+                // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
+                // 64 keys x D rows per panel (dims: keys, head dim, kv head, batch).
+                mbar_arrive_expect_tx(full_q, T::Q_BYTES);
                 for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                    tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, full_k(st));
-                if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
-                mbar_arrive_expect_tx(full_v(st), T::KV_BYTES);
-                if constexpr (FP8) {
-                    for (int p = 0; p < BC / 64; ++p)
-                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, tile.b, full_v(st));
-                } else {
+                    tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
+                // Key blocks descending, so that the masked ones come first.
+                for (int i = 0; i < n_end; ++i, ++kv_iter) {
+                    const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = (n_end - 1 - i) * BC;
+                    const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
+                    if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
+                    mbar_arrive_expect_tx(full_k(st), T::KV_BYTES);
                     for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                        tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, full_v(st));
+                        tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, full_k(st));
+                    if (use > 0) mbar_wait(empty_v(st), (use - 1) & 1);
+                    mbar_arrive_expect_tx(full_v(st), T::KV_BYTES);
+                    if constexpr (FP8) {
+                        for (int p = 0; p < BC / 64; ++p)
+                            tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, tile.b, full_v(st));
+                    } else {
+                        for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                            tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, full_v(st));
+                    }
                 }
             }
-            t = next;
+            // Every tile taken draws one ticket, so tickets run 0 .. num_tiles - 1
+            // and the last one's holder resets the counter for the next launch
+            // (one counter per stream, cuflash/api.py). Drawn once the tile's
+            // copies are issued, so that the ticket is not live across them (at
+            // head dim 256 the producer has 24 registers); the consumers are
+            // then STAGES key blocks behind, which hides the atomic's latency.
+            const int ticket = atomicAdd(tile_counter, 1);
+            if (ticket == num_tiles - 1) atomicExch(tile_counter, 0);
+            t = ticket + gridDim.x;
         }
         return;
     }
@@ -295,6 +315,7 @@ __global__ void __launch_bounds__(384, 1)
     const int warp_row0 = c * 64 + (warp & 3) * 16;
     const bool stage_leader = STAGE_O && tid % 128 == 0;  // issues this consumer's output stores
     const u32 sink = bars + 8 * T::BARRIERS + 16 + 4 * (tid - 128);
+    const u32 tile_words = bars + 8 * T::BARRIERS + 16 + T::SINK_BYTES + 16 * (warp - 4);
 
     auto issue_s = [&](float (&acc_s)[NT_S * 4], int st) {
 #pragma unroll
@@ -318,31 +339,38 @@ __global__ void __launch_bounds__(384, 1)
     };
     if (PINGPONG && c == 1) named_bar_arrive<256>(1);
 
-    int kv_iter = 0;
-    for (int q_iter = 0;; ++q_iter) {
-        mbar_wait(full_q, q_iter & 1);
+    // The consumer's position in the K/V ring (key blocks consumed) times
+    // two, plus the parity of the tiles it has taken: one register for both,
+    // live across the key loop (at head dim 256 a separate tile count went
+    // to local memory).
+    int ring = 0;
+    for (;; ring ^= 1) {
+        mbar_wait(full_q, ring & 1);
+        const int kv_iter = ring >> 1;
         const int t = *tile_slot;
         if (t >= num_tiles) break;
-        const Tile tile = tile_at(t);
+        const Tile tile = tile_at(t, (nq + BR - 1) / BR);
         const int hk = tile.h / group;
-        const int rows_valid = nq - tile.m0;
+        stash_shared(tile_words, tile.m0);  // every lane stores the same values
+        stash_shared(tile_words + 4, tile.h);
+        stash_shared(tile_words + 8, tile.b);
+        stash_shared(tile_words + 12, hk);
         // Formed where used, not live across the key loop (at head dim 256
         // the consumers' registers are short).
-        auto o_tile = [&] { return o + tile.b * o_sb + tile.h * o_sh + tile.m0 * o_sn; };
-        auto lse_rows = [&] { return lse + ((long long)tile.b * nheads + tile.h) * nq + tile.m0; };
+        auto o_tile = [&](const Tile& tl) { return o + tl.b * o_sb + tl.h * o_sh + tl.m0 * o_sn; };
+        auto lse_rows = [&](const Tile& tl) { return lse + ((long long)tl.b * nheads + tl.h) * nq + tl.m0; };
         const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
         const int n_end = blocks.end, n_masked = blocks.end - blocks.unmasked;
         if (n_end == 0) {  // no row of this tile sees a key
             release(empty_q);
-            write_empty_rows<64, D, 128>(o_tile() + c * 64 * o_sn, o_sn, lse_rows() + c * 64, rows_valid - c * 64, d,
-                                         tid - 128 * wg);
+            write_empty_rows<64, D, 128>(o_tile(tile) + c * 64 * o_sn, o_sn, lse_rows(tile) + c * 64,
+                                         nq - tile.m0 - c * 64, d, tid - 128 * wg);
             continue;
         }
-        float qk_scale_log2 = scale_log2, o_scale = 1.f;
+        float qk_scale_log2 = scale_log2;
         if constexpr (FP8) {
-            const int kv_index = tile.b * (nheads / group) + hk;
+            const int kv_index = tile.b * nheads_kv + hk;
             qk_scale_log2 *= descale_q[kv_index] * descale_k[kv_index];
-            o_scale = descale_v[kv_index];
         }
 
         float acc_o[NT_O * 4];
@@ -392,8 +420,9 @@ __global__ void __launch_bounds__(384, 1)
             p_frag.pack(acc_s);
         }
 
-        // Key block i: S_i and P_{i-1} V_{i-1} in one turn (or P V after S_i:
-        // LATE_PV); the softmax of S_i runs during P V.
+        // Key block i: S_i and P_{i-1} V_{i-1} in one turn; the softmax of S_i
+        // runs during P V. (Issuing P V only once S_i is in measured up to 4%
+        // slower for fp8 at head dim 128, and 12-19% for 16-bit types.)
         auto step = [&](int i, auto masked) {
             const int it = kv_iter + i;
             const int st = it % STAGES, parity = (it / STAGES) & 1;
@@ -405,18 +434,10 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_fence();
             issue_s(acc_s, st);
             wgmma_commit();
-            if constexpr (LATE_PV) {
-                end_turn();
-                wgmma_wait<0>();  // S_i is in
-                wgmma_fence();
-                issue_pv(st_prev);
-                wgmma_commit();
-            } else {
-                issue_pv(st_prev);
-                wgmma_commit();
-                end_turn();
-                wgmma_wait<1>();  // S_i is in; P V still runs
-            }
+            issue_pv(st_prev);
+            wgmma_commit();
+            end_turn();
+            wgmma_wait<1>();  // S_i is in; P V still runs
             after_s(i, st);
             if constexpr (decltype(masked)::value) apply_mask(acc_s, i);
             online_softmax<NT_S, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
@@ -453,7 +474,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             release(empty_v(st));
         }
-        kv_iter += n_end;
+        ring += 2 * n_end;
 
         // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2.
         // STAGE_O: this consumer's 64 rows go to its half of the staging tile
@@ -463,43 +484,63 @@ __global__ void __launch_bounds__(384, 1)
         // columns past d are clipped by the tensor map), so that the consumer
         // goes on to the next tile while they run. Otherwise each quad stores
         // its 16 contiguous bytes of a row straight to global memory.
+        // The tile's coordinates and kv head from shared memory, the fp8
+        // output scale from global memory: none is kept live across the key
+        // loop (at head dim 256 they went to local memory).
+        const Tile out_tile{unstash_shared(tile_words), unstash_shared(tile_words + 4),
+                            unstash_shared(tile_words + 8)};
+        const int rows_valid = nq - out_tile.m0;
+        const float o_scale = FP8 ? descale_v[out_tile.b * nheads_kv + unstash_shared(tile_words + 12)] : 1.f;
         constexpr float LN2 = 0.6931471805599453f;
         u16* o_stage = reinterpret_cast<u16*>(smem_raw + (sO - sQ)) + c * 64 * D;
         if constexpr (STAGE_O) {
             if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
             named_bar_sync<128>(3 + c);
         }
+        // Row scales and lse values first, so that only they stay live beside
+        // O while it is stored; the lse rows are written once O is out.
+        float inv[2], row_lse[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
-            const float inv = l > 0.f ? o_scale / l : 0.f;
+            // l >= 1 (the row's largest score gives at least 2^0), so the fast
+            // division is exact to 2 ulp; the IEEE one calls a slow-path routine
+            // whose registers the epilogue at head dim 256 cannot spare.
+            inv[r] = l > 0.f ? __fdividef(o_scale, l) : 0.f;
+            row_lse[r] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
             const int row = warp_row0 + (lane >> 2) + 8 * r;
-            if (row < rows_valid && (lane & 3) == 0)
-                lse_rows()[row] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
             if constexpr (STAGE_O) {
 #pragma unroll
                 for (int j = 0; j < NT_O; ++j)
                     *reinterpret_cast<u32*>(o_stage + tile_offset<64, D>(row - c * 64, j) + 2 * (lane & 3)) =
-                        pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+                        pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv[r], acc_o[j * 4 + 2 * r + 1] * inv[r]);
             } else {
                 if (row >= rows_valid) continue;
-                u16* o_row = o_tile() + row * o_sn;
+                u16* o_row = o_tile(out_tile) + row * o_sn;
 #pragma unroll
                 for (int j = 0; j < NT_O; ++j) {
                     const int col = j * 8 + 2 * (lane & 3);
                     if (col < d)
                         *reinterpret_cast<u32*>(o_row + col) =
-                            pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv, acc_o[j * 4 + 2 * r + 1] * inv);
+                            pack2<BF16_OUT>(acc_o[j * 4 + 2 * r] * inv[r], acc_o[j * 4 + 2 * r + 1] * inv[r]);
                 }
             }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + (lane >> 2) + 8 * r;
+            if (row < rows_valid && (lane & 3) == 0) lse_rows(out_tile)[row] = row_lse[r];
         }
         if constexpr (STAGE_O) {
             fence_proxy_async();  // the staged rows, before the async proxy reads them
             named_bar_sync<128>(3 + c);
             if (stage_leader && c * 64 < rows_valid) {
                 for (int p = 0; p < D / 64; ++p)
-                    tma_store_4d(map_o, sO + c * 64 * D * 2 + p * 64 * 128, p * 64, tile.m0 + c * 64, tile.h,
-                                 tile.b);
+                    tma_store_4d(map_o, sO + c * 64 * D * 2 + p * 64 * 128, p * 64, out_tile.m0 + c * 64,
+                                 out_tile.h, out_tile.b);
                 bulk_commit();
             }
         }

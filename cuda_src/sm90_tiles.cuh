@@ -68,6 +68,26 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// x, hidden from the compiler at this point, so that arithmetic on it is not
+// hoisted out of the enclosing loop (to be kept live there, or spilled).
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+// A word kept in shared memory rather than in a register across a long loop
+// (by one thread, or by every lane of a warp storing the same value): the
+// accesses are opaque to the compiler, which would otherwise keep the value
+// live, or spill it to local memory.
+__device__ __forceinline__ void stash_shared(u32 addr, int x) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(x));
+}
+__device__ __forceinline__ int unstash_shared(u32 addr) {
+    int x;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(addr));
+    return x;
+}
+
 // ---------------------------------------------------------------- A fragments
 // Four fp32 values as e4m3 bytes, x0 in the lowest byte.
 __device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {

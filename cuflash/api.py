@@ -344,6 +344,7 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
         numpy.int32(headdim),
         numpy.int32(problem.group),
         numpy.int32(nheads),
+        numpy.int32(k.shape[2]),
         numpy.int32(num_tiles),
         *o_strides,
         numpy.float32(scale * _LOG2E),

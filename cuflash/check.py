@@ -1,10 +1,11 @@
 """`python -m cuflash check`: compile every shipped kernel specialisation with
 NVRTC (no GPU needed) and report registers, shared memory and spills.
 
-Exits non-zero on any compile error, or on any spill in a head-dim 64/128
-kernel of a fast path: the forward kernels, the Hopper backward, and the
-sm_80 backward built for sm_80 (on Hopper the sm_90a backward replaces its
-head-dim 64/128 dK/dV tiles). Other spills are reported.
+Exits non-zero on any compile error, or on any spill in a kernel of a fast
+path: the forward kernels at head dims 64 and 128, the Hopper forward at 256
+too, the Hopper backward, and the sm_80 backward built for sm_80 (on Hopper
+the sm_90a backward replaces its head-dim 64/128 dK/dV tiles). Other spills
+are reported.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SM90_ENTRY_REGISTERS = 168
 SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
-SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128)}
+SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 
 

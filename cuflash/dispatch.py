@@ -137,17 +137,15 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
-# an H100 (bench/PERFLOG.md, V transpose included, 8k-16k, same-run A/B with
-# rotating order): at head dim 128, 192-key tiles with 2 stages and the output
-# staged: 835 / 870 non-causal, 745 / 825 causal; 3 stages within 2% of it;
-# 128-key tiles 2-11% slower; 192 keys with 4 stages (no room for the staged
-# output) 9-15% slower. 256 keys do not fit the consumers' registers. Since
-# the kernel issues P V after S (fwd_sm90.cuh, LATE_PV), ping-pong is a wash:
-# without it +3-4% in one A/B, -8% to +1% in the next; left off.
+# an H100 (bench/PERFLOG.md v17, V transpose included, 8k-16k, same-run A/B
+# with rotating order): at head dim 128, 192-key tiles with 3 stages, the
+# output staged, no ping-pong: 886 / 913 non-causal and 777 / 838 causal at
+# 8k / 16k, +2-4% over 2 stages and within 2% of ping-pong; 128-key tiles
+# 2-11% slower (v11); 256 keys do not fit the consumers' registers.
 # Head dim 256: 128-key tiles with 2 stages, output staged: 1153 at 8k
 # against 1058 without.
 HEURISTIC_FP8 = {
-    128: FwdSm90Config(128, 192, 2, pingpong=False),
+    128: FwdSm90Config(128, 192, 3, pingpong=False),
     256: FwdSm90Config(256, 128, 2),
 }
 
