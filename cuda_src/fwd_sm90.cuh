@@ -99,16 +99,14 @@ struct FwdSm90Traits {
 // (max -inf) keeps P = 0.
 constexpr float RESCALE_LOG2 = 8.f;
 
-// SUM_CHAINS: the row sum as that many interleaved chains joined by a tree
-// (4 for fp8 at head dim 128: +2-7% in a same-run A/B; one chain elsewhere,
-// where four measured -3% to +2%).
-template <int NT, int SUM_CHAINS>
+// The row max and the row sum are computed as MAX_CHAINS and SUM_CHAINS
+// interleaved chains joined by a tree (powers of two): one chain of NT
+// dependent instructions made each a latency stall between the S GEMM and
+// the exponentials, and after them (SASS and ncu of the fp8 kernel). The
+// kernel picks the counts (fwd_sm90_kernel: SOFTMAX_CHAINS).
+template <int NT, int MAX_CHAINS, int SUM_CHAINS>
 __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float scale_log2) {
-    // The row max as MAX_CHAINS interleaved chains joined by a tree: one chain
-    // of NT dependent max instructions made the max a latency stall between
-    // the S GEMM and the exponentials (SASS of the fp8 kernel).
-    constexpr int MAX_CHAINS = 4;
     static_assert(NT >= MAX_CHAINS && NT >= SUM_CHAINS, "a chain per partial max and sum");
     float mx[2];  // the max of this thread's scores of each row and the running max
     bool grows = false;
@@ -180,7 +178,12 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     constexpr bool FP8 = DTYPE == E4M3;
     constexpr bool BF16_OUT = DTYPE != F16;  // fp8 attention writes bf16
-    constexpr int SUM_CHAINS = FP8 && D == 128 ? 4 : 1;
+    // fp8 at head dim 128, whose GEMMs are short beside its softmax, has the
+    // widest chains: 8 for the max and the sum, against 4 and 4 +2-14% at
+    // 8k-16k (same-run A/B, bench/PERFLOG.md v17); 16-bit kernels gain
+    // nothing from 8 max chains (-3% to +2%), nor from 4 sum chains.
+    constexpr bool FP8_128 = FP8 && D == 128;
+    constexpr int MAX_CHAINS = FP8_128 ? 8 : 4, SUM_CHAINS = FP8_128 ? 8 : 1;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sQ = smem_addr(smem_raw);
@@ -416,7 +419,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             after_s(0, st);
             if (n_masked > 0) apply_mask(acc_s, 0);
-            online_softmax<NT_S, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            online_softmax<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
             p_frag.pack(acc_s);
         }
 
@@ -440,12 +443,12 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<1>();  // S_i is in; P V still runs
             after_s(i, st);
             if constexpr (decltype(masked)::value) apply_mask(acc_s, i);
-            online_softmax<NT_S, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            online_softmax<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
             // The row sums depend on every exponential: without this, ptxas
             // hoists the wait above the softmax and P V no longer hides it
-            // (+3-5% at head dims 128 and 256, +5-9% fp8; head dim 64, whose
-            // P V is short, 2-6% slower with it).
-            if constexpr (D >= 128) order_before_wait(sink, row_sum[0] + row_sum[1]);
+            // (+3-5% at head dims 128 and 256, fp8 at 256 +5-9%; head dim 64,
+            // whose P V is short, 2-6% slower with it, and fp8 at 128, 7-11%).
+            if constexpr (D >= 128 && !FP8_128) order_before_wait(sink, row_sum[0] + row_sum[1]);
             wgmma_wait<0>();
             release(empty_v(st_prev));
             if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {

@@ -138,14 +138,14 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
 # an H100 (bench/PERFLOG.md v17, V transpose included, 8k-16k, same-run A/B
-# with rotating order): at head dim 128, 192-key tiles with 3 stages, the
-# output staged, no ping-pong: 886 / 913 non-causal and 777 / 838 causal at
-# 8k / 16k, +2-4% over 2 stages and within 2% of ping-pong; 128-key tiles
-# 2-11% slower (v11); 256 keys do not fit the consumers' registers.
+# with rotating order): at head dim 128, 192-key tiles with 2 stages, the
+# output staged, no ping-pong; 3 stages and ping-pong each within +-4% of it
+# (the sign changed between runs); 128-key tiles 2-11% slower (v11); 256
+# keys do not fit the consumers' registers.
 # Head dim 256: 128-key tiles with 2 stages, output staged: 1153 at 8k
 # against 1058 without.
 HEURISTIC_FP8 = {
-    128: FwdSm90Config(128, 192, 3, pingpong=False),
+    128: FwdSm90Config(128, 192, 2, pingpong=False),
     256: FwdSm90Config(256, 128, 2),
 }
 
