@@ -324,17 +324,21 @@ def test_fp8_descale_defaults_to_one(rng):
 
 
 @hopper
-def test_fp8_transposed_v_layout(rng):
-    """Vt holds V transposed with keys permuted per 32 and zero padding (cuda_src/fp8_prep.cuh)."""
+@pytest.mark.parametrize("shape", [(2, 97, 3, 80), (1, 600, 2, 128), (1, 1, 1, 256)])
+def test_fp8_transposed_v_layout(rng, shape):
+    """Vt holds V transposed with keys permuted per 32 and zero padding (cuda_src/fp8_prep.cuh); the
+    shapes cover partial head-dim blocks and key blocks past the padded length."""
     from cuflash import fp8
 
-    v = rng.integers(0, 120, size=(2, 97, 3, 80), dtype=np.uint8)
+    batch, nk, heads, d = shape
+    nk_pad = -(-nk // 64) * 64
+    v = rng.integers(0, 120, size=shape, dtype=np.uint8)
     vt = fp8.transpose_v(cupy.asarray(v)).get()
-    assert vt.shape == (2, 3, 80, 128)
-    s = np.arange(128)
+    assert vt.shape == (batch, heads, d, nk_pad)
+    s = np.arange(nk_pad)
     key = (s & ~15) + 2 * ((s & 15) >> 2) + np.where((s & 3) < 2, s & 3, 8 + (s & 1))
-    padded = np.zeros((2, 128, 3, 80), np.uint8)
-    padded[:, :97] = v
+    padded = np.zeros((batch, nk_pad, heads, d), np.uint8)
+    padded[:, :nk] = v
     np.testing.assert_array_equal(vt, padded[:, key].transpose(0, 2, 3, 1))
 
 
