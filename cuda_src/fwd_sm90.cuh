@@ -103,7 +103,7 @@ constexpr float RESCALE_LOG2 = 8.f;
 // interleaved chains joined by a tree (powers of two): one chain of NT
 // dependent instructions made each a latency stall between the S GEMM and
 // the exponentials, and after them (SASS and ncu of the fp8 kernel). The
-// kernel picks the counts (fwd_sm90_kernel: SOFTMAX_CHAINS).
+// kernel picks the counts (fwd_sm90_kernel: MAX_CHAINS, SUM_CHAINS).
 template <int NT, int MAX_CHAINS, int SUM_CHAINS>
 __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float scale_log2) {
@@ -507,8 +507,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
             // l >= 1 (the row's largest score gives at least 2^0), so the fast
-            // division is exact to 2 ulp; the IEEE one calls a slow-path routine
-            // whose registers the epilogue at head dim 256 cannot spare.
+            // division is accurate to 2 ulp; the IEEE one calls a slow-path
+            // routine whose registers the epilogue at head dim 256 cannot spare.
             inv[r] = l > 0.f ? __fdividef(o_scale, l) : 0.f;
             row_lse[r] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
         }
