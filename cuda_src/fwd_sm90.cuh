@@ -173,6 +173,8 @@ __global__ void __launch_bounds__(384, 1)
                     const float* __restrict__ descale_v, int* __restrict__ tile_counter, int nq, int nk, int d,
                     int group, int nheads, int nheads_kv, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
                     float scale_log2) {
+    // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
+    // kept it live across the key loop and, at head dim 256, in local memory.
     using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O>;
     constexpr int BR = T::BR;
     constexpr int NT_S = BC / 8, NT_O = D / 8;

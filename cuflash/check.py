@@ -127,10 +127,10 @@ def main(argv=None) -> int:
     rows, failures = [], []
     for report in reports:
         cfg = cfg_of[report.name]
-        fast = cfg.headdim in FAST_PATH_HEADDIMS
+        fast = fast_path(family_of[report.name], cfg.headdim, report.arch)
         if not report.ok:
             failures.append(f"compile error: {report.name} ({report.arch})\n{report.log}")
-        elif report.spills and fast_path(family_of[report.name], cfg.headdim, report.arch):
+        elif report.spills and fast:
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
         elif any(k in report.name for k in SM90_KERNELS) and report.registers != SM90_ENTRY_REGISTERS:
             failures.append(f"{report.name}: {report.registers} registers at entry, the register split assumes "
