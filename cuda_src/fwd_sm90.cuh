@@ -164,6 +164,26 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT * 4], float (&row_m
     }
 }
 
+// A consumer's position in the K/V ring (key blocks consumed) and the parity
+// of the work tiles it has taken. Two registers keep the position
+// warp-uniform, so that each key step's stage and descriptor arithmetic runs
+// on the uniform datapath: one register for both (position times two plus
+// parity) left it there on the vector ALU, and head dim 64 ran 2-7% slower.
+// The fp8 kernels at head dim 256 spill with two registers: PACKED.
+template <bool PACKED>
+struct RingPosition {
+    int pos = 0, tiles = 0;  // PACKED: pos holds both, tiles is unused
+    __device__ __forceinline__ int key_blocks() const { return PACKED ? pos >> 1 : pos; }
+    __device__ __forceinline__ int tile_parity() const { return PACKED ? pos & 1 : tiles & 1; }
+    __device__ __forceinline__ void advance(int blocks) { pos += PACKED ? 2 * blocks : blocks; }
+    __device__ __forceinline__ void next_tile() {
+        if constexpr (PACKED)
+            pos ^= 1;
+        else
+            ++tiles;
+    }
+};
+
 template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG, bool STAGE_O>
 __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
@@ -344,14 +364,10 @@ __global__ void __launch_bounds__(384, 1)
     };
     if (PINGPONG && c == 1) named_bar_arrive<256>(1);
 
-    // The consumer's position in the K/V ring (key blocks consumed) times
-    // two, plus the parity of the tiles it has taken: one register for both,
-    // live across the key loop (at head dim 256 a separate tile count went
-    // to local memory).
-    int ring = 0;
-    for (;; ring ^= 1) {
-        mbar_wait(full_q, ring & 1);
-        const int kv_iter = ring >> 1;
+    RingPosition<FP8 && D == 256> ring;
+    for (;; ring.next_tile()) {
+        mbar_wait(full_q, ring.tile_parity());
+        const int kv_iter = ring.key_blocks();
         const int t = *tile_slot;
         if (t >= num_tiles) break;
         const Tile tile = tile_at(t, (nq + BR - 1) / BR);
@@ -479,7 +495,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             release(empty_v(st));
         }
-        ring += 2 * n_end;
+        ring.advance(n_end);
 
         // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2.
         // STAGE_O: this consumer's 64 rows go to its half of the staging tile

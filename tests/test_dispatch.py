@@ -21,13 +21,16 @@ def test_hopper_takes_the_sm90_kernel(headdim):
 
 
 @pytest.mark.parametrize("headdim", [64, 48])
-def test_hopper_short_keys_at_headdim_64(headdim):
-    # Up to 2k keys, head dims served by the 64 kernel take its short-key tiles.
-    longest, short = dispatch.SM90_SHORT_KEYS[64]
-    assert longest == 2048
-    assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=2048)) == short
-    assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=2049)) == dispatch.HEURISTIC_SM90[64]
-    assert dispatch.heuristic_fwd_config(problem(128, arch=90, seqlen=512)) == dispatch.HEURISTIC_SM90[128]
+@pytest.mark.parametrize("causal,longest", [(False, 1024), (True, 2048)])
+def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
+    # Up to 1k keys (2k under the causal mask), head dims served by the 64
+    # kernel take its short-key tiles.
+    short, limits = dispatch.SM90_SHORT_KEYS[64]
+    assert limits[causal] == longest
+    assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=longest, causal=causal)) == short
+    assert (dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=longest + 1, causal=causal))
+            == dispatch.HEURISTIC_SM90[64])
+    assert dispatch.heuristic_fwd_config(problem(128, arch=90, seqlen=512, causal=causal)) == dispatch.HEURISTIC_SM90[128]
 
 
 @pytest.mark.parametrize("headdim", [8, 32])

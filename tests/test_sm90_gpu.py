@@ -137,7 +137,7 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
                                          (FwdSm90Config(128, 176, 2, stage_o=False), 128),
                                          (FwdSm90Config(128, 128, 2, stage_o=False), 96),
                                          (FwdSm90Config(64, 192, 3, stage_o=False), 64),
-                                         (dispatch.SM90_SHORT_KEYS[64][1], 64),
+                                         (dispatch.SM90_SHORT_KEYS[64][0], 64),
                                          (FwdSm90Config(128, 176, 2, pingpong=False, persistent=False, stage_o=False),
                                           128)],
                          ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else f"d{x}")
