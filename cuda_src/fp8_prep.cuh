@@ -10,60 +10,68 @@
 
 namespace cuflash {
 
-__device__ __forceinline__ int vt_slot_key(int s) {
-    const int q = s & 3;
-    return (s & ~15) + 2 * ((s & 15) >> 2) + (q < 2 ? q : 8 + (q & 1));
-}
-
-// One CTA of 256 threads moves VT_BLOCK_KEYS keys x 64 columns through shared
-// memory, 64 keys at a time: 16-byte loads along the head dim (all in flight
-// before the first is stored), 16-byte stores along the keys. 128 keys per
-// CTA: 31 µs for V of 2 x 8k x 16 x 128 on an H100, against 34 with 64 and
-// 33-41 with 256 (more CTAs in flight per SM matter as much as loads).
-// Grid: (batch * kv heads, ceil(nk_pad / VT_BLOCK_KEYS), ceil(d / 64)) (x has
-// no 65535 limit).
+// One CTA of 256 threads moves VT_BLOCK_KEYS = 128 keys x 128 head-dim
+// columns through shared memory. Loads: 16-byte chunks of V rows, four per
+// thread in flight, kept with chunk c of key n at chunk c ^ ((n / 16) % 8).
+// Transpose: warp w holds columns 16w .. 16w + 15, lane l the 16-key chunk
+// l / 4 and the columns 16w + 4 (l % 4) .. + 3; four 4 x 4 byte transposes of
+// words read from keys 2i + {0, 1, 8, 9} (i = 0..3) give its 16 slot-ordered
+// key bytes of four Vt rows (reads: 32 distinct banks under the swizzle),
+// which go out as 16-byte stores, 8 lanes filling 128 contiguous bytes of a
+// row. Grid: (batch * kv heads, ceil(nk_pad / VT_BLOCK_KEYS), ceil(d / 128))
+// (x has no 65535 limit).
 constexpr int VT_BLOCK_KEYS = 128;
 
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned char* __restrict__ v,
                                                                unsigned char* __restrict__ vt, int nk, int nk_pad,
                                                                int d, int heads_kv, long long v_sb, long long v_sn,
                                                                long long v_sh) {
-    constexpr int PASSES = VT_BLOCK_KEYS / 64;
-    __shared__ __align__(16) unsigned char tile[PASSES][64][64 + 16];
-    const int tid = threadIdx.x;
-    const int n0 = blockIdx.y * VT_BLOCK_KEYS, d0 = blockIdx.z * 64;
+    constexpr int COLS = 128, LOADS = VT_BLOCK_KEYS * COLS / 16 / 256;
+    __shared__ __align__(16) unsigned char tile[VT_BLOCK_KEYS * COLS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n0 = blockIdx.y * VT_BLOCK_KEYS, d0 = blockIdx.z * COLS;
     const int b = blockIdx.x / heads_kv, h = blockIdx.x % heads_kv;
+    auto at = [](int key, int chunk) { return key * COLS + ((chunk ^ ((key >> 4) & 7)) << 4); };
 
     {
-        const int key = tid >> 2, col = 16 * (tid & 3);
-        uint4 x[PASSES];
+        uint4 x[LOADS];
 #pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            const int n = n0 + 64 * p + key;
-            x[p] = make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < LOADS; ++i) {
+            const int c = tid + 256 * i, key = c >> 3, col = 16 * (c & 7), n = n0 + key;
+            x[i] = make_uint4(0, 0, 0, 0);
             if (n < nk && d0 + col < d)
-                x[p] = *reinterpret_cast<const uint4*>(v + b * v_sb + (long long)n * v_sn + h * v_sh + d0 + col);
+                x[i] = *reinterpret_cast<const uint4*>(v + b * v_sb + (long long)n * v_sn + h * v_sh + d0 + col);
         }
 #pragma unroll
-        for (int p = 0; p < PASSES; ++p) *reinterpret_cast<uint4*>(&tile[p][key][col]) = x[p];
+        for (int i = 0; i < LOADS; ++i) {
+            const int c = tid + 256 * i;
+            *reinterpret_cast<uint4*>(tile + at(c >> 3, c & 7)) = x[i];
+        }
     }
     __syncthreads();
 
-    const int row = tid >> 2, slot0 = 16 * (tid & 3);
-    if (d0 + row >= d) return;
+    const int q = lane >> 2, col = 16 * warp + 4 * (lane & 3);
+    if (n0 + 16 * q >= nk_pad || d0 + col >= d) return;
+    u32 out[4][4];  // out[j][i]: word i of Vt row col + j
 #pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-        if (n0 + 64 * p >= nk_pad) return;
-        u32 w[4];
+    for (int i = 0; i < 4; ++i) {
+        u32 a[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 word = 0;
+        for (int e = 0; e < 4; ++e)
+            a[e] = *reinterpret_cast<const u32*>(tile + at(16 * q + 2 * i + (e & 1) + 8 * (e >> 1), warp) +
+                                                 4 * (lane & 3));
+        const u32 lo01 = __byte_perm(a[0], a[1], 0x5140), lo23 = __byte_perm(a[2], a[3], 0x5140);
+        const u32 hi01 = __byte_perm(a[0], a[1], 0x7362), hi23 = __byte_perm(a[2], a[3], 0x7362);
+        out[0][i] = __byte_perm(lo01, lo23, 0x5410);
+        out[1][i] = __byte_perm(lo01, lo23, 0x7632);
+        out[2][i] = __byte_perm(hi01, hi23, 0x5410);
+        out[3][i] = __byte_perm(hi01, hi23, 0x7632);
+    }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) word |= (u32)tile[p][vt_slot_key(slot0 + 4 * i + j)][row] << (8 * j);
-            w[i] = word;
-        }
-        unsigned char* dst = vt + (((long long)blockIdx.x * d + d0 + row) * nk_pad) + n0 + 64 * p + slot0;
-        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int j = 0; j < 4; ++j) {
+        if (d0 + col + j >= d) break;
+        unsigned char* dst = vt + ((long long)blockIdx.x * d + d0 + col + j) * nk_pad + n0 + 16 * q;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
     }
 }
 

@@ -17,8 +17,9 @@ except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a depen
 # Vt's key padding: a multiple of the transpose kernel's 64-key blocks, of the
 # Hopper kernel's 64-key Vt panels and of the fp8 P fragments' 32-key groups.
 VT_KEY_PAD = 64
-# Keys per CTA of the transpose kernel (fp8_prep.cuh: VT_BLOCK_KEYS).
+# Keys and head-dim columns per CTA of the transpose kernel (fp8_prep.cuh: VT_BLOCK_KEYS, COLS).
 VT_BLOCK_KEYS = 128
+VT_BLOCK_COLS = 128
 TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel"
 
 
@@ -68,7 +69,7 @@ def transpose_v(v):
     vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
     kernel = _compile.get_kernel("fp8_prep", TRANSPOSE_V_KERNEL, 0)
     strides = [numpy.int64(s) for s in v.strides[:3]]  # bytes = elements
-    grid = (batch * nheads_kv, -(-nk_pad // VT_BLOCK_KEYS), -(-headdim // 64))
+    grid = (batch * nheads_kv, -(-nk_pad // VT_BLOCK_KEYS), -(-headdim // VT_BLOCK_COLS))
     kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(seqlen_k), numpy.int32(nk_pad),
                                numpy.int32(headdim), numpy.int32(nheads_kv), *strides))
     return vt
