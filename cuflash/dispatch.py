@@ -64,6 +64,11 @@ def set_cache_lookup(lookup) -> None:
     _cache_lookup = lookup
 
 
+def cache_enabled() -> bool:
+    """Whether fwd_config consults the autotune cache now (not within heuristic_only)."""
+    return _cache_enabled
+
+
 @contextlib.contextmanager
 def heuristic_only():
     """Within the block fwd_config ignores the autotune cache (the benchmark compares the two)."""

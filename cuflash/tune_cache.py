@@ -140,6 +140,13 @@ def _current_entries(path: Path, device: DeviceKey) -> dict:
 
 _memo: dict[tuple[Path, str], dict] = {}
 _memo_lock = threading.Lock()
+# Counts this process's changes to the entries: what was decided from them
+# before (cuflash/api.py's launch plans) is stale once it moves.
+_generation = 0
+
+
+def generation() -> int:
+    return _generation
 
 
 def entries(device: DeviceKey) -> dict:
@@ -220,8 +227,10 @@ def _update(device: DeviceKey, change) -> None:
                       f"for this process only", RuntimeWarning, stacklevel=3)
         merged = dict(entries(device))
         change(merged)
+    global _generation
     with _memo_lock:
         _memo[(path, source_hash)] = merged
+        _generation += 1
 
 
 def put(device: DeviceKey, new_entries: dict) -> None:

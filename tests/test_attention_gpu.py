@@ -185,3 +185,30 @@ def test_non_default_stream(rng):
 def test_long_sequence(rng, dtype, causal):
     host, dev = make_qkv(rng, dtype, 1, 4096, 4096, 1, 1, 128)
     check(host, dev, causal=causal)
+
+
+def test_repeated_calls_take_the_launch_plan(rng):
+    """A call with the signature of an earlier one reuses its launch plan
+    (validation and dispatch skipped) and is as exact; another mask, scale,
+    dtype or stride layout makes a plan of its own, and bad arguments of a
+    planned shape still raise."""
+    from cuflash import api
+
+    api._fwd_plans.clear()
+    for i in range(2):
+        host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
+        check(host, dev)
+        assert len(api._fwd_plans) == 1, i
+    check(host, dev, causal=True)
+    check(host, dev, softmax_scale=0.3)
+    host16, dev16 = make_qkv(rng, ml_dtypes.bfloat16, 2, 97, 130, 4, 2, 64)
+    check(host16, dev16)
+    assert len(api._fwd_plans) == 4
+    # A strided view of the same shape (heads sliced out of a wider array).
+    wide_host, wide_dev = make_qkv(rng, np.float16, 2, 97, 130, 8, 4, 64)
+    view_host = (wide_host[0][:, :, ::2], wide_host[1][:, :, ::2], wide_host[2][:, :, ::2])
+    view_dev = (wide_dev[0][:, :, ::2], wide_dev[1][:, :, ::2], wide_dev[2][:, :, ::2])
+    check(view_host, view_dev)
+    assert len(api._fwd_plans) == 5
+    with pytest.raises(TypeError, match=r"\bk\b"):
+        cuflash.attention(dev[0], dev16[1], dev[2])

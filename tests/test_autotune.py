@@ -150,6 +150,15 @@ def test_round_trip(cache, monkeypatch):
     assert not list(cache.glob("*.tmp"))
 
 
+def test_cache_writes_move_the_generation(cache):
+    # cuflash.api's launch plans hold dispatch decisions keyed by it.
+    before = tune_cache.generation()
+    tune_cache.put(DEVICE, {"a": entry("A")})
+    middle = tune_cache.generation()
+    tune_cache.clear(DEVICE)
+    assert before < middle < tune_cache.generation()
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"format": 1, "entries": 3}',
                                   '{"format": 999, "entries": {}}', '{"entries": {}}'])
 def test_corrupt_or_foreign_format_file_is_ignored_once_and_rewritten(cache, monkeypatch, text):
