@@ -10,8 +10,9 @@
 
 namespace cuflash {
 
-// One CTA of 256 threads moves VT_BLOCK_KEYS = 128 keys x 128 head-dim
-// columns through shared memory. Loads: 16-byte chunks of V rows, four per
+// One CTA of 256 threads moves VT_BLOCK_KEYS = 128 keys x VT_BLOCK_COLS = 128
+// head-dim columns through shared memory (d is a multiple of 16: the API's
+// fp8 rows are whole 16-byte chunks). Loads: 16-byte chunks of V rows, four per
 // thread in flight, kept with chunk c of key n at chunk c ^ ((n / 16) % 8).
 // Transpose: warp w holds columns 16w .. 16w + 15, lane l the 16-key chunk
 // l / 4 and the columns 16w + 4 (l % 4) .. + 3; four 4 x 4 byte transposes of
@@ -20,13 +21,16 @@ namespace cuflash {
 // which go out as 16-byte stores, 8 lanes filling 128 contiguous bytes of a
 // row. Grid: (batch * kv heads, ceil(nk_pad / VT_BLOCK_KEYS), ceil(d / 128))
 // (x has no 65535 limit).
-constexpr int VT_BLOCK_KEYS = 128;
+constexpr int VT_BLOCK_KEYS = 128, VT_BLOCK_COLS = 128;
+// The lane and warp maps below: 8 lanes' 16-key chunks per 128 keys, 8 warps'
+// 16 columns per 128 columns.
+static_assert(VT_BLOCK_KEYS == 8 * 16 && VT_BLOCK_COLS == 8 * 16, "one CTA of 8 warps");
 
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned char* __restrict__ v,
                                                                unsigned char* __restrict__ vt, int nk, int nk_pad,
                                                                int d, int heads_kv, long long v_sb, long long v_sn,
                                                                long long v_sh) {
-    constexpr int COLS = 128, LOADS = VT_BLOCK_KEYS * COLS / 16 / 256;
+    constexpr int COLS = VT_BLOCK_COLS, LOADS = VT_BLOCK_KEYS * COLS / 16 / 256;
     __shared__ __align__(16) unsigned char tile[VT_BLOCK_KEYS * COLS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n0 = blockIdx.y * VT_BLOCK_KEYS, d0 = blockIdx.z * COLS;
@@ -68,8 +72,7 @@ __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const unsigned cha
         out[3][i] = __byte_perm(hi01, hi23, 0x7632);
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        if (d0 + col + j >= d) break;
+    for (int j = 0; j < 4; ++j) {  // col + j < d: d is a multiple of 16
         unsigned char* dst = vt + ((long long)blockIdx.x * d + d0 + col + j) * nk_pad + n0 + 16 * q;
         *reinterpret_cast<uint4*>(dst) = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
     }

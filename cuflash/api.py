@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 
 import numpy
 
@@ -102,6 +103,14 @@ def _elem_strides(x) -> tuple[int, ...]:
 
 def _last_dim_contiguous(x) -> bool:
     return x.shape[-1] == 1 or x.strides[-1] == x.itemsize
+
+
+def aligned_copy(x):
+    """A C-contiguous copy of x in fresh memory (CuPy's pool aligns blocks to 256 bytes).
+
+    cupy.ascontiguousarray would return a contiguous but misaligned x itself.
+    """
+    return x.copy(order="C")
 
 
 def _aligned(x) -> bool:
@@ -236,7 +245,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             out.fill(0)
             lse.fill(-numpy.inf)
             return (out, lse) if return_lse else out
-        q_, k_, v_ = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+        q_, k_, v_ = (x if _aligned(x) else aligned_copy(x) for x in (q, k, v))
 
         problem = dispatch.FwdProblem(
             dtype_name,
@@ -255,22 +264,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             tune_call(problem, batch, nheads, nheads_kv)
         cfg, _ = dispatch.fwd_config(problem)
         launch_fwd(cfg, problem, q_, k_, v_, out, lse, scale, descale)
+    # Not stored under autotuning (every call may tune) nor for fp8 (descales).
     if key is not None and not is_fp8 and not autotune:
-        _store_plan(key, _FwdPlan(problem, cfg, scale, result_dtype,
-                                  tuple(x is not y for x, y in ((q, q_), (k, k_), (v, v_)))))
+        _store_plan(key, _FwdPlan(problem, cfg, scale, tuple(x is not y for x, y in ((q, q_), (k, k_), (v, v_)))))
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------- repeated calls
 # A plain forward call's launch plan (what validation and dispatch decided),
 # keyed by everything they read: the arrays' types, shapes, strides, dtypes,
-# devices and base-pointer alignment, the mask, the scale, the tuning cache's
-# state and the environment variables that locate it or turn tuning on. Loops
-# repeat their shapes: a hit skips validation, dispatch and the tuning-cache
-# lookup, which took over half of the ~130 us of host time per call (H100,
-# cProfile), about what a 512-token forward kernel runs on the GPU.
+# devices and base-pointer alignment, the mask, the scale, the dispatcher's
+# cache hook and switch, the tuning cache's generation and the environment
+# variables that locate it or turn tuning on. Loops repeat their shapes: a
+# hit skips validation, dispatch and the tuning-cache lookup, which took over
+# half of the ~130 us of host time per call (H100, cProfile), about what a
+# 512-token forward kernel runs on the GPU. Plans are only stored after a
+# launch, so an argument that fails validation never has one.
 _FWD_PLANS_MAX = 512
 _fwd_plans: dict = {}
+_fwd_plans_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +290,6 @@ class _FwdPlan:
     problem: dispatch.FwdProblem
     cfg: object
     scale: float
-    result_dtype: object
     copies: tuple  # whether q, k, v go to the kernel as contiguous copies (misaligned)
 
 
@@ -292,24 +303,25 @@ def _plan_key(q, k, v, causal, softmax_scale):
     env = os.environ
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
             q.device.id, k.device.id, v.device.id, q.data.ptr % _ALIGN_BYTES, k.data.ptr % _ALIGN_BYTES,
-            v.data.ptr % _ALIGN_BYTES, bool(causal), softmax_scale, dispatch.cache_enabled(),
+            v.data.ptr % _ALIGN_BYTES, bool(causal), softmax_scale, dispatch.cache_state(),
             tune_cache.generation(), env.get("CUFLASH_AUTOTUNE"), env.get("CUFLASH_CACHE_DIR"),
             env.get("XDG_CACHE_HOME"), env.get("HOME"))
 
 
 def _store_plan(key, plan: _FwdPlan) -> None:
-    if len(_fwd_plans) >= _FWD_PLANS_MAX:
-        _fwd_plans.pop(next(iter(_fwd_plans)))  # the oldest
-    _fwd_plans[key] = plan
+    with _fwd_plans_lock:  # two threads may evict at once
+        if len(_fwd_plans) >= _FWD_PLANS_MAX:
+            del _fwd_plans[next(iter(_fwd_plans))]  # the first stored (hits do not refresh a plan)
+        _fwd_plans[key] = plan
 
 
 def _run_plan(plan: _FwdPlan, q, k, v, return_lse: bool):
     cupy = _cupy()
     batch, seqlen_q, nheads, _ = q.shape
     with q.device:
-        out = cupy.empty(q.shape, dtype=plan.result_dtype)
+        out = cupy.empty(q.shape, dtype=q.dtype)  # plans are 16-bit only: out has q's dtype
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
-        q_, k_, v_ = (cupy.ascontiguousarray(x) if copy else x for x, copy in zip((q, k, v), plan.copies))
+        q_, k_, v_ = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), plan.copies))
         launch_fwd(plan.cfg, plan.problem, q_, k_, v_, out, lse, plan.scale)
     return (out, lse) if return_lse else out
 
@@ -366,19 +378,18 @@ def _tile_counter(device_id: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def _sm90_kernel_name(cfg, dtype_name: str, causal: bool, even_n: bool) -> tuple[str, int]:
+def _sm90_kernel_spec(cfg, dtype_name: str, causal: bool, even_n: bool) -> tuple[str, int]:
     """The Hopper forward's name expression and dynamic shared memory (memoised: asked on every call)."""
     return cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name)
 
 
 def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> None:
     """The Hopper kernel: Q, K, V (fp8: Vt) reach it as tensor maps (cuflash/tma.py)."""
-    cupy = _cupy()
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
-    q, k, v = (x if tma.usable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+    q, k, v = (x if tma.usable(x) else aligned_copy(x) for x in (q, k, v))
     even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-    name, smem = _sm90_kernel_name(cfg, problem.dtype_name, problem.causal, even_n)
+    name, smem = _sm90_kernel_spec(cfg, problem.dtype_name, problem.causal, even_n)
     kernel = _compile.get_kernel(cfg.family, name, smem)
     map_q = tma.seq_major_map(q, cfg.block_m)
     map_k = tma.seq_major_map(k, cfg.block_n)

@@ -136,7 +136,7 @@ def choose_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
 
     dispatch.heuristic_only() turns the cache off for both passes.
     """
-    if _cache_lookup is not None and dispatch._cache_enabled:
+    if _cache_lookup is not None and dispatch.cache_enabled():
         cfg = _cache_lookup(problem)
         if cfg is not None:
             return cfg, "cache"
@@ -182,7 +182,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             for g in (dq, dk, dv):
                 g.fill(0)
             return dq, dk, dv
-        q, k, v, dout, out = (x if api._aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout, out))
+        q, k, v, dout, out = (x if api._aligned(x) else api.aligned_copy(x) for x in (q, k, v, dout, out))
         lse = cupy.ascontiguousarray(lse)
         problem = BwdProblem(dtype_name, headdim, causal, seqlen_q, k.shape[1], nheads // nheads_kv,
                              bool(deterministic), api.max_smem_per_block(q.device.id),
@@ -229,7 +229,7 @@ def launch_bwd(cfg: BwdConfig, problem: BwdProblem, scale: float, q, k, v, dout,
     grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
     if cfg.hopper:
         # Q, K, V and dO reach the Hopper kernel as tensor maps (cuflash/tma.py).
-        q, k, v, dout = (x if tma.usable(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout))
+        q, k, v, dout = (x if tma.usable(x) else api.aligned_copy(x) for x in (q, k, v, dout))
         maps = (tma.seq_major_map(q, cfg.dkdv_block_m), tma.seq_major_map(k, cfg.dkdv_block_n),
                 tma.seq_major_map(v, cfg.dkdv_block_n), tma.seq_major_map(dout, cfg.dkdv_block_m))
         args = (*maps, lse2, delta, dq_accum, dk, dv, *ints, *_strides(dk, dv), *scales)

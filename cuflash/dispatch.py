@@ -69,6 +69,12 @@ def cache_enabled() -> bool:
     return _cache_enabled
 
 
+def cache_state() -> tuple:
+    """What fwd_config's choice depends on besides the problem and the cache's entries: the
+    switch and the hook (part of cuflash.api's launch-plan keys)."""
+    return _cache_enabled, _cache_lookup
+
+
 @contextlib.contextmanager
 def heuristic_only():
     """Within the block fwd_config ignores the autotune cache (the benchmark compares the two)."""
@@ -105,8 +111,9 @@ HEURISTIC_SM90 = {
 # Short key sequences: kernel head dim -> (config, longest seqlen_k without
 # and with the causal mask). Head dim 64: 128-key tiles without ping-pong,
 # output staged. Kernel times against the table's config (ncu at locked
-# clocks, H100): 6% and 11% shorter at 1k (non-causal, causal), at 2k 5%
-# longer non-causal and 3.5% shorter causal, at 4k 7% longer and equal.
+# clocks, H100): at 1k 6% shorter non-causal and 11% shorter causal; at 2k
+# 5% longer non-causal and 3.5% shorter causal; at 4k 7% longer non-causal
+# and equal causal.
 SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 2048})}
 
 

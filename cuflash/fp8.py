@@ -14,10 +14,10 @@ try:
 except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a dependency
     _E4M3 = None
 
-# Vt's key padding: a multiple of the transpose kernel's 64-key blocks, of the
-# Hopper kernel's 64-key Vt panels and of the fp8 P fragments' 32-key groups.
+# Vt's key padding: a multiple of the Hopper kernel's 64-key Vt panels, of the
+# fp8 P fragments' 32-key groups and of the transpose kernel's 16-key chunks.
 VT_KEY_PAD = 64
-# Keys and head-dim columns per CTA of the transpose kernel (fp8_prep.cuh: VT_BLOCK_KEYS, COLS).
+# Keys and head-dim columns per CTA of the transpose kernel (fp8_prep.cuh: VT_BLOCK_KEYS, VT_BLOCK_COLS).
 VT_BLOCK_KEYS = 128
 VT_BLOCK_COLS = 128
 TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel"
@@ -61,7 +61,11 @@ def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: in
 
 
 def transpose_v(v):
-    """Vt (batch, nheads_kv, headdim, keys padded to VT_KEY_PAD) uint8, keys permuted per 32 (fp8_prep.cuh)."""
+    """Vt (batch, nheads_kv, headdim, keys padded to VT_KEY_PAD) uint8, keys permuted per 32 (fp8_prep.cuh).
+
+    v: (batch, seqlen_k, nheads_kv, headdim) e4m3 bits, headdim a multiple of 16, base pointer and
+    batch/seq/head strides multiples of 16 bytes (tma.usable).
+    """
     import cupy
 
     batch, seqlen_k, nheads_kv, headdim = v.shape

@@ -146,6 +146,7 @@ _generation = 0
 
 
 def generation() -> int:
+    """How many times this process has changed the entries (it never goes back)."""
     return _generation
 
 
@@ -207,6 +208,7 @@ def _update(device: DeviceKey, change) -> None:
     If the file cannot be written the change still holds for this process, so
     a tuned problem is not tuned again on every call.
     """
+    global _generation
     path = cache_path(device)
     source_hash = _compile.source_hash()
     try:
@@ -227,7 +229,6 @@ def _update(device: DeviceKey, change) -> None:
                       f"for this process only", RuntimeWarning, stacklevel=3)
         merged = dict(entries(device))
         change(merged)
-    global _generation
     with _memo_lock:
         _memo[(path, source_hash)] = merged
         _generation += 1

@@ -187,28 +187,45 @@ def test_long_sequence(rng, dtype, causal):
     check(host, dev, causal=causal)
 
 
-def test_repeated_calls_take_the_launch_plan(rng):
+def test_repeated_calls_take_the_launch_plan(rng, monkeypatch):
     """A call with the signature of an earlier one reuses its launch plan
     (validation and dispatch skipped) and is as exact; another mask, scale,
-    dtype or stride layout makes a plan of its own, and bad arguments of a
-    planned shape still raise."""
-    from cuflash import api
+    dtype or stride layout makes a plan of its own, misaligned inputs are
+    copied as on the full path, and bad arguments of a planned shape still
+    raise."""
+    from cuflash import api, dispatch
 
     api._fwd_plans.clear()
-    for i in range(2):
-        host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
-        check(host, dev)
-        assert len(api._fwd_plans) == 1, i
+    host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
+    check(host, dev)
+    assert len(api._fwd_plans) == 1
     check(host, dev, causal=True)
     check(host, dev, softmax_scale=0.3)
     host16, dev16 = make_qkv(rng, ml_dtypes.bfloat16, 2, 97, 130, 4, 2, 64)
     check(host16, dev16)
-    assert len(api._fwd_plans) == 4
     # A strided view of the same shape (heads sliced out of a wider array).
     wide_host, wide_dev = make_qkv(rng, np.float16, 2, 97, 130, 8, 4, 64)
-    view_host = (wide_host[0][:, :, ::2], wide_host[1][:, :, ::2], wide_host[2][:, :, ::2])
-    view_dev = (wide_dev[0][:, :, ::2], wide_dev[1][:, :, ::2], wide_dev[2][:, :, ::2])
+    view_host = tuple(x[:, :, ::2] for x in wide_host)
+    view_dev = tuple(x[:, :, ::2] for x in wide_dev)
     check(view_host, view_dev)
-    assert len(api._fwd_plans) == 5
+    # A q whose base pointer is 2 bytes off: the kernel gets a contiguous copy.
+    flat = cupy.zeros(dev[0].size + 1, np.float16)
+    shifted = flat[1:].reshape(dev[0].shape)
+    shifted[...] = dev[0]
+    check(host, (shifted, dev[1], dev[2]))
+    assert len(api._fwd_plans) == 6
     with pytest.raises(TypeError, match=r"\bk\b"):
         cuflash.attention(dev[0], dev16[1], dev[2])
+
+    # The repeated signatures now run without validation or dispatch.
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a planned call validated or dispatched again")
+
+    monkeypatch.setattr(api, "_validate_qkv", must_not_run)
+    monkeypatch.setattr(dispatch, "fwd_config", must_not_run)
+    host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
+    check(host, dev)
+    check(host, dev, causal=True)
+    check(view_host, view_dev)
+    shifted[...] = dev[0]
+    check(host, (shifted, dev[1], dev[2]))

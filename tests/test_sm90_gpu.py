@@ -324,16 +324,24 @@ def test_fp8_descale_defaults_to_one(rng):
 
 
 @hopper
-@pytest.mark.parametrize("shape", [(2, 97, 3, 80), (1, 600, 2, 128), (1, 1, 1, 256)])
-def test_fp8_transposed_v_layout(rng, shape):
+@pytest.mark.parametrize("shape", [(2, 97, 3, 80), (1, 600, 2, 128), (1, 1, 1, 256), (2, 300, 2, 192)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fp8_transposed_v_layout(rng, shape, strided):
     """Vt holds V transposed with keys permuted per 32 and zero padding (cuda_src/fp8_prep.cuh); the
-    shapes cover partial head-dim blocks and key blocks past the padded length."""
+    shapes cover partial head-dim blocks and key blocks past the padded length, and a strided V (every
+    other head of a wider array)."""
     from cuflash import fp8
 
     batch, nk, heads, d = shape
     nk_pad = -(-nk // 64) * 64
     v = rng.integers(0, 120, size=shape, dtype=np.uint8)
-    vt = fp8.transpose_v(cupy.asarray(v)).get()
+    if strided:
+        wide = cupy.zeros((batch, nk, 2 * heads, d), np.uint8)
+        wide[:, :, ::2] = cupy.asarray(v)
+        v_dev = wide[:, :, ::2]
+    else:
+        v_dev = cupy.asarray(v)
+    vt = fp8.transpose_v(v_dev).get()
     assert vt.shape == (batch, heads, d, nk_pad)
     s = np.arange(nk_pad)
     key = (s & ~15) + 2 * ((s & 15) >> 2) + np.where((s & 3) < 2, s & 3, 8 + (s & 1))
