@@ -4,10 +4,11 @@ Usage (on a GPU):
   PYTHONPATH=. python bench/variant_ab.py --dtype fp8 --headdim 128 --seqlen 8192,16384 \
       --variant base=-:192:2:npp --variant other=path/to/fwd_sm90.cuh:128:2:pp [--rounds 7]
 
-A variant is NAME=HEADER:BLOCK_N:STAGES:pp|npp[:nso], where HEADER replaces
-cuda_src/fwd_sm90.cuh (the other headers stay the tree's) and "-" means the
-tree's own, and nso stores the output from registers (else it is staged
-where it fits). Every variant's output is checked against the first variant's
+A variant is NAME=HEADER:BLOCK_N:STAGES:pp|npp[:nso][:whole], where HEADER
+replaces cuda_src/fwd_sm90.cuh (the other headers stay the tree's) and "-"
+means the tree's own, nso stores the output from registers (else it is staged
+where it fits), and whole keeps the last wave's tiles whole (no tail split,
+cuflash/tail_split.py). Every variant's output is checked against the first variant's
 (NaN-poisoned before each check), then the variants and torch SDPA's cuDNN
 backend (bf16 inputs of the same shape) are timed in interleaved rounds with
 rotating order (bench/sweep.py's timer). fp8 calls include the V transpose,
@@ -29,7 +30,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import interleaved_ms  # noqa: E402
 
-from cuflash import api, bench_libs, dispatch  # noqa: E402
+from cuflash import api, bench_libs, dispatch, tail_split  # noqa: E402
 from cuflash import compile as _compile  # noqa: E402
 from cuflash.config import FP8_DTYPE_NAME, FwdSm90Config  # noqa: E402
 from cuflash.fp8 import quantize_e4m3  # noqa: E402
@@ -52,10 +53,10 @@ def register_variant(name: str, header: str, workdir: Path) -> str:
 
 def parse_variant(spec: str):
     name, rest = spec.split("=", 1)
-    header, block_n, stages, pp, *store = rest.split(":")
-    if pp not in ("pp", "npp") or store not in ([], ["nso"]):
-        raise SystemExit(f"variant {name}: expected HEADER:BLOCK_N:STAGES:pp|npp[:nso], got {rest!r}")
-    return name, header, int(block_n), int(stages), pp == "pp", not store
+    header, block_n, stages, pp, *options = rest.split(":")
+    if pp not in ("pp", "npp") or not set(options) <= {"nso", "whole"}:
+        raise SystemExit(f"variant {name}: expected HEADER:BLOCK_N:STAGES:pp|npp[:nso][:whole], got {rest!r}")
+    return name, header, int(block_n), int(stages), pp == "pp", "nso" not in options, "whole" in options
 
 
 def main():
@@ -75,6 +76,10 @@ def main():
     workdir = Path(tempfile.mkdtemp(prefix="cuflash_ab_"))
     current = ["fwd_sm90"]
     get_kernel = _compile.get_kernel
+    split_plan = tail_split.plan
+
+    def whole_plan(num_tiles, ctas, key_blocks):
+        return tail_split.TailSplit(num_tiles, 0)
 
     def variant_kernel(family, name, smem):
         return get_kernel(current[0] if family == "fwd_sm90" else family, name, smem)
@@ -82,11 +87,11 @@ def main():
     _compile.get_kernel = variant_kernel
     variants = []
     for spec in a.variant:
-        name, header, block_n, stages, pp, staged = parse_variant(spec)
+        name, header, block_n, stages, pp, staged, whole = parse_variant(spec)
         cfg = FwdSm90Config(a.headdim, block_n, stages, pingpong=pp, stage_o=staged)
         if not cfg.supports(dtype_name):
             cfg = FwdSm90Config(a.headdim, block_n, stages, pingpong=pp, stage_o=False)
-        variants.append((name, register_variant(name, header, workdir), cfg))
+        variants.append((name, register_variant(name, header, workdir), cfg, whole_plan if whole else split_plan))
 
     rows = []
     for n in map(int, a.seqlen.split(",")):
@@ -113,9 +118,10 @@ def main():
 
             fns = {"cudnn-bf16": cudnn}
             ref, errors = None, {}
-            for name, family, cfg in variants:
-                def run(family=family, cfg=cfg):
+            for name, family, cfg, plan in variants:
+                def run(family=family, cfg=cfg, plan=plan):
                     current[0] = family
+                    tail_split.plan = plan
                     api.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(d), descale)
 
                 out.view(cupy.uint16).fill(0x7FC0)  # NaN in bf16 and fp16
@@ -133,7 +139,7 @@ def main():
                 errors[name] = float(cupy.nan_to_num(cupy.abs(got - ref), nan=math.inf).max())
                 fns[name] = run
             ms = interleaved_ms(fns, a.rounds)
-            for name, _, cfg in variants:
+            for name, _, cfg, _ in variants:
                 if name not in ms:
                     continue
                 tf = flops / ms[name] / 1e9

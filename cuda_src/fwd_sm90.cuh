@@ -4,8 +4,10 @@
 // The grid is persistent: one CTA per SM takes work tiles (BR = 128 query rows
 // of one (batch, head)) from a global counter until none is left, so that the
 // next tile's copies run under the current tile's last GEMMs and epilogue,
-// and CTAs that drew short causal tiles draw more. Each CTA has three
-// warpgroups. Warpgroup 0 is the producer: one thread copies a tile's Q (once
+// and CTAs that drew short causal tiles draw more. Without a causal mask (and
+// below head dim 256) the last wave's tiles are split along the keys into one
+// run per CTA, their partial outputs combined (tail_split.cuh). Each CTA has
+// three warpgroups. Warpgroup 0 is the producer: one thread copies a tile's Q (once
 // the consumers have read the previous one) and then K and V tiles of BC keys
 // into a STAGES-deep ring with bulk tensor copies (TMA, 128-byte swizzle, see
 // sm90_tiles.cuh), each completing on a "full" mbarrier, and refills a stage
@@ -42,6 +44,7 @@
 #pragma once
 #include "common.cuh"
 #include "sm90_tiles.cuh"
+#include "tail_split.cuh"
 #include "wgmma.cuh"
 
 namespace cuflash {
@@ -62,12 +65,16 @@ struct FwdSm90Traits {
     static constexpr int O_BYTES = STAGE_O ? BR * D * 2 : 0;
     static constexpr int BARRIERS = 2 + 4 * STAGES;
     // A word per consumer thread that orders its softmax before a wgmma wait
-    // (order_before_wait), and 16 bytes per consumer warp that keep its work
-    // tile's coordinates and kv head across the key loop (stash_shared).
-    static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 16 * 4 * CONSUMERS;
-    // + the index of the tile in flight, handed from producer to consumers (16 bytes).
+    // (order_before_wait), and 32 bytes per consumer warp that keep its work
+    // tile's coordinates, kv head, index, segment slot and length across the
+    // key loop (stash_shared); the last word of a consumer's first warp holds
+    // the consumer's flag for a tail combine (tail_split.cuh).
+    static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 32 * 4 * CONSUMERS;
+    // + the segment in flight, handed from producer to consumers (16 bytes),
+    // and the producer's next segment (16 bytes, one word used).
+    static constexpr int SLOT_BYTES = 32;
     static constexpr int SMEM_BYTES =
-        Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 8 * BARRIERS + 16 + SINK_BYTES + TILE_WORDS_BYTES;
+        Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + 8 * BARRIERS + SLOT_BYTES + SINK_BYTES + TILE_WORDS_BYTES;
     // Register split (setmaxnreg): the warpgroups share the CTA's allocation
     // at entry, 168 per thread (__launch_bounds__(384, 1)), so PRODUCER_REGS +
     // 2 x CONSUMER_REGS must not exceed 3 x 168 (a consumer's increase waits
@@ -190,7 +197,9 @@ __global__ void __launch_bounds__(384, 1)
                     const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_o,
                     u16* __restrict__ o, float* __restrict__ lse,
                     const float* __restrict__ descale_q, const float* __restrict__ descale_k,
-                    const float* __restrict__ descale_v, int* __restrict__ tile_counter, int nq, int nk, int d,
+                    const float* __restrict__ descale_v, int* __restrict__ tile_counter, float* __restrict__ ws_o,
+                    float* __restrict__ ws_lse, int* __restrict__ tail_done, int full_tiles, int tail_items,
+                    int nq, int nk, int d,
                     int group, int nheads, int nheads_kv, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
                     float scale_log2) {
     // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
@@ -206,6 +215,10 @@ __global__ void __launch_bounds__(384, 1)
     // nothing from 8 max chains (-3% to +2%), nor from 4 sum chains.
     constexpr bool FP8_128 = FP8 && D == 128;
     constexpr int MAX_CHAINS = FP8_128 ? 8 : 4, SUM_CHAINS = FP8_128 ? 8 : 1;
+    // The last wave split along the keys (tail_split.cuh): not under a causal
+    // mask, whose tiles differ in length, nor at head dim 256, whose consumers
+    // spill with the split's epilogue (the host passes tail_items = 0 there).
+    constexpr bool TAIL_SPLIT = !CAUSAL && D < 256;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sQ = smem_addr(smem_raw);
@@ -216,6 +229,7 @@ __global__ void __launch_bounds__(384, 1)
     const u32 full_q = bars, empty_q = bars + 8;
     // Written by the producer before it arrives on full_q, read by the
     // consumers after their wait on it; rewritten after empty_q completes.
+    // The segment in flight (tile, lo, hi, slot: tail_split.cuh).
     volatile int* tile_slot = reinterpret_cast<volatile int*>(smem_raw + (bars - sQ) + 8 * T::BARRIERS);
     auto full_k = [&](int s) { return bars + 8 * (2 + s); };
     auto full_v = [&](int s) { return bars + 8 * (2 + STAGES + s); };
@@ -276,13 +290,20 @@ __global__ void __launch_bounds__(384, 1)
         tma_prefetch_desc(map_q);
         tma_prefetch_desc(map_k);
         tma_prefetch_desc(map_v);
-        // Tiles: blockIdx.x first, then one from the counter per tile taken;
-        // an index past the last tile tells the consumers to stop.
+        // Items: blockIdx.x first, then one from the counter per item taken.
+        // Items below full_tiles are whole tiles, the others runs of split
+        // tiles' key blocks (tail_split.cuh), one segment per pass; a tile
+        // index past the last tells the consumers to stop.
+        // The next segment, as item x 2 + part, waits in shared memory during
+        // the key loop (at head dim 256 the producer has 24 registers).
+        const u32 next_word = bars + 8 * T::BARRIERS + 16;
         int kv_iter = 0, q_iter = 0;
-        for (int t = blockIdx.x;; ++q_iter) {
+        const int num_items = full_tiles + tail_items;
+        for (int next = 2 * blockIdx.x;; ++q_iter) {
+            const int item = next >> 1, part = next & 1;
             if (q_iter > 0) mbar_wait(empty_q, (q_iter - 1) & 1);
-            *tile_slot = t;
-            if (t >= num_tiles) {
+            if (item >= num_items) {
+                tile_slot[0] = num_tiles;
                 mbar_arrive(full_q);
                 break;
             }
@@ -290,10 +311,18 @@ __global__ void __launch_bounds__(384, 1)
             // tile arithmetic's invariants out of this loop, and at head dim
             // 256 (24 producer registers) kept them in local memory.
             const int nq_t = opaque(nq), nk_t = opaque(nk);
-            const Tile tile = tile_at(t, (nq_t + BR - 1) / BR);
+            Segment seg{item, 0, 0, -1, false};
+            if (TAIL_SPLIT && item >= full_tiles)
+                seg = tail_segment(item, part, full_tiles, num_tiles - full_tiles, tail_items, (nk_t + BC - 1) / BC);
+            const Tile tile = tile_at(seg.tile, (nq_t + BR - 1) / BR);
             const int hk = tile.h / group;
-            const int n_end = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq_t, nk_t).end;
-            if (n_end == 0) {  // the consumers write its empty rows
+            if (seg.slot < 0) seg.hi = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq_t, nk_t).end;
+            tile_slot[0] = seg.tile;
+            tile_slot[1] = seg.lo;
+            tile_slot[2] = seg.hi;
+            tile_slot[3] = seg.slot;
+            stash_shared(next_word, seg.more ? next + 1 : -1);
+            if (seg.hi == 0) {  // the consumers write its empty rows
                 mbar_arrive(full_q);
             } else {
                 // Q, K and 16-bit V: one box per 128-byte panel of the row
@@ -303,8 +332,8 @@ __global__ void __launch_bounds__(384, 1)
                 for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                     tma_load_4d(sQ + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, full_q);
                 // Key blocks descending, so that the masked ones come first.
-                for (int i = 0; i < n_end; ++i, ++kv_iter) {
-                    const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = (n_end - 1 - i) * BC;
+                for (int n = seg.hi - 1; n >= seg.lo; --n, ++kv_iter) {
+                    const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = n * BC;
                     const u32 k_tile = sK + st * T::KV_BYTES, v_tile = sV + st * T::KV_BYTES;
                     if (use > 0) mbar_wait(empty_k(st), (use - 1) & 1);
                     mbar_arrive_expect_tx(full_k(st), T::KV_BYTES);
@@ -321,15 +350,17 @@ __global__ void __launch_bounds__(384, 1)
                     }
                 }
             }
-            // Every tile taken draws one ticket, so tickets run 0 .. num_tiles - 1
+            next = unstash_shared(next_word);
+            if (next >= 0) continue;  // the item's second segment
+            // Every item taken draws one ticket, so tickets run 0 .. num_items - 1
             // and the last one's holder resets the counter for the next launch
-            // (one counter per stream, cuflash/api.py). Drawn once the tile's
+            // (one counter per stream, cuflash/api.py). Drawn once the item's
             // copies are issued, so that the ticket is not live across them (at
             // head dim 256 the producer has 24 registers); the consumers are
             // then STAGES key blocks behind, which hides the atomic's latency.
             const int ticket = atomicAdd(tile_counter, 1);
-            if (ticket == num_tiles - 1) atomicExch(tile_counter, 0);
-            t = ticket + gridDim.x;
+            if (ticket == num_items - 1) atomicExch(tile_counter, 0);
+            next = 2 * (ticket + gridDim.x);
         }
         return;
     }
@@ -339,8 +370,8 @@ __global__ void __launch_bounds__(384, 1)
     const int c = wg - 1;
     const int warp_row0 = c * 64 + (warp & 3) * 16;
     const bool stage_leader = STAGE_O && tid % 128 == 0;  // issues this consumer's output stores
-    const u32 sink = bars + 8 * T::BARRIERS + 16 + 4 * (tid - 128);
-    const u32 tile_words = bars + 8 * T::BARRIERS + 16 + T::SINK_BYTES + 16 * (warp - 4);
+    const u32 sink = bars + 8 * T::BARRIERS + T::SLOT_BYTES + 4 * (tid - 128);
+    const u32 tile_words = bars + 8 * T::BARRIERS + T::SLOT_BYTES + T::SINK_BYTES + 32 * (warp - 4);
 
     auto issue_s = [&](float (&acc_s)[NT_S * 4], int st) {
 #pragma unroll
@@ -368,21 +399,29 @@ __global__ void __launch_bounds__(384, 1)
     for (;; ring.next_tile()) {
         mbar_wait(full_q, ring.tile_parity());
         const int kv_iter = ring.key_blocks();
-        const int t = *tile_slot;
+        const int t = tile_slot[0];
         if (t >= num_tiles) break;
+        // Key blocks [lo, hi) of tile t; slot >= 0: a split tile's segment.
+        // Without a causal mask the masked blocks are the last (a partial one).
         const Tile tile = tile_at(t, (nq + BR - 1) / BR);
+        const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
+        const int lo = TAIL_SPLIT ? tile_slot[1] : 0, hi = TAIL_SPLIT ? tile_slot[2] : blocks.end;
+        const int slot = TAIL_SPLIT ? tile_slot[3] : -1;
         const int hk = tile.h / group;
         stash_shared(tile_words, tile.m0);  // every lane stores the same values
         stash_shared(tile_words + 4, tile.h);
         stash_shared(tile_words + 8, tile.b);
         stash_shared(tile_words + 12, hk);
+        stash_shared(tile_words + 16, t);
+        stash_shared(tile_words + 20, slot);
+        stash_shared(tile_words + 24, hi - lo);
         // Formed where used, not live across the key loop (at head dim 256
         // the consumers' registers are short).
         auto o_tile = [&](const Tile& tl) { return o + tl.b * o_sb + tl.h * o_sh + tl.m0 * o_sn; };
         auto lse_rows = [&](const Tile& tl) { return lse + ((long long)tl.b * nheads + tl.h) * nq + tl.m0; };
-        const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
-        const int n_end = blocks.end, n_masked = blocks.end - blocks.unmasked;
-        if (n_end == 0) {  // no row of this tile sees a key
+        const int n_blocks = hi - lo;
+        const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.unmasked)) : blocks.end - blocks.unmasked;
+        if (hi == 0) {  // no row of this tile sees a key
             release(empty_q);
             write_empty_rows<64, D, 128>(o_tile(tile) + c * 64 * o_sn, o_sn, lse_rows(tile) + c * 64,
                                          nq - tile.m0 - c * 64, d, tid - 128 * wg);
@@ -406,7 +445,7 @@ __global__ void __launch_bounds__(384, 1)
                 Wgmma<D, DTYPE>::template rs<!FP8>(acc_o, p_frag.r[kk], v_desc(sV + st * T::KV_BYTES, kk));
         };
         auto apply_mask = [&](float (&acc_s)[NT_S * 4], int i) {
-            const int n0 = (n_end - 1 - i) * BC;
+            const int n0 = (hi - 1 - i) * BC;
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
@@ -421,7 +460,7 @@ __global__ void __launch_bounds__(384, 1)
         // The last S GEMM of the tile has read Q: the producer may load the next.
         auto after_s = [&](int i, int st) {
             release(empty_k(st));
-            if (i == n_end - 1) release(empty_q);
+            if (i == n_blocks - 1) release(empty_q);
         };
 
         // Key block 0: S_0 alone.
@@ -482,11 +521,11 @@ __global__ void __launch_bounds__(384, 1)
         };
         int i = 1;
         for (; i < n_masked; ++i) step(i, BoolConst<true>{});
-        for (; i < n_end; ++i) step(i, BoolConst<false>{});
+        for (; i < n_blocks; ++i) step(i, BoolConst<false>{});
 
         // Last P V.
         {
-            const int it = kv_iter + n_end - 1;
+            const int it = kv_iter + n_blocks - 1;
             const int st = it % STAGES, parity = (it / STAGES) & 1;
             mbar_wait(full_v(st), parity);
             wgmma_fence();
@@ -495,7 +534,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             release(empty_v(st));
         }
-        ring.advance(n_end);
+        ring.advance(n_blocks);
 
         // Epilogue: O /= l (times v_descale), lse = (m * c + log2 l) * ln 2.
         // STAGE_O: this consumer's 64 rows go to its half of the staging tile
@@ -505,19 +544,14 @@ __global__ void __launch_bounds__(384, 1)
         // columns past d are clipped by the tensor map), so that the consumer
         // goes on to the next tile while they run. Otherwise each quad stores
         // its 16 contiguous bytes of a row straight to global memory.
-        // The tile's coordinates and kv head from shared memory, the fp8
-        // output scale from global memory: none is kept live across the key
-        // loop (at head dim 256 they went to local memory).
+        // The tile's coordinates, kv head and segment from shared memory, the
+        // fp8 output scale from global memory: none is kept live across the
+        // key loop (at head dim 256 they went to local memory).
         const Tile out_tile{unstash_shared(tile_words), unstash_shared(tile_words + 4),
                             unstash_shared(tile_words + 8)};
         const int rows_valid = nq - out_tile.m0;
         const float o_scale = FP8 ? descale_v[out_tile.b * nheads_kv + unstash_shared(tile_words + 12)] : 1.f;
         constexpr float LN2 = 0.6931471805599453f;
-        u16* o_stage = reinterpret_cast<u16*>(smem_raw + (sO - sQ)) + c * 64 * D;
-        if constexpr (STAGE_O) {
-            if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
-            named_bar_sync<128>(3 + c);
-        }
         // Row scales and lse values first, so that only they stay live beside
         // O while it is stored; the lse rows are written once O is out.
         float inv[2], row_lse[2];
@@ -529,6 +563,50 @@ __global__ void __launch_bounds__(384, 1)
             // routine whose registers the epilogue at head dim 256 cannot spare.
             inv[r] = l > 0.f ? __fdividef(o_scale, l) : 0.f;
             row_lse[r] = l > 0.f ? (row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+        }
+        if constexpr (TAIL_SPLIT) {
+            const int out_slot = unstash_shared(tile_words + 20);
+            if (out_slot >= 0) {
+                // A split tile's segment: its rows' partial output and lse go
+                // to the workspace slot; the consumer whose segment completes
+                // the tile half's key blocks (counted in tail_done, reset by
+                // that consumer for the next launch) combines them.
+                float* o_part = ws_o + (long long)out_slot * BR * D;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = warp_row0 + (lane >> 2) + 8 * r;
+#pragma unroll
+                    for (int j = 0; j < NT_O; ++j)
+                        *reinterpret_cast<float2*>(o_part + row * D + j * 8 + 2 * (lane & 3)) =
+                            make_float2(acc_o[j * 4 + 2 * r] * inv[r], acc_o[j * 4 + 2 * r + 1] * inv[r]);
+                    if ((lane & 3) == 0) ws_lse[out_slot * BR + row] = row_lse[r];
+                }
+                // The consumer's stores, then one thread's release of them
+                // (and acquire of the other segments') at GPU scope, as
+                // CUTLASS's semaphores do: a fence per thread cost more.
+                named_bar_sync<128>(3 + c);
+                const int split_tile = unstash_shared(tile_words + 16) - full_tiles, key_blocks = (nk + BC - 1) / BC;
+                const u32 last_word = tile_words - 32 * (warp & 3) + 28;  // in the consumer's first warp's words
+                if (tid % 128 == 0) {
+                    int* done = tail_done + 2 * split_tile + c;
+                    const int seg_blocks = unstash_shared(tile_words + 24);
+                    const bool last = atomic_add_acq_rel(done, seg_blocks) + seg_blocks == key_blocks;
+                    if (last) *done = 0;
+                    stash_shared(last_word, last);
+                }
+                named_bar_sync<128>(3 + c);
+                if (unstash_shared(last_word)) {
+                    combine_partials<BR, D, BF16_OUT>(
+                        ws_o, ws_lse, tail_slots(split_tile, num_tiles - full_tiles, tail_items, key_blocks),
+                        warp_row0, o_tile(out_tile), o_sn, lse_rows(out_tile), rows_valid, d, lane);
+                }
+                continue;
+            }
+        }
+        u16* o_stage = reinterpret_cast<u16*>(smem_raw + (sO - sQ)) + c * 64 * D;
+        if constexpr (STAGE_O) {
+            if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
+            named_bar_sync<128>(3 + c);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {

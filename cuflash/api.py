@@ -15,7 +15,7 @@ import threading
 import numpy
 
 from . import compile as _compile
-from . import dispatch, fp8, tma, tune_cache
+from . import dispatch, fp8, tail_split, tma, tune_cache
 from .config import FP8_DTYPE_NAME
 
 try:  # CuPy holds bfloat16 arrays through ml_dtypes
@@ -358,23 +358,28 @@ def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None) -> N
     kernel(grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
 
 
-# (device id, stream handle) -> the Hopper forward's tile counter on that stream.
+# (device id, stream handle) -> the Hopper forward's counters on that stream.
 _tile_counters: dict = {}
 
 
-def _tile_counter(device_id: int):
-    """The int32 from which the Hopper forward's CTAs draw tiles past the first wave.
+def _tile_counters_of(device_id: int, split_tiles: int):
+    """The Hopper forward's int32 counters on the current stream: (ticket, tail).
 
-    The kernel's last ticket resets it to 0, so one counter serves every launch
-    on a stream (launches on one stream run in order; other streams get their
-    own) and no call pays for an allocation and a memset.
+    ticket: the CTAs draw work items past the first wave from it. tail: per
+    split tile and consumer warpgroup, the key blocks whose partial outputs are
+    written (cuda_src/tail_split.cuh), for at least `split_tiles` tiles. The
+    kernel resets both to 0 (the last ticket's holder, each tile half's
+    combiner), so they serve every launch on a stream (launches on one stream
+    run in order; other streams get their own) and no call pays for an
+    allocation and a memset.
     """
     cupy = _cupy()
     key = (device_id, cupy.cuda.get_current_stream().ptr)
-    counter = _tile_counters.get(key)
-    if counter is None:
-        counter = _tile_counters[key] = cupy.zeros(1, dtype=cupy.int32)
-    return counter
+    counters = _tile_counters.get(key)
+    if counters is None or counters[1].size < 2 * split_tiles:
+        buf = cupy.zeros(1 + 2 * max(split_tiles, sm_count(device_id)), dtype=cupy.int32)
+        counters = _tile_counters[key] = (buf[:1], buf[1:])
+    return counters
 
 
 @functools.lru_cache(maxsize=1024)
@@ -404,8 +409,18 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
     map_o = tma.seq_major_map(out, cfg.block_m // 2) if cfg.stage_o else map_q  # map_q: not read
     o_strides = [numpy.int64(s) for s in _elem_strides(out)[:3]]
     num_tiles = (seqlen_q + cfg.block_m - 1) // cfg.block_m * nheads * batch
-    grid = (min(num_tiles, sm_count(q.device.id)) if cfg.persistent else num_tiles, 1, 1)
-    # vt and any contiguous copies are freed when this returns, before the
+    ctas = sm_count(q.device.id) if cfg.persistent else num_tiles
+    split = tail_split.TailSplit(num_tiles, 0)
+    if cfg.persistent and not problem.causal and cfg.headdim < 256:  # TAIL_SPLIT in fwd_sm90.cuh
+        split = tail_split.plan(num_tiles, ctas, (seqlen_k + cfg.block_n - 1) // cfg.block_n)
+    grid = (min(split.full_tiles + split.items, ctas), 1, 1)
+    ticket, tail_done = _tile_counters_of(q.device.id, split.split_tiles(num_tiles) if split.items else 0)
+    ws_o = ws_lse = lse  # not read without a split
+    if split.items:
+        slots = split.slots(num_tiles)
+        ws_o = _cupy().empty((slots, cfg.block_m, cfg.headdim), dtype=numpy.float32)
+        ws_lse = _cupy().empty((slots, cfg.block_m), dtype=numpy.float32)
+    # vt, the workspace and any contiguous copies are freed when this returns, before the
     # kernel has run: safe because CuPy's memory pool hands a freed block out
     # again only in stream order (to later work on this stream).
     args = (
@@ -418,7 +433,12 @@ def _launch_fwd_sm90(cfg, problem, q, k, v, out, lse, scale: float, descale) -> 
         descale_q,
         descale_k,
         descale_v,
-        _tile_counter(q.device.id),
+        ticket,
+        ws_o,
+        ws_lse,
+        tail_done,
+        numpy.int32(split.full_tiles),
+        numpy.int32(split.items),
         numpy.int32(seqlen_q),
         numpy.int32(seqlen_k),
         numpy.int32(headdim),

@@ -144,11 +144,11 @@ class FwdSm90Config:
 
     def smem_bytes(self, dtype_name: str = "float16") -> int:
         """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the staged output tile (16-bit), the
-        mbarriers, the tile index, a word per consumer thread, 16 bytes per consumer warp."""
+        mbarriers, the segment slots (32 bytes), a word per consumer thread, 32 bytes per consumer warp."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
         o_bytes = self.block_m * self.headdim * 2 if self.stage_o else 0
         return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + o_bytes
-                + 8 * (2 + 4 * self.stages) + 16 + 4 * (self.threads - 128) + 16 * (self.threads - 128) // 32)
+                + 8 * (2 + 4 * self.stages) + 32 + 4 * (self.threads - 128) + 32 * (self.threads - 128) // 32)
 
     def supports(self, dtype_name: str) -> bool:
         if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim < 128):

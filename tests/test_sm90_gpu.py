@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from cuflash import api, dispatch, reference  # noqa: E402
+from cuflash import api, dispatch, reference, tail_split  # noqa: E402
 from cuflash import compile as cf_compile  # noqa: E402
 from cuflash.config import FwdSm90Config  # noqa: E402
 
@@ -193,6 +193,72 @@ def test_persistent_ctas_take_many_tiles(monkeypatch, ctas, dtype, headdim, caus
     finite = np.isfinite(ref_lse)
     assert np.all(np.isneginf(got_lse[~finite]))
     np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+
+
+def _split_of(cfg, ctas, batch, nq, nheads, nk):
+    num_tiles = -(-nq // cfg.block_m) * nheads * batch
+    return tail_split.plan(num_tiles, ctas, -(-nk // cfg.block_n))
+
+
+@hopper
+@pytest.mark.parametrize("cfg,dtype,headdim", [(dispatch.HEURISTIC_SM90[64], "float16", 64),
+                                               (dispatch.SM90_SHORT_KEYS[64][0], "bfloat16", 64),
+                                               (dispatch.HEURISTIC_SM90[128], "bfloat16", 128),
+                                               (FwdSm90Config(128, 176, 2, stage_o=False), "float16", 128),
+                                               (FwdSm90Config(128, 128, 2, pingpong=False), "float16", 96)],
+                         ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else str(x))
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (11, 1000, 3000), (None, 129, 1500)])
+def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
+    """The last wave split along the keys: runs of key blocks over one or two
+    tiles, partial outputs combined by the last run of each tile half, on 5 or
+    11 CTAs or the device's own count, into a strided output; twice, so that the
+    second launch finds the counters reset by the first."""
+    import ml_dtypes
+
+    monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)  # split these short key sequences too
+    if ctas is None:
+        ctas = api.sm_count(cupy.cuda.Device().id)
+        nheads_kv = -(-3 * ctas // 8)  # about 1.5 waves of tiles
+    else:
+        monkeypatch.setattr(api, "sm_count", lambda device_id: ctas)
+        nheads_kv = 3
+    batch, nheads = 1, 2 * nheads_kv
+    split = _split_of(cfg, ctas, batch, nq, nheads, nk)
+    assert split.items > 0, "the shape must exercise the split"
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    values = [rng.standard_normal((batch, n, h, headdim), dtype=np.float32).astype(np_dtype)
+              for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
+    ref, ref_lse = reference.attention(*values, return_lse=True)
+    naive = reference.attention_naive_lowp(*values, dtype=np_dtype)
+    problem = dispatch.FwdProblem(dtype, headdim, False, nq, nk, 2, arch=90)
+    for _ in range(2):
+        padded = cupy.full((batch, nq, nheads, headdim + 8), np.nan, dtype=np_dtype)
+        out = padded[..., :headdim]
+        lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
+        api.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim))
+        assert_close_2x(out.get().astype(np.float64), ref, naive, 1e-3 if dtype == "float16" else 5e-3)
+        assert np.all(np.isnan(padded[..., headdim:].get()))
+        np.testing.assert_allclose(lse.get(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@hopper
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (None, 129, 1500)])
+def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
+    """The split with fp8 inputs: partial outputs carry v_descale, lse the score descales."""
+    monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)
+    if ctas is None:
+        ctas = api.sm_count(cupy.cuda.Device().id)
+        nheads_kv = -(-3 * ctas // 8)
+    else:
+        monkeypatch.setattr(api, "sm_count", lambda device_id: ctas)
+        nheads_kv = 3
+    batch, nheads = 1, 2 * nheads_kv
+    assert _split_of(dispatch.HEURISTIC_FP8[128], ctas, batch, nq, nheads, nk).items > 0
+    bits, scales, values = _fp8_inputs(rng, batch, nq, nk, nheads, nheads_kv, 128)
+    got, got_lse = _fp8_attention(bits, scales, False)
+    ref, ref_lse = reference.attention(*values, return_lse=True)
+    assert_close_2x(got, ref, reference.attention_naive_fp8(*values), 1e-2)
+    np.testing.assert_allclose(got_lse, ref_lse, atol=2e-3, rtol=1e-3)
 
 
 @hopper
