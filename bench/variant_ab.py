@@ -8,7 +8,8 @@ A variant is NAME=HEADER:BLOCK_N:STAGES:pp|npp[:nso][:whole], where HEADER
 replaces cuda_src/fwd_sm90.cuh (the other headers stay the tree's) and "-"
 means the tree's own, nso stores the output from registers (else it is staged
 where it fits), and whole keeps the last wave's tiles whole (no tail split,
-cuflash/tail_split.py). Every variant's output is checked against the first variant's
+cuflash/tail_split.py). A HEADER must take the tree's kernel parameters (the
+launch is the tree's api.launch_fwd). Every variant's output is checked against the first variant's
 (NaN-poisoned before each check), then the variants and torch SDPA's cuDNN
 backend (bf16 inputs of the same shape) are timed in interleaved rounds with
 rotating order (bench/sweep.py's timer). fp8 calls include the V transpose,
@@ -146,6 +147,7 @@ def main():
                 rows.append([d, n, causal, name, cfg.short_name(), f"{errors[name]:.1e}", f"{tf:.0f}",
                              f"{flops / ms['cudnn-bf16'] / 1e9:.0f}"])
                 print(rows[-1], flush=True)
+    tail_split.plan = split_plan
     print(tabulate(rows, headers=["d", "N", "causal", "variant", "config", "max diff vs first", "TFLOP/s",
                                   "cudnn bf16"]))
 

@@ -32,7 +32,7 @@ class TailSplit:
         return num_tiles - self.full_tiles
 
     def slots(self, num_tiles: int) -> int:
-        """Workspace slots for partial outputs: one per (run, tile) it touches (tail_split.cuh)."""
+        """Workspace slots for partial outputs: run index + split tile index, so at most this many (tail_split.cuh)."""
         return self.items + self.split_tiles(num_tiles) if self.items else 0
 
 

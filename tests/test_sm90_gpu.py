@@ -207,10 +207,11 @@ def _split_of(cfg, ctas, batch, nq, nheads, nk):
                                                (FwdSm90Config(128, 176, 2, stage_o=False), "float16", 128),
                                                (FwdSm90Config(128, 128, 2, pingpong=False), "float16", 96)],
                          ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else str(x))
-@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (11, 1000, 3000), (None, 129, 1500)])
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (5, 256, 2304), (11, 1000, 3000), (None, 129, 1500)])
 def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
     """The last wave split along the keys: runs of key blocks over one or two
-    tiles, partial outputs combined by the last run of each tile half, on 5 or
+    tiles (lengths that are and are not multiples of the tiles), partial
+    outputs combined by the last run of each tile half, on 5 or
     11 CTAs or the device's own count, into a strided output; twice, so that the
     second launch finds the counters reset by the first."""
     import ml_dtypes
@@ -242,9 +243,9 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
 
 
 @hopper
-@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (None, 129, 1500)])
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (5, 256, 2304), (None, 129, 1500)])
 def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
-    """The split with fp8 inputs: partial outputs carry v_descale, lse the score descales."""
+    """The split with fp8 inputs: partial outputs carry v_descale, lse the score descales; twice."""
     monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)
     if ctas is None:
         ctas = api.sm_count(cupy.cuda.Device().id)
@@ -255,10 +256,12 @@ def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
     batch, nheads = 1, 2 * nheads_kv
     assert _split_of(dispatch.HEURISTIC_FP8[128], ctas, batch, nq, nheads, nk).items > 0
     bits, scales, values = _fp8_inputs(rng, batch, nq, nk, nheads, nheads_kv, 128)
-    got, got_lse = _fp8_attention(bits, scales, False)
     ref, ref_lse = reference.attention(*values, return_lse=True)
-    assert_close_2x(got, ref, reference.attention_naive_fp8(*values), 1e-2)
-    np.testing.assert_allclose(got_lse, ref_lse, atol=2e-3, rtol=1e-3)
+    naive = reference.attention_naive_fp8(*values)
+    for _ in range(2):
+        got, got_lse = _fp8_attention(bits, scales, False)
+        assert_close_2x(got, ref, naive, 1e-2)
+        np.testing.assert_allclose(got_lse, ref_lse, atol=2e-3, rtol=1e-3)
 
 
 @hopper

@@ -8,6 +8,16 @@ import pytest
 from cuflash import tail_split
 
 
+def kernel_slot_range(split, num_tiles, key_blocks, k):
+    """The slots [first, last] the combine of split tile k reads, as tail_slots computes them."""
+    units = split.split_tiles(num_tiles) * key_blocks
+
+    def item_of(x):
+        return ((x + 1) * split.items - 1) // units
+
+    return item_of(k * key_blocks) + k, item_of((k + 1) * key_blocks - 1) + k
+
+
 def kernel_segments(split, num_tiles, key_blocks):
     """The segments (tile, lo, hi, slot) of each item, as tail_segment computes them."""
     split_tiles = split.split_tiles(num_tiles)
@@ -45,6 +55,10 @@ def test_partition_covers_every_key_block_once(monkeypatch, num_tiles, ctas, key
                 assert (tile, n) not in seen
                 seen[tile, n] = slot
     assert len(seen) == split.split_tiles(num_tiles) * key_blocks
+    for k in range(split.split_tiles(num_tiles)):
+        first, last = kernel_slot_range(split, num_tiles, key_blocks, k)
+        tile_slots = {slot for (tile, _), slot in seen.items() if tile == split.full_tiles + k}
+        assert tile_slots == set(range(first, last + 1))
 
 
 @pytest.mark.parametrize("num_tiles,ctas,key_blocks", [(2112, 132, 43), (264, 132, 8), (2048, 132, 3),
@@ -60,5 +74,4 @@ def test_split_shortens_the_last_wave():
     """2048 tiles on 132 CTAs (the benchmark's 16k tokens): 68 tiles in the last wave, dealt to all CTAs."""
     split = tail_split.plan(2048, 132, 43)
     assert split == tail_split.TailSplit(2048 - 68, 132)
-    assert -(-68 * 43 // 132) + tail_split.SEGMENT_COST < 43
     assert tail_split.plan(2048, 132, 86) == tail_split.TailSplit(2048 - 68, 132)
