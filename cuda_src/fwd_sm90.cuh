@@ -395,6 +395,24 @@ __global__ void __launch_bounds__(384, 1)
     };
     if (PINGPONG && c == 1) named_bar_arrive<256>(1);
 
+    // Softmax turns (fp8 at head dim 128 without a mask and without
+    // ping-pong): the consumers take turns computing a softmax step (barriers
+    // 5 and 6, as the GEMM turns above), so that one's exponentials run on
+    // the MUFU pipe while the other's GEMMs run. There the exponentials hold
+    // the MUFU pipe as long as the step's GEMMs hold the tensor cores (16 per
+    // clock per SM against the fp8 rate), and without turns the consumers
+    // fell in phase (ncu: both pipes 52% busy). Measured with ncu (SM active
+    // cycles, H100): -3% at 2k-16k; turns around the exponentials only, +3.5%;
+    // under the causal mask, +4.5% (bench/PERFLOG.md v21).
+    constexpr bool SOFTMAX_TURNS = FP8_128 && !CAUSAL && !PINGPONG;
+    auto softmax = [&](float (&acc_s)[NT_S * 4], float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2],
+                       float qk_scale_log2) {
+        if constexpr (SOFTMAX_TURNS) named_bar_sync<256>(5 + c);
+        online_softmax<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+        if constexpr (SOFTMAX_TURNS) named_bar_arrive<256>(6 - c);
+    };
+    if (SOFTMAX_TURNS && c == 1) named_bar_arrive<256>(5);
+
     RingPosition<FP8 && D == 256> ring;
     for (;; ring.next_tile()) {
         mbar_wait(full_q, ring.tile_parity());
@@ -476,7 +494,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             after_s(0, st);
             if (n_masked > 0) apply_mask(acc_s, 0);
-            online_softmax<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            softmax(acc_s, row_max, row_sum, alpha, qk_scale_log2);
             p_frag.pack(acc_s);
         }
 
@@ -500,7 +518,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<1>();  // S_i is in; P V still runs
             after_s(i, st);
             if constexpr (decltype(masked)::value) apply_mask(acc_s, i);
-            online_softmax<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, row_max, row_sum, alpha, qk_scale_log2);
+            softmax(acc_s, row_max, row_sum, alpha, qk_scale_log2);
             // The row sums depend on every exponential: without this, ptxas
             // hoists the wait above the softmax and P V no longer hides it
             // (+3-5% at head dims 128 and 256, fp8 at 256 +5-9%; head dim 64,
@@ -646,6 +664,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (STAGE_O && stage_leader) bulk_wait<0, true>();  // shared memory stays until the stores have read it
     if (c == 0) begin_turn();  // a no-op without PINGPONG
+    if (SOFTMAX_TURNS && c == 0) named_bar_sync<256>(5);  // consumer 1's last hand-over
 }
 
 }  // namespace cuflash
