@@ -28,9 +28,10 @@
 // - ping-pong (PINGPONG): the consumers take turns issuing their GEMMs (two
 //   named barriers; a tile's last P V is issued outside the turns), so one's
 //   softmax runs while the other's GEMMs execute. Without it each consumer
-//   issues as soon as its tiles are in (faster at head dim 64 up to 2k keys,
-//   as fast for fp8 at head dim 128, slower elsewhere: dispatch.py; a tuner
-//   choice);
+//   issues as soon as its tiles are in (faster at head dim 64 up to 2k keys
+//   and for fp8 at head dim 128, slower elsewhere: dispatch.py; a tuner
+//   choice); fp8 at head dim 128 without a mask takes turns for the softmax
+//   instead (SOFTMAX_TURNS);
 // - within a consumer, step t issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
 //   together, then computes the softmax of S_t while the P V GEMM runs, and
 //   rescales O once it has completed.
