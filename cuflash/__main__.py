@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     elif command == "info":
         from .info import main as run
     elif command == "bench":
-        from .benchmark import main as run
+        from .bench.cli import main as run
     elif command == "autotune":
         from .tuner import main as run
     else:

@@ -1,10 +1,12 @@
-"""The benchmark's timer (bench_libs.time_calls) on fake libraries: no GPU needed."""
+"""cuflash.timing on a fake clock, and the benchmark's option spellings and shapes: no GPU needed."""
 
-import contextlib
+import argparse
 
 import pytest
 
-from cuflash import bench_libs
+from cuflash import timing
+from cuflash.bench import options
+from cuflash.bench.shapes import Shape, build_shapes, seqlen_label
 
 
 class FakeEvent:
@@ -16,11 +18,11 @@ class FakeEvent:
 
 
 class FakeClock:
-    """Events are clock readings; every call advances the clock by its library's duration."""
+    """Events are clock readings; every call advances the clock by its subject's duration."""
 
     def __init__(self):
         self.now = 0.0
-        self.calls = []  # library names, in call order
+        self.calls = []  # (subject name, input set), in call order
 
     def record(self):
         return FakeEvent(self.now)
@@ -29,62 +31,116 @@ class FakeClock:
     def elapsed_ms(start, end):
         return end.t - start.t
 
-
-class FakeLib:
-    def __init__(self, name, ms, clock, fail_at=None):
-        self.name, self.ms, self.clock, self.fail_at = name, ms, clock, fail_at
-        self.events = clock
-
-    def context(self):
-        return contextlib.nullcontext()
-
-    def fns(self, sets):
-        def call(i):
-            if self.fail_at is not None and len([c for c in self.clock.calls if c == self.name]) == self.fail_at:
+    def subject(self, name, ms, sets=2, fail_at=None):
+        """timing.Calls whose call i on input set s takes `ms` (or ms[s]); the fail_at-th call raises."""
+        def call(s):
+            if fail_at is not None and self.count(name) == fail_at:
                 raise RuntimeError("launch failed\nsecond line")
-            self.clock.calls.append(self.name)
-            self.clock.now += self.ms
+            self.calls.append((name, s))
+            self.now += ms[s] if isinstance(ms, (list, tuple)) else ms
 
-        return [lambda i=i: call(i) for i in range(sets)]
+        return timing.Calls([lambda s=s: call(s) for s in range(sets)], events=self)
+
+    def count(self, name):
+        return sum(1 for n, _ in self.calls if n == name)
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    monkeypatch.setattr(bench_libs, "synchronize", lambda: None)
+    monkeypatch.setattr(timing, "synchronize", lambda: None)
     return FakeClock()
 
 
-def _entries(libs, sets=2):
-    return {lib.name: (lib, lib.fns(sets)) for lib in libs}
-
-
-def test_every_library_gets_its_repeats_and_its_own_time(clock):
-    libs = [FakeLib("a", 1.0, clock), FakeLib("b", 2.0, clock), FakeLib("c", 3.0, clock)]
-    results = bench_libs.time_calls(_entries(libs), repeats=10, rounds=5)
-    for lib in libs:
-        assert results[lib.name]["ms"] == pytest.approx(lib.ms)
-        assert results[lib.name]["repeats"] == 10
+def test_every_subject_gets_its_repeats_and_its_own_time(clock):
+    entries = {name: clock.subject(name, ms) for name, ms in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+    results = timing.time_calls(entries, repeats=10, rounds=5)
+    for name, ms in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        assert results[name]["ms"] == pytest.approx(ms)
+        assert results[name]["repeats"] == 10
         # warm-up (3 calls) + the timed ones
-        assert clock.calls.count(lib.name) == 3 + 10
+        assert clock.count(name) == 3 + 10
 
 
-def test_rounds_rotate_which_library_goes_first(clock):
-    libs = [FakeLib(name, 1.0, clock) for name in "abc"]
-    bench_libs.time_calls(_entries(libs), repeats=3, rounds=3)
-    timed = clock.calls[9:]  # after 3 warm-up calls each; one call per library per round
+def test_rounds_rotate_which_subject_goes_first(clock):
+    entries = {name: clock.subject(name, 1.0) for name in "abc"}
+    timing.time_calls(entries, repeats=3, rounds=3)
+    timed = [name for name, _ in clock.calls[9:]]  # after 3 warm-up calls each; one call per subject per round
     rounds = [timed[i:i + 3] for i in range(0, 9, 3)]
     assert rounds == [list("abc"), list("bca"), list("cab")]
 
 
-def test_a_library_that_raises_is_reported_and_the_others_finish(clock):
-    libs = [FakeLib("a", 1.0, clock), FakeLib("bad", 1.0, clock, fail_at=5), FakeLib("c", 1.0, clock)]
-    results = bench_libs.time_calls(_entries(libs), repeats=10, rounds=5)
+def test_a_subject_that_raises_is_reported_and_the_others_finish(clock):
+    entries = {"a": clock.subject("a", 1.0), "bad": clock.subject("bad", 1.0, fail_at=5), "c": clock.subject("c", 1.0)}
+    results = timing.time_calls(entries, repeats=10, rounds=5)
     assert results["bad"] == {"error": "RuntimeError: launch failed"}
     assert results["a"]["repeats"] == results["c"]["repeats"] == 10
-    assert clock.calls.count("c") == 13
+    assert clock.count("c") == 13
+    assert list(results) == ["a", "bad", "c"]  # the entries' order
 
 
 def test_long_calls_get_fewer_repeats(clock):
-    libs = [FakeLib("slow", 1000.0, clock)]
-    results = bench_libs.time_calls(_entries(libs), repeats=30, budget_ms=3000.0)
-    assert results["slow"]["repeats"] == 5
+    results = timing.time_calls({"slow": clock.subject("slow", 1000.0)}, repeats=30, budget_ms=3000.0)
+    assert results["slow"]["repeats"] == timing.MIN_REPEATS
+
+
+def test_calls_rotate_over_the_input_sets(clock):
+    timing.time_calls({"a": clock.subject("a", 1.0, sets=3)}, repeats=6, rounds=2)
+    warm, timed = clock.calls[:3], clock.calls[3:]
+    assert [s for _, s in warm] == [0, 1, 2]  # warm-up touches every set
+    assert [s for _, s in timed] == [0, 1, 2, 0, 1, 2]
+
+
+def test_warm_up_touches_every_input_set_and_returns_the_last_call(clock):
+    ms = timing.warm_up(clock.subject("a", [1.0, 2.0, 3.0, 4.0, 5.0], sets=5), count=3)
+    assert [s for _, s in clock.calls] == [0, 1, 2, 3, 4]
+    assert ms == 5.0
+
+
+def test_median_ms_is_the_median_of_the_timed_calls(clock):
+    calls = clock.subject("a", [1.0, 9.0, 2.0], sets=3)
+    assert timing.median_ms(calls.fns, repeats=5, events=clock) == 2.0  # sets 0 1 2 0 1: 1 9 2 1 9
+    assert clock.count("a") == timing.WARMUP + 5
+
+
+def test_median_ms_raises_what_a_call_raises(clock):
+    calls = clock.subject("a", 1.0, fail_at=4)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        timing.median_ms(calls.fns, repeats=5, events=clock)
+
+
+@pytest.mark.parametrize("repeats, call_ms, budget, expected", [
+    (30, 1.0, None, 30), (30, 1.0, 3000.0, 30), (30, 200.0, 3000.0, 15), (30, 1000.0, 3000.0, 5), (3, 1e4, 1.0, 3),
+])
+def test_repeats_within_a_budget(repeats, call_ms, budget, expected):
+    assert timing.repeats_within(repeats, call_ms, budget) == expected
+
+
+def test_input_sets_hold_twice_the_l2_cache():
+    l2 = 50 << 20
+    assert timing.input_set_count(192 << 20, l2) == timing.MIN_INPUT_SETS
+    assert timing.input_set_count(10 << 20, l2) == 10
+    assert timing.input_set_count(0, l2) == 2 * l2
+
+
+def test_describe_is_one_line():
+    assert timing.describe(ValueError("first\nsecond")) == "ValueError: first"
+    assert timing.describe(KeyError()) == "KeyError: "
+
+
+def test_option_spellings():
+    parser = argparse.ArgumentParser()
+    assert options.seqlen_option(" 2K ") == 2048 and options.seqlen_option("512") == 512
+    assert options.dtype_option("bf16") == "bfloat16" and options.dtype_option("Half") == "float16"
+    assert options.list_option(parser, ["fp16,bf16", "fp16"], options.dtype_option, "--dtype") == [
+        "float16", "bfloat16", "float16"]
+    with pytest.raises(SystemExit):
+        options.list_option(parser, ["fp32"], options.dtype_option, "--dtype")
+
+
+def test_benchmark_shapes_hold_16k_tokens():
+    shape = Shape("float16", 128, True, 2048)
+    assert (shape.batch, shape.heads) == (8, 16)
+    assert shape.flops == 4.0 * 8 * 16 * 2048 * 2048 * 128 / 2
+    assert shape.bwd_flops == 3.5 * shape.flops
+    assert len(build_shapes(["float16", "float16"], [64, 128], [False, True], [512, 2048])) == 8
+    assert [seqlen_label(n) for n in (512, 2048, 1500)] == ["512", "2k", "1500"]

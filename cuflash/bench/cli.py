@@ -1,0 +1,111 @@
+"""``python -m cuflash bench [options]``: cuflash against its peers, in TFLOP/s from one run.
+
+Forward (the default), on the shapes of cuflash.bench.shapes. Each shape is
+checked for correctness once (cuflash against torch's flash backend, or
+against a float32 CuPy reference when torch is missing), then timed for
+cuflash and its peers:
+
+* ``naive-cupy``: unfused attention in CuPy, in the input dtype: a batched
+  cuBLAS GEMM writes the N x N scores, a row softmax, a second GEMM;
+* ``torch-flash`` / ``torch-cudnn``: ``scaled_dot_product_attention`` pinned to
+  the FlashAttention-2 or cuDNN backend, on zero-copy views of the same data.
+
+With ``--tuned`` a ``cuflash-tuned`` column shows cuflash with autotuned
+configurations next to ``cuflash`` on the heuristic table alone (shapes that
+the tuning cache lacks are tuned first, outside the timed calls).
+
+With ``--backward`` the timed call is one forward (``return_lse=True``) plus
+one backward for a fixed random output gradient, counted as 3.5 forward
+passes of FLOPs, on the same shapes:
+
+* ``cuflash`` / ``cuflash-det``: ``cuflash.attention_backward`` with
+  ``deterministic=False`` / ``True`` (the ``det cost`` column is the time of
+  the second over the first);
+* ``torch-flash`` / ``torch-cudnn``: SDPA on that backend, then
+  ``torch.autograd.grad`` with respect to leaf-tensor views of the inputs.
+
+There is no naive column in this mode. Each shape is checked once: cuflash's
+and cuflash-det's dq, dk, dv against torch-flash's (against a float32 CuPy
+backward on one batch entry and a few heads when torch is missing), and two
+cuflash-det calls must give bitwise identical gradients.
+
+With ``--fp8``: cuflash.bench.fp8.
+
+The result is a table of TFLOP/s on stdout (progress goes to stderr), an
+optional JSON file with every raw number, and a table of the peak extra
+memory of one call. The exit status is non-zero if cuflash failed or
+disagreed with the reference on any shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .options import dtype_option, list_option, seqlen_option
+from .shapes import DTYPES, HEADDIMS, HIDDEN, QUICK_SEQLENS, SEQLENS
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash bench",
+        description="Attention benchmark: cuflash vs naive CuPy and torch SDPA (forward), "
+                    "or cuflash vs torch SDPA (forward+backward, --backward).",
+    )
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward+backward (one forward with lse + one backward) instead "
+                             "of the forward alone; cuflash, cuflash-det (deterministic=True), "
+                             "torch-flash and torch-cudnn; gradients are checked against torch-flash "
+                             "and cuflash-det for bitwise reproducibility")
+    parser.add_argument("--fp8", action="store_true",
+                        help="fp8 e4m3 forward (Hopper): cuflash-fp8 next to cuflash and torch-cudnn on "
+                             "bf16 inputs, then fp8 and bf16 errors against float64")
+    parser.add_argument("--headdim", action="append", metavar="D",
+                        help="head dimension(s), e.g. 64,128 (default: both)")
+    parser.add_argument("--seqlen", action="append", metavar="N",
+                        help="sequence length(s), e.g. 512,2k,16k (default: 512..16k)")
+    parser.add_argument("--dtype", action="append", metavar="T",
+                        help="fp16 and/or bf16 (default: both)")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                        help="only causal (--causal) or only non-causal (--no-causal) shapes")
+    parser.add_argument("--quick", action="store_true",
+                        help="seqlen 2k and 8k only (unless --seqlen is given)")
+    parser.add_argument("--repeats", type=int, default=30,
+                        help="timed calls per library and shape; the median is reported "
+                             "(fewer for very slow calls) (default: 30)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="time cuflash only (and cuflash-det with --backward); torch-flash is "
+                             "still the correctness reference")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
+    parser.add_argument("--tuned", action="store_true",
+                        help="add a cuflash-tuned column (autotuned configs; shapes missing from the "
+                             "tuning cache are tuned first); the cuflash column then uses the heuristic "
+                             "table only (forward only: ignored with --backward)")
+    parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
+    args = parser.parse_args(argv)
+
+    args.headdims = list_option(parser, args.headdim, int, "--headdim") or list(HEADDIMS)
+    args.dtypes = list_option(parser, args.dtype, dtype_option, "--dtype") or list(DTYPES)
+    default_seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    args.seqlens = list_option(parser, args.seqlen, seqlen_option, "--seqlen") or list(default_seqlens)
+    args.masks = [False, True] if args.causal is None else [args.causal]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if any(n <= 0 for n in args.seqlens):
+        parser.error("--seqlen values must be positive")
+    for d in args.headdims:
+        if d <= 0 or HIDDEN % d:
+            parser.error(f"--headdim {d} does not divide the hidden size {HIDDEN}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # CuPy, torch and the kernels load only past option parsing: --help needs none of them.
+    from .run import run
+
+    return run(args, list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

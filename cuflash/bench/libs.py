@@ -1,0 +1,225 @@
+"""The implementations the benchmark times, wrapped in one small interface.
+
+* ``prepare(q, k, v, causal)`` returns a zero-argument callable that runs one
+  forward pass on those inputs (all layout conversion happens here, outside
+  the timed region);
+* ``context()`` is entered around every batch of calls (torch needs its SDPA
+  backend selected);
+* ``to_cupy(out)`` turns an output into a CuPy array in (B, N, H, D) layout;
+* ``events`` records and reads CUDA events on the stream the library launches
+  on (cuflash.timing's Events).
+
+The forward+backward wrappers (``CuflashFwdBwd``, ``TorchSdpaFwdBwd``) take a
+fourth input, the output gradient: ``prepare(q, k, v, dout, causal)`` returns
+a callable that runs one forward and one backward pass, and ``to_cupy`` turns
+its result into the CuPy gradients (dq, dk, dv), each (B, N, H, D).
+
+Raising :class:`Skip` from ``prepare`` means "this library does not run this
+shape" and is shown as a dash, never as a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import cupy
+
+import cuflash
+from cuflash import dispatch
+from cuflash.timing import CUPY_EVENTS
+
+from .inputs import GiB
+from .naive import naive_attention
+
+# The naive implementation materialises B*H*N*N scores; beyond this it is
+# either out of memory or so slow that it only stretches the run.
+NAIVE_MAX_SCORES_BYTES = 16 * GiB
+NAIVE_MAX_SEQLEN = 8192
+
+
+class Skip(Exception):
+    """The library cannot (or should not) run this shape."""
+
+
+class TorchEvents:
+    """CUDA events recorded on torch's current stream (cuflash.timing's Events for torch)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def record(self):
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return start.elapsed_time(end)
+
+
+class Cuflash:
+    """cuflash.attention. mode None: as users call it (tuning cache, else the
+    heuristic table); "heuristic": the heuristic table only; "tuned": the
+    shape is tuned in `prepare` unless the cache holds it, then the cache."""
+
+    events = CUPY_EVENTS
+
+    def __init__(self, mode=None):
+        self.mode = mode
+        self.name = "cuflash-tuned" if mode == "tuned" else "cuflash"
+
+    def prepare(self, q, k, v, causal):
+        attention = cuflash.attention
+        if self.mode == "tuned":
+            attention(q, k, v, causal=causal, tune=True)  # tuning happens here, not in the timed calls
+        return lambda: attention(q, k, v, causal=causal)
+
+    def context(self):
+        return dispatch.heuristic_only() if self.mode == "heuristic" else contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(out):
+        return out
+
+
+class NaiveCupy:
+    name = "naive-cupy"
+    events = CUPY_EVENTS
+
+    def __init__(self, max_seqlen=NAIVE_MAX_SEQLEN, max_scores_bytes=NAIVE_MAX_SCORES_BYTES):
+        self.max_seqlen = max_seqlen
+        self.max_scores_bytes = max_scores_bytes
+
+    def prepare(self, q, k, v, causal):
+        batch, n, heads, _ = q.shape
+        scores = batch * heads * n * k.shape[1] * q.dtype.itemsize
+        if self.max_seqlen is not None and n > self.max_seqlen:
+            raise Skip(f"seqlen {n} > {self.max_seqlen}")
+        _, total = cupy.cuda.runtime.memGetInfo()
+        limit = min(self.max_scores_bytes, total // 3)
+        if scores > limit:
+            raise Skip(f"scores need {scores / GiB:.1f} GiB")
+        return lambda: naive_attention(q, k, v, causal)
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(out):
+        return out
+
+
+class CuflashFwdBwd:
+    """cuflash.attention (return_lse=True) then cuflash.attention_backward."""
+
+    events = CUPY_EVENTS
+
+    def __init__(self, deterministic=False):
+        self.deterministic = bool(deterministic)
+        self.name = "cuflash-det" if deterministic else "cuflash"
+
+    def prepare(self, q, k, v, dout, causal):
+        attention, backward, deterministic = cuflash.attention, cuflash.attention_backward, self.deterministic
+
+        def run():
+            out, lse = attention(q, k, v, causal=causal, return_lse=True)
+            return backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+
+        return run
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_cupy(grads):
+        return tuple(grads)
+
+
+class TorchSdpa:
+    """torch.nn.functional.scaled_dot_product_attention pinned to one backend.
+
+    The tensors are zero-copy DLPack views of the CuPy inputs, transposed to
+    torch's (B, H, N, D) convention. Nq == Nk in every shape here, so torch's
+    top-left causal alignment equals the bottom-right one used elsewhere.
+    """
+
+    def __init__(self, name, backend_name):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+        self.name = name
+        self.torch = torch
+        self._backend = getattr(SDPBackend, backend_name)
+        self._sdpa_kernel = sdpa_kernel
+        self.events = TorchEvents(torch)
+
+    def prepare(self, q, k, v, causal):
+        torch = self.torch
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        run = lambda: sdpa(tq, tk, tv, is_causal=causal)  # noqa: E731
+        try:
+            # An unsupported backend raises at the first call; report it as
+            # a skip rather than an error.
+            with self.context():
+                run()
+        except RuntimeError as exc:
+            raise Skip(str(exc).splitlines()[0]) from exc
+        return run
+
+    def context(self):
+        return self._sdpa_kernel(self._backend)
+
+    @staticmethod
+    def to_cupy(out):
+        return cupy.from_dlpack(out.transpose(1, 2).contiguous())
+
+
+class TorchSdpaFwdBwd(TorchSdpa):
+    """SDPA forward plus ``torch.autograd.grad`` on one pinned backend.
+
+    q, k, v are leaf tensors that require grad: (B, H, N, D) views of the CuPy
+    inputs, made once in ``prepare``; the timed call is the forward and
+    ``torch.autograd.grad(out, (q, k, v), dout)``.
+    """
+
+    def prepare(self, q, k, v, dout, causal):
+        torch = self.torch
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        tdout = torch.from_dlpack(dout).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        grad = torch.autograd.grad
+
+        def run():
+            out = sdpa(tq, tk, tv, is_causal=causal)
+            return grad(out, (tq, tk, tv), tdout)
+
+        try:
+            with self.context():
+                run()
+        except RuntimeError as exc:
+            raise Skip(str(exc).splitlines()[0]) from exc
+        return run
+
+    @staticmethod
+    def to_cupy(grads):
+        return tuple(cupy.from_dlpack(g.transpose(1, 2).contiguous()) for g in grads)
+
+
+def load_torch_libs(log, backward=False) -> list:
+    """The torch peers, or an empty list when torch is missing or unusable.
+
+    backward: the forward+backward wrappers instead of the forward ones.
+    """
+    libs = []
+    cls = TorchSdpaFwdBwd if backward else TorchSdpa
+    for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
+        try:
+            libs.append(cls(name, backend))
+        except Exception as exc:  # ImportError, no CUDA build, old torch...
+            log(f"{name}: unavailable ({type(exc).__name__}: {exc})")
+    return libs
