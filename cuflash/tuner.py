@@ -33,7 +33,6 @@ import datetime
 import itertools
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -41,6 +40,7 @@ from typing import Any, Callable, Protocol, Sequence
 from tqdm import tqdm
 
 from . import compile as _compile
+from . import timing
 from . import tune_cache
 from .backward import BwdProblem
 from .config import DTYPE_NAMES
@@ -236,25 +236,8 @@ def _disagreement(outputs, references) -> str | None:
 
 
 def median_ms(fns: Sequence[Callable[[], None]], repeats: int, warmup: int = WARMUP) -> float:
-    """Median device time of one call, rotating over `fns` (one per input set).
-
-    Each call is bracketed by its own CUDA events, with no synchronisation in
-    between, so the GPU queue stays full and launch latency stays hidden.
-    """
-    import cupy
-
-    n = len(fns)
-    for i in range(max(warmup, n)):
-        fns[i % n]()
-    marks = []
-    for i in range(repeats):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fns[i % n]()
-        end.record()
-        marks.append((start, end))
-    marks[-1][1].synchronize()
-    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in marks)
+    """Median device time of one call, rotating over `fns` (one per input set): cuflash.timing's timer."""
+    return timing.median_ms(fns, repeats, warmup)
 
 
 def _input_sets(task: Task, limits: DeviceLimits) -> list:
