@@ -1,25 +1,29 @@
 """Time backward configurations (forward + backward) against torch SDPA.
 
-Usage (on a GPU): PYTHONPATH=. python bench/bwd_sweep.py [--headdim 64,128] [--seqlen 2048,8192]
-Each config's gradients are checked against torch's flash backward first.
+Usage (on a GPU): PYTHONPATH=. python bench/bwd_sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds 5]
+Each config's gradients are checked against torch's flash backward first;
+then the configs and both peers are timed in interleaved rounds with rotating
+order (cuflash.timing.time_calls). A config's call is cuflash's forward (the
+heuristic table's) plus that config's backward launched directly.
 """
 
 import argparse
 import dataclasses
+import math
 
 import cupy
-from sweep import time_ms  # bench/ is the script's directory
 from tabulate import tabulate
 
 import cuflash
-from cuflash import backward, dispatch
+from cuflash import dispatch, launch, timing
+from cuflash.bench.libs import TorchEvents
 from cuflash.config import BwdConfig
 
 # (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
 # kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages.
-_H64 = backward.HEURISTIC_BWD_SM90[64]
-_H128 = dataclasses.replace(backward.HEURISTIC_BWD_SM90[128], stages=2)
+_H64 = dispatch.HEURISTIC_BWD_SM90[64]
+_H128 = dataclasses.replace(dispatch.HEURISTIC_BWD_SM90[128], stages=2)
 CANDIDATES = {
     64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
          (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
@@ -39,6 +43,8 @@ def main():
     p.add_argument("--headdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--dtype", default="float16")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per config and peer (median)")
     a = p.parse_args()
     rows = []
     for d in map(int, a.headdim.split(",")):
@@ -48,39 +54,44 @@ def main():
                 tq, tk, tv, tdo = (torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, a.dtype))
                                    for _ in range(4))
                 flops = 3.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-                tflops = lambda ms: flops / ms / 1e9
                 tq_, tk_, tv_ = (x.transpose(1, 2).detach().requires_grad_() for x in (tq, tk, tv))
-                peers, ref = {}, None
-                for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    with sdpa_kernel(be):
-                        def step():
-                            o = F.scaled_dot_product_attention(tq_, tk_, tv_, is_causal=causal)
-                            return torch.autograd.grad(o, (tq_, tk_, tv_), tdo.transpose(1, 2))
-                        if name == "flash":
-                            ref = [g.transpose(1, 2) for g in step()]
-                        peers[name] = tflops(time_ms(step))
+
+                def peer(backend, causal=causal, tq_=tq_, tk_=tk_, tv_=tv_, tdo=tdo):
+                    with sdpa_kernel(backend):
+                        o = F.scaled_dot_product_attention(tq_, tk_, tv_, is_causal=causal)
+                        return torch.autograd.grad(o, (tq_, tk_, tv_), tdo.transpose(1, 2))
+
+                peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+                events = TorchEvents(torch)
+                entries = {name: timing.Calls([lambda be=be: peer(be)], events) for name, be in peers.items()}
+                ref = [cupy.from_dlpack(g.transpose(1, 2)).astype(cupy.float32) for g in peer(peers["flash"])]
                 q, k, v, do = (cupy.from_dlpack(x) for x in (tq, tk, tv, tdo))
+                grads = tuple(cupy.empty_like(x) for x in (q, k, v))
+                errors = {}
                 for cfg, det in CANDIDATES[d]:
-                    # The table entries the heuristic reads: the Hopper one first, where present.
-                    backward.HEURISTIC_BWD_SM90 = {cfg.headdim: cfg} if cfg.hopper else {}
-                    if not cfg.hopper:
-                        backward.HEURISTIC_BWD[d] = cfg
-                    def run():
-                        with dispatch.heuristic_only():  # the table entry above, not a tuned one
+                    problem = dispatch.BwdProblem(a.dtype, d, causal, n, n, 1, det, arch=90)
+
+                    def run(cfg=cfg, problem=problem):
+                        with dispatch.heuristic_only():  # the table's forward, not a tuned one
                             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-                            return cuflash.attention_backward(do, q, k, v, out, lse, causal=causal,
-                                                              deterministic=det)
-                    try:
-                        grads = run()
-                        err = max(float(cupy.abs(g.astype(cupy.float32) - cupy.from_dlpack(r).astype(cupy.float32)).max())
-                                  for g, r in zip(grads, ref))
-                        t = tflops(time_ms(run, repeats=10))
-                    except Exception as exc:
-                        err, t = float("nan"), 0.0
-                        print(cfg, "failed:", str(exc)[:400])
+                        launch.launch_bwd(cfg, problem, 1 / math.sqrt(d), q, k, v, do, out, lse, *grads)
+
                     name = cfg.short_name() + ("_det" if det else "")
-                    rows.append([d, n, causal, name, f"{err:.1e}", f"{t:.0f}", f"{peers['flash']:.0f}",
-                                 f"{peers['cudnn']:.0f}", f"{t / peers['flash']:.2f}"])
+                    try:  # compiles, and checks the config before it is timed
+                        for g in grads:
+                            g.fill(float("nan"))
+                        run()
+                        errors[name] = max(float(cupy.abs(g.astype(cupy.float32) - r).max())
+                                           for g, r in zip(grads, ref))
+                        entries[name] = timing.Calls([run])
+                    except Exception as exc:  # report and keep sweeping
+                        print(name, "failed:", str(exc)[:400])
+                timed = timing.time_calls(entries, a.repeats, rounds=a.rounds)
+                tflops = {name: flops / t["ms"] / 1e9 for name, t in timed.items() if "ms" in t}
+                for name, err in errors.items():
+                    mine, flash, cudnn = (tflops.get(x, math.nan) for x in (name, "flash", "cudnn"))
+                    rows.append([d, n, causal, name, f"{err:.1e}", f"{mine:.0f}", f"{flash:.0f}", f"{cudnn:.0f}",
+                                 f"{mine / flash:.2f}"])
                     print(rows[-1], flush=True)
     print(tabulate(rows, headers=["d", "N", "causal", "config", "maxerr", "cuflash", "flash", "cudnn", "x flash"]))
 

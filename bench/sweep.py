@@ -2,19 +2,19 @@
 
 Usage (on a GPU): PYTHONPATH=. python bench/sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds 7]
 Each config is checked against torch-flash's output before it is timed; then
-the configs and both peers are timed in interleaved rounds (interleaved_ms).
+the configs and both peers are timed in interleaved rounds with rotating order
+(cuflash.timing.time_calls).
 """
 
 import argparse
 import math
 
 import cupy
-import numpy
 from tabulate import tabulate
 
-from cuflash import api, dispatch
+from cuflash import dispatch, launch, timing
+from cuflash.bench.libs import TorchEvents
 from cuflash.config import FwdConfig, FwdSm90Config
-
 
 
 def hopper(*args, **fields) -> FwdSm90Config:
@@ -42,44 +42,6 @@ CANDIDATES = {
 }
 
 
-def time_ms(fn, repeats=20):
-    """Median of single calls, each between its own event pair (bench/bwd_sweep.py's timer)."""
-    for _ in range(10):  # warm-up: clocks settle after a compile
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(numpy.median(times))
-
-
-def back_to_back_ms(fn, calls=20):
-    """Mean time of `calls` calls queued back to back between one event pair (host launch time hidden)."""
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(calls):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / calls
-
-
-def interleaved_ms(fns: dict, rounds: int) -> dict:
-    """Median over rounds of each function's back-to-back time. Every round times
-    every function once, starting one place further along the list: a variant
-    timed first in every round measured 5-10% low in A/B runs (bench/PERFLOG.md)."""
-    names = list(fns)
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(back_to_back_ms(fns[name]))
-    return {name: float(numpy.median(t)) for name, t in times.items()}
-
-
 def main():
     import torch
     import torch.nn.functional as F
@@ -90,7 +52,8 @@ def main():
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--only", default="", help="run only configs whose name contains this text")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (median)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    p.add_argument("--repeats", type=int, default=70, help="timed calls per config and peer (median)")
     a = p.parse_args()
     rows = []
     for d in map(int, a.headdim.split(",")):
@@ -107,28 +70,29 @@ def main():
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(*args, is_causal=causal)
 
-                fns = {"flash": lambda: peer(SDPBackend.FLASH_ATTENTION),
-                       "cudnn": lambda: peer(SDPBackend.CUDNN_ATTENTION)}
-                ref = cupy.from_dlpack(fns["flash"]().transpose(1, 2).contiguous()).astype(cupy.float32)
+                peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+                events = TorchEvents(torch)
+                entries = {name: timing.Calls([lambda be=be: peer(be)], events) for name, be in peers.items()}
+                ref = cupy.from_dlpack(peer(peers["flash"]).transpose(1, 2).contiguous()).astype(cupy.float32)
                 problem = dispatch.FwdProblem(a.dtype, d, causal, n, n, 1)
                 out = cupy.empty_like(q)
                 lse = cupy.empty((b, h, n), dtype=cupy.float32)
                 errors = {}
                 for cfg in [c for c in CANDIDATES[d] if a.only in c.short_name()]:
-                    run = lambda cfg=cfg: api.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(d))
+                    run = lambda cfg=cfg: launch.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(d))
                     try:  # compiles, and checks the config before it is timed
                         out.fill(float("nan"))
                         run()
                         errors[cfg.short_name()] = float(cupy.abs(out.astype(cupy.float32) - ref).max())
-                        fns[cfg.short_name()] = run
+                        entries[cfg.short_name()] = timing.Calls([run])
                     except Exception as exc:  # report and keep sweeping
                         print(cfg.short_name(), "failed:", str(exc)[:300])
-                ms = interleaved_ms(fns, a.rounds)
-                tflops = {name: flops / t / 1e9 for name, t in ms.items()}
+                timed = timing.time_calls(entries, a.repeats, rounds=a.rounds)
+                tflops = {name: flops / t["ms"] / 1e9 for name, t in timed.items() if "ms" in t}
                 for name, err in errors.items():
-                    t = tflops[name]
-                    rows.append([d, n, causal, name, f"{err:.1e}", f"{t:.0f}", f"{tflops['flash']:.0f}",
-                                 f"{tflops['cudnn']:.0f}", f"{t / tflops['flash']:.2f}", f"{t / tflops['cudnn']:.2f}"])
+                    mine, flash, cudnn = (tflops.get(x, math.nan) for x in (name, "flash", "cudnn"))
+                    rows.append([d, n, causal, name, f"{err:.1e}", f"{mine:.0f}", f"{flash:.0f}", f"{cudnn:.0f}",
+                                 f"{mine / flash:.2f}", f"{mine / cudnn:.2f}"])
                     print(rows[-1], flush=True)
     print(tabulate(rows, headers=["d", "N", "causal", "config", "maxerr", "cuflash", "flash", "cudnn", "x flash",
                                   "x cudnn"]))
