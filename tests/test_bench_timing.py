@@ -144,3 +144,14 @@ def test_benchmark_shapes_hold_16k_tokens():
     assert shape.bwd_flops == 3.5 * shape.flops
     assert len(build_shapes(["float16", "float16"], [64, 128], [False, True], [512, 2048])) == 8
     assert [seqlen_label(n) for n in (512, 2048, 1500)] == ["512", "2k", "1500"]
+
+
+def test_speed_table_marks_mismatches_and_computes_ratios():
+    from cuflash.bench import tables
+
+    row = {"dtype": "float16", "headdim": 128, "causal": True, "seqlen": 2048, "check": {"ok": False},
+           "libs": {"cuflash": {"tflops": 600.0}, "naive-cupy": {"skipped": "too long"},
+                    "torch-flash": {"tflops": 300.0}, "torch-cudnn": {"error": "RuntimeError: x"}}}
+    line = tables.speed_table([row]).splitlines()[-1].split()
+    assert line[:5] == ["fp16", "128", "yes", "2k", "600.0!"]
+    assert line[5:] == [tables.DASH, "300.0", tables.DASH, "2.00", tables.DASH]
