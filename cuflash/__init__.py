@@ -1,13 +1,11 @@
 """cuflash: exact FlashAttention for CuPy arrays."""
 
-from . import backward, dispatch, reference, tune_bwd, tune_fwd
-from .api import attention
-from .backward import attention_backward, attention_vjp
+from . import reference, tuner
+from .backward import attention_backward, attention_vjp, backward_workspace
+from .forward import attention
 from .tuner import autotune
 
-# Tuned configurations take precedence over the heuristic table.
-dispatch.set_cache_lookup(tune_fwd.lookup)
-backward.set_cache_lookup(tune_bwd.lookup)
+tuner.install()  # tuned configurations take precedence over dispatch's tables
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "autotune", "reference"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "autotune", "backward_workspace", "reference"]
 __version__ = "0.1.0"

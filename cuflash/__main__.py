@@ -19,13 +19,13 @@ def main(argv=None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "check":
-        from .check import main as run
+        from .cli.check import main as run
     elif command == "info":
-        from .info import main as run
+        from .cli.info import main as run
     elif command == "bench":
         from .bench.cli import main as run
     elif command == "autotune":
-        from .tuner import main as run
+        from .cli.autotune import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -92,6 +92,10 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     fn = _functions.get(key)
     if fn is not None:
         return fn
+    if cupy.cuda.get_current_stream().is_capturing():
+        # Loading a module is not a stream operation a CUDA graph can record.
+        raise RuntimeError(f"cuflash: kernel {name_expression} is not compiled yet, and the current stream is "
+                           "capturing a CUDA graph: run the same call once before the capture")
     # Compiled outside the lock so that threads compile different kernels at
     # once (NVRTC releases the GIL; the autotuner relies on it). Two threads
     # asking for the same new kernel both compile it; the first stored wins.

@@ -1,8 +1,8 @@
-"""The one place that picks a kernel configuration for a problem.
+"""The one place that picks a kernel configuration for a problem: forward and backward.
 
-Order: the autotune cache (when one is installed by `cuflash.autotune`), then
-the heuristic table below. Each row of the table carries the measurement that
-chose it.
+Order: the tuning cache (through the lookup the tuning layer installs with
+`set_tuned_lookup`; this module is its only reader), then the heuristic tables
+below. Each row of a table carries the measurement that chose it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from .config import FP8_DTYPE_NAME, FwdConfig, FwdSm90Config, kernel_headdim
+from typing import Protocol
+
+from .config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, FwdConfig, FwdSm90Config, kernel_headdim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +25,7 @@ class FwdProblem:
     seqlen_q: int
     seqlen_k: int
     group: int  # query heads per kv head
-    max_smem: int = 227 * 1024  # the device's opt-in shared memory per block
+    max_smem: int = SM90_SMEM_LIMIT  # the device's opt-in shared memory per block
     arch: int = 80  # compute capability as major * 10 + minor
 
     @property
@@ -54,30 +56,39 @@ HEURISTIC_FWD = {
     256: (FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), FwdConfig(256, 64, 4, 1, 2, q_in_regs=False)),
 }
 
-# Hook for the autotune cache: a callable (FwdProblem) -> FwdConfig | None.
-_cache_lookup = None
+class TunedLookup(Protocol):
+    """The tuning cache as dispatch reads it (cuflash.tuning installs one)."""
+
+    def fwd(self, problem: FwdProblem) -> FwdConfig | FwdSm90Config | None: ...
+
+    def bwd(self, problem: BwdProblem) -> BwdConfig | None: ...
+
+    def state(self): ...  # what the answers depend on besides the problem (the cache's generation)
+
+
+_tuned: TunedLookup | None = None
 _cache_enabled = True
 
 
-def set_cache_lookup(lookup) -> None:
-    global _cache_lookup
-    _cache_lookup = lookup
+def set_tuned_lookup(lookup: TunedLookup | None) -> None:
+    global _tuned
+    _tuned = lookup
 
 
 def cache_enabled() -> bool:
-    """Whether fwd_config consults the autotune cache now (not within heuristic_only)."""
+    """Whether the choices consult the tuning cache now (not within heuristic_only)."""
     return _cache_enabled
 
 
 def cache_state() -> tuple:
-    """What fwd_config's choice depends on besides the problem and the cache's entries: the
-    switch and the hook (part of cuflash.api's launch-plan keys)."""
-    return _cache_enabled, _cache_lookup
+    """What a choice depends on besides the problem: the switch, the lookup and its cache's state
+    (part of the launch-plan keys of the entry points)."""
+    return _cache_enabled, _tuned, _tuned.state() if _tuned is not None else None
 
 
 @contextlib.contextmanager
 def heuristic_only():
-    """Within the block fwd_config ignores the autotune cache (the benchmark compares the two)."""
+    """Within the block the choices ignore the tuning cache (the benchmark compares the two)."""
     global _cache_enabled
     saved, _cache_enabled = _cache_enabled, False
     try:
@@ -200,10 +211,123 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     )
 
 
-def fwd_config(problem: FwdProblem) -> tuple[FwdConfig, str]:
-    """The config to run and where it came from ("cache" or "heuristic")."""
-    if _cache_lookup is not None and _cache_enabled:
-        cfg = _cache_lookup(problem)
+def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
+    """The forward config to run and where it came from ("cache" or "heuristic")."""
+    if _tuned is not None and _cache_enabled:
+        cfg = _tuned.fwd(problem)
         if cfg is not None:
             return cfg, "cache"
     return heuristic_fwd_config(problem), "heuristic"
+
+
+# ---------------------------------------------------------------- backward
+
+# Kernel head dim -> sm_80 backward tiles, the fast path on GPUs before Hopper.
+# Measured on an H200 (the sm_80 kernels there), fwd+bwd, fp16, 16k tokens,
+# hidden 2048, seqlen 2k / 8k, against torch SDPA flash in the same run
+# (bench/PERFLOG.md, bench/bwd_sweep.py):
+# - d64: 128 query rows x 128 keys, 8 warps: 0.92-0.93x non-causal, 0.83-0.90x
+#   causal; the 64 x 64, 4-warp tile 0.83-0.85x.
+# - d128: 64 x 128, 8 warps: 0.91-0.92x non-causal, 0.89-0.91x causal;
+#   128 x 128: 0.92-0.93x non-causal but 0.86-0.87x causal.
+# Holding all of a block's scores next to the dK and dV accumulators spills
+# (up to 240 bytes at d64, 40 at d128); holding 64 (d64) or 32 (d128) queries'
+# scores at a time (dkdv_chunk_m) is spill-free for every variant on sm_80 and
+# measured 2-9% (d64) and 9-12% (d128) slower on the H200. The table takes the
+# spill-free tiles (the autotuner also tries the whole block); the fallbacks
+# for smaller shared memories are chunked likewise.
+# - other head dims: unmeasured; tiles that fit the shared memory.
+# On compute capability 9.0 the Hopper kernel below replaces the dK/dV tiles
+# at head dims 33-128.
+HEURISTIC_BWD = {
+    32: BwdConfig(32, 128, 8, 4, 64),
+    64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
+    96: BwdConfig(96, 64, 8, 4, 64),
+    128: BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32),
+    160: BwdConfig(160, 32, 4, 4, 32),
+    192: BwdConfig(192, 32, 4, 4, 32),
+    224: BwdConfig(224, 32, 4, 4, 32),
+    256: BwdConfig(256, 32, 4, 4, 32),
+}
+
+
+# Kernel head dim -> the Hopper backward kernels (cuda_src/bwd_sm90.cuh), used
+# on compute capability 9.0. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
+# bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
+# head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles.
+HEURISTIC_BWD_SM90 = {
+    kd: BwdConfig(kd, block_m, 8, 8, BwdConfig.HOPPER_DQ_BLOCK_N[kd], stages=stages, hopper=True)
+    for kd, block_m, stages in ((64, 128, 2), (128, 64, 3))
+}
+
+
+# Kernel head dims without a Hopper backward of their own that run on the next
+# larger one, the extra columns zero-filled by the tensor maps.
+SM90_BWD_PADDED = {96: 128}
+
+
+def hopper_bwd_headdim(kd: int) -> int | None:
+    """The Hopper dK/dV kernel's head dim for kernel head dim `kd`, or None if it has none."""
+    return kd if kd in BwdConfig.HOPPER_BLOCK_M else SM90_BWD_PADDED.get(kd)
+
+
+def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
+    """Smaller tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB)."""
+    return (BwdConfig(kd, 64, 4, 4, 64, dkdv_chunk_m=32), BwdConfig(kd, 32, 4, 4, 32, dkdv_chunk_m=16),
+            BwdConfig(kd, 32, 2, 2, 16, dkdv_chunk_m=16))
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdProblem:
+    """What the backward kernel choice depends on."""
+
+    dtype_name: str
+    headdim: int  # the user's head dim
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    group: int  # query heads per kv head
+    deterministic: bool
+    max_smem: int = SM90_SMEM_LIMIT  # the device's opt-in shared memory per block
+    arch: int = 80  # compute capability as major * 10 + minor
+
+    @property
+    def kernel_headdim(self) -> int:
+        return kernel_headdim(self.headdim)
+
+
+def fits(cfg: BwdConfig, max_smem: int) -> bool:
+    return max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
+
+
+def bwd_tiles(headdim: int, max_smem: int, arch: int = 80, deterministic: bool = False) -> BwdConfig:
+    """The Hopper kernels on compute capability 9.0 where they have the head dim; else the sm_80
+    table's tiles, or smaller ones where the device has less shared memory per block."""
+    kd = kernel_headdim(headdim)
+    hopper = HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == 90 else None
+    if hopper is not None and fits(hopper, max_smem):
+        # Deterministic mode (dK/dV, then the dQ kernel) measured 2-10% faster
+        # with 2 stages than with 3 at head dim 128 (bench/bwd_sweep.py).
+        return dataclasses.replace(hopper, stages=2) if deterministic else hopper
+    for cfg in (HEURISTIC_BWD[kd], *bwd_fallbacks(kd)):
+        if fits(cfg, max_smem):
+            return cfg
+    raise RuntimeError(f"cuflash: no backward kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
+
+
+def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
+    """(config, deterministic) of every Hopper backward the heuristic can pick: what check compiles."""
+    return [(bwd_tiles(kd, SM90_SMEM_LIMIT, 90, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
+
+
+def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
+    return bwd_tiles(problem.headdim, problem.max_smem, problem.arch, problem.deterministic)
+
+
+def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
+    """The backward config to run and where it came from ("cache" or "heuristic")."""
+    if _tuned is not None and _cache_enabled:
+        cfg = _tuned.bwd(problem)
+        if cfg is not None:
+            return cfg, "cache"
+    return heuristic_bwd_config(problem), "heuristic"

@@ -3,7 +3,8 @@
 A tensor map describes a strided tensor in device memory and the box one copy
 moves; the driver encodes it (cuTensorMapEncodeTiled, through cuda-python:
 CuPy has no binding) into 128 opaque bytes, which the kernel receives by value
-as a `__grid_constant__` parameter (cuda_src/sm90_tiles.cuh: TmaDesc).
+as a `__grid_constant__` parameter (cuda_src/sm90_tiles.cuh: TmaDesc;
+cuflash/kernel_call.py packs it).
 
 Every map here is 4-D, innermost dim first, with a box whose inner extent is
 one 128-byte swizzled panel (cuda_src/common.cuh: tile_offset), so that a copy
@@ -18,8 +19,8 @@ import functools
 
 import numpy
 
-# The kernel parameter: 128 bytes, which CuPy passes as a structured scalar.
-TMA_DESC_DTYPE = numpy.dtype([("opaque", numpy.uint64, (16,))])
+# A map's bytes as the kernel parameter takes them: 16 little-endian words.
+TMA_DESC_WORDS = 16
 
 # Bytes of one swizzled panel row: the box's inner extent (128B swizzle).
 PANEL_BYTES = 128
@@ -51,7 +52,7 @@ def _init_driver():
 
 @functools.lru_cache(maxsize=4096)
 def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
-           box: tuple[int, ...], swizzle_bytes: int = PANEL_BYTES) -> numpy.void:
+           box: tuple[int, ...], swizzle_bytes: int = PANEL_BYTES) -> numpy.ndarray:
     """A tiled tensor map over `dims` (innermost first, elements) with byte strides of dims 1..3.
 
     swizzle_bytes: 128 or 64, the shared-memory swizzle (the box's inner extent in bytes).
@@ -80,9 +81,9 @@ def encode(ptr: int, itemsize: int, dims: tuple[int, ...], strides_bytes: tuple[
             f"cuflash: cuTensorMapEncodeTiled failed (CUresult {int(err)}) for dims {dims}, "
             f"strides {strides_bytes} bytes, box {box}"
         )
-    desc = numpy.zeros((), TMA_DESC_DTYPE)
-    desc["opaque"] = [int(x) for x in tmap.opaque]
-    return desc[()]
+    words = numpy.array([int(x) for x in tmap.opaque], numpy.uint64)
+    words.flags.writeable = False  # memoised: shared by every launch that asks for this map
+    return words
 
 
 def _safe_strides(inner_bytes: int, shape, strides_bytes) -> tuple[int, ...]:
@@ -99,7 +100,7 @@ def _safe_strides(inner_bytes: int, shape, strides_bytes) -> tuple[int, ...]:
     return tuple(out)
 
 
-def seq_major_map(x, box_rows: int) -> numpy.void:
+def seq_major_map(x, box_rows: int) -> numpy.ndarray:
     """Map over a (batch, seq, heads, headdim) array; box: one panel of headdim x `box_rows` rows.
 
     Coordinates in the kernel: (column, row, head, batch).
@@ -110,7 +111,7 @@ def seq_major_map(x, box_rows: int) -> numpy.void:
 # Memoised on the array's address and layout: the Hopper forward asks for three
 # or four maps on every call, and forming the arguments took ~2.5 us each.
 @functools.lru_cache(maxsize=4096)
-def _seq_major_map(ptr: int, itemsize: int, shape: tuple, strides_bytes: tuple, box_rows: int) -> numpy.void:
+def _seq_major_map(ptr: int, itemsize: int, shape: tuple, strides_bytes: tuple, box_rows: int) -> numpy.ndarray:
     batch, seqlen, heads, headdim = shape
     sb, sn, sh, _ = strides_bytes
     dims = (headdim, seqlen, heads, batch)
@@ -118,7 +119,7 @@ def _seq_major_map(ptr: int, itemsize: int, shape: tuple, strides_bytes: tuple, 
     return encode(ptr, itemsize, dims, strides, (PANEL_BYTES // itemsize, box_rows, 1, 1))
 
 
-def keys_major_map(vt, box_rows: int) -> numpy.void:
+def keys_major_map(vt, box_rows: int) -> numpy.ndarray:
     """Map over fp8 Vt (batch, heads_kv, headdim, keys), keys contiguous; box: one 64-byte-swizzled panel
     of VT_PANEL_KEYS keys x `box_rows` rows.
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from . import api, backward
-from .backward import BwdProblem
+from . import dispatch, launch
+from .dispatch import BwdProblem
 from .config import BwdConfig
 from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, default_scale, length_variants, poison,
                           problem_key, randn)
@@ -56,8 +56,13 @@ class BwdInputs:
         self.q, self.k, self.v = (randn(rng, s, problem.dtype_name) for s in (q_shape, kv_shape, kv_shape))
         self.dout = randn(rng, q_shape, problem.dtype_name)
         self.scale = default_scale(problem)
-        self.out, self.lse = api.attention(self.q, self.k, self.v, causal=problem.causal, softmax_scale=self.scale,
-                                           return_lse=True)
+        # The forward's out and lse, from the heuristic's forward kernel.
+        fwd = dispatch.FwdProblem(problem.dtype_name, problem.headdim, problem.causal, problem.seqlen_q,
+                                  problem.seqlen_k, problem.group, problem.max_smem, problem.arch)
+        self.out = cupy.empty_like(self.q)
+        self.lse = cupy.empty((shape.batch, shape.nheads, problem.seqlen_q), dtype=cupy.float32)
+        launch.launch_fwd(dispatch.heuristic_fwd_config(fwd), fwd, self.q, self.k, self.v, self.out, self.lse,
+                          self.scale)
         self.dq, self.dk, self.dv = (cupy.empty_like(x) for x in (self.q, self.k, self.v))
 
     @property
@@ -82,20 +87,20 @@ class BwdTuning(TunedFamily):
         return problem_key(self.name, problem, "det" if problem.deterministic else "atomic")
 
     def heuristic(self, problem: BwdProblem) -> BwdConfig:
-        return backward.heuristic_bwd_config(problem)
+        return dispatch.heuristic_bwd_config(problem)
 
     def space(self, problem: BwdProblem, quick: bool) -> list[BwdConfig]:
         """The product of the space's fields, with the table's entry; the dQ fields of the table in atomic mode."""
         kd = problem.kernel_headdim
-        table = backward.HEURISTIC_BWD[kd]
+        table = dispatch.HEURISTIC_BWD[kd]
         dq_fields = (_product(QUICK_DQ_SPACE if quick else DQ_SPACE) if problem.deterministic
                      else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
-        hopper_kd = backward.hopper_bwd_headdim(kd)
+        hopper_kd = dispatch.hopper_bwd_headdim(kd)
         if problem.arch == 90 and hopper_kd is not None:
             # The Hopper kernels first (the heuristic's choice there), in both ring depths.
-            hopper = backward.HEURISTIC_BWD_SM90[hopper_kd]
+            hopper = dispatch.HEURISTIC_BWD_SM90[hopper_kd]
             configs = [dataclasses.replace(hopper, stages=stages) for stages in HOPPER_STAGES] + configs
         return configs
 
@@ -134,7 +139,7 @@ class BwdTuning(TunedFamily):
     @staticmethod
     def launch(cfg: BwdConfig, problem: BwdProblem, inputs: BwdInputs) -> None:
         x = inputs
-        backward.launch_bwd(cfg, problem, x.scale, x.q, x.k, x.v, x.dout, x.out, x.lse, x.dq, x.dk, x.dv)
+        launch.launch_bwd(cfg, problem, x.scale, x.q, x.k, x.v, x.dout, x.out, x.lse, x.dq, x.dk, x.dv)
 
     def flops(self, problem: BwdProblem, shape: CallShape) -> float:
         # Five GEMMs against the forward's two: 2.5 x 4·B·H·Nq·Nk·D, halved for causal.
@@ -151,8 +156,8 @@ class BwdTuning(TunedFamily):
         except TypeError:
             return None
         kd = problem.kernel_headdim
-        headdim = backward.hopper_bwd_headdim(kd) if cfg.hopper else kd
-        usable = (cfg.is_valid() and cfg.headdim == headdim and backward.fits(cfg, problem.max_smem)
+        headdim = dispatch.hopper_bwd_headdim(kd) if cfg.hopper else kd
+        usable = (cfg.is_valid() and cfg.headdim == headdim and dispatch.fits(cfg, problem.max_smem)
                   and (not cfg.hopper or problem.arch == 90))
         return cfg if usable else None
 

@@ -141,7 +141,7 @@ def _current_entries(path: Path, device: DeviceKey) -> dict:
 _memo: dict[tuple[Path, str], dict] = {}
 _memo_lock = threading.Lock()
 # Counts this process's changes to the entries: what was decided from them
-# before (cuflash/api.py's launch plans) is stale once it moves.
+# before (the entry points' launch plans) is stale once it moves.
 _generation = 0
 
 

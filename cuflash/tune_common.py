@@ -11,7 +11,8 @@ import math
 
 import numpy
 
-from . import api, tune_cache
+from . import tune_cache
+from .arrays import numpy_dtype
 
 # Lengths that are multiples of this run the even-length kernels of every
 # candidate whose tile sides divide it, so the cache keeps those problems apart
@@ -95,10 +96,7 @@ class CallShape:
 
 def randn(rng, shape, dtype_name: str):
     """Standard normal values in the problem's 16-bit dtype."""
-    import cupy
-
-    dtype = numpy.float16 if dtype_name == "float16" else api._BF16
-    return rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+    return rng.standard_normal(shape, dtype=numpy.float32).astype(numpy_dtype(dtype_name))
 
 
 def poison(*arrays) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from . import api, dispatch
+from . import dispatch, launch
 from .config import FwdConfig, FwdSm90Config
 from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, default_scale, length_variants, poison,
                           problem_key, randn)
@@ -123,7 +123,7 @@ class FwdTuning(TunedFamily):
     @staticmethod
     def launch(cfg: FwdConfig, problem: dispatch.FwdProblem, inputs: FwdInputs) -> None:
         x = inputs
-        api.launch_fwd(cfg, problem, x.q, x.k, x.v, x.out, x.lse, x.scale)
+        launch.launch_fwd(cfg, problem, x.q, x.k, x.v, x.out, x.lse, x.scale)
 
     def flops(self, problem: dispatch.FwdProblem, shape: CallShape) -> float:
         # The benchmark's count: 4·B·H·Nq·Nk·D, halved for causal.

@@ -26,7 +26,6 @@ tune=True)`, `attention_backward(..., tune=True)` or `CUFLASH_AUTOTUNE=1`.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import datetime
@@ -42,9 +41,9 @@ from tqdm import tqdm
 from . import compile as _compile
 from . import timing
 from . import tune_cache
-from .backward import BwdProblem
+from . import dispatch
 from .config import DTYPE_NAMES
-from .dispatch import FwdProblem
+from .dispatch import BwdProblem, FwdProblem
 from .tune_bwd import BWD
 from .tune_common import CallShape, KernelSpec
 from .tune_fwd import FWD
@@ -418,57 +417,26 @@ def tune_bwd_call(problem: BwdProblem, batch: int, nheads: int, nheads_kv: int) 
     _tune_one(BWD, problem, CallShape(batch, nheads, nheads_kv))
 
 
-# ---------------------------------------------------------------- command line
+# ---------------------------------------------------------------- dispatch's view of the cache
+
+class CacheLookup:
+    """The tuning cache as dispatch reads it (dispatch.TunedLookup); `install` hands it over."""
+
+    @staticmethod
+    def fwd(problem: FwdProblem):
+        return FWD.cached(problem)[1]
+
+    @staticmethod
+    def bwd(problem: BwdProblem):
+        return BWD.cached(problem)[1]
+
+    @staticmethod
+    def state() -> tuple:
+        # The entries' generation. Where the cache lives (CUFLASH_CACHE_DIR, ...) is read when
+        # a call signature is first planned: reading the environment per call cost ~5 us.
+        return tune_cache.generation()
 
 
-def _table(results: dict[str, dict]) -> str:
-    from tabulate import tabulate
-
-    from .info import ENTRY_HEADERS, entry_row
-
-    rows = [entry_row(key, entry) for key, entry in sorted(results.items())]
-    return tabulate(rows, headers=ENTRY_HEADERS, disable_numparse=True)
-
-
-def main(argv=None) -> int:
-    from .benchmark import _dtype, _list, _seqlen  # the benchmark's option spellings
-
-    parser = argparse.ArgumentParser(
-        prog="python -m cuflash autotune",
-        description="Find and cache the fastest forward and backward configurations per problem on this GPU.")
-    parser.add_argument("--dtype", action="append", metavar="T", help="fp16 and/or bf16 (default: both)")
-    parser.add_argument("--headdim", action="append", metavar="D", help="head dims, e.g. 64,128 (default: 64,128)")
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
-                        help="only causal (--causal) or only non-causal (--no-causal) problems")
-    parser.add_argument("--seqlen", action="append", metavar="N",
-                        help="sequence lengths, e.g. 1k,4k (default: 512..16k; --quick: 1k..8k)")
-    parser.add_argument("--only", choices=PASSES, help="tune only the forward or only the backward (default: both)")
-    parser.add_argument("--quick", action="store_true",
-                        help="small candidate space, 10 repeats, seqlens 1k..8k: a few minutes")
-    parser.add_argument("--clear", action="store_true", help="remove this device's cached entries first")
-    parser.add_argument("--repeats", type=int, help="timed calls per candidate (default: 20; --quick: 10)")
-    parser.add_argument("--jobs", type=int, help="compile threads (default: one per CPU)")
-    args = parser.parse_args(argv)
-    dtypes = _list(parser, args.dtype, _dtype, "--dtype") or list(DTYPE_NAMES)
-    headdims = _list(parser, args.headdim, int, "--headdim") or list(DEFAULT_HEADDIMS)
-    seqlens = _list(parser, args.seqlen, _seqlen, "--seqlen") or None
-    causal = (False, True) if args.causal is None else (args.causal,)
-    if any(d % 8 or not 8 <= d <= 256 for d in headdims):
-        parser.error("--headdim values must be multiples of 8 between 8 and 256")
-    if seqlens and any(n <= 0 for n in seqlens):
-        parser.error("--seqlen values must be positive")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-
-    started = time.perf_counter()
-    try:
-        passes = (args.only,) if args.only else PASSES
-        results = autotune(dtypes=dtypes, headdims=headdims, causal=causal, seqlens=seqlens, passes=passes,
-                           quick=args.quick, clear=args.clear, repeats=args.repeats, jobs=args.jobs)
-    except Exception as exc:
-        print(f"cuflash autotune: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(_table(results))
-    print(f"\n{len(results)} problems in {time.perf_counter() - started:.0f} s; "
-          f"cache: {tune_cache.cache_path(DeviceLimits.current().device)}")
-    return 0
+def install() -> None:
+    """Tuned configurations take precedence over dispatch's tables from now on."""
+    dispatch.set_tuned_lookup(CacheLookup())

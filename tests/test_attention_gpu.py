@@ -193,12 +193,12 @@ def test_repeated_calls_take_the_launch_plan(rng, monkeypatch):
     dtype or stride layout makes a plan of its own, misaligned inputs are
     copied as on the full path, and bad arguments of a planned shape still
     raise."""
-    from cuflash import api, dispatch
+    from cuflash import dispatch, forward, validate
 
-    api._fwd_plans.clear()
+    forward._plans.clear()
     host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
     check(host, dev)
-    assert len(api._fwd_plans) == 1
+    assert len(forward._plans) == 1
     check(host, dev, causal=True)
     check(host, dev, softmax_scale=0.3)
     host16, dev16 = make_qkv(rng, ml_dtypes.bfloat16, 2, 97, 130, 4, 2, 64)
@@ -213,7 +213,7 @@ def test_repeated_calls_take_the_launch_plan(rng, monkeypatch):
     shifted = flat[1:].reshape(dev[0].shape)
     shifted[...] = dev[0]
     check(host, (shifted, dev[1], dev[2]))
-    assert len(api._fwd_plans) == 6
+    assert len(forward._plans) == 6
     with pytest.raises(TypeError, match=r"\bk\b"):
         cuflash.attention(dev[0], dev16[1], dev[2])
 
@@ -221,7 +221,7 @@ def test_repeated_calls_take_the_launch_plan(rng, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a planned call validated or dispatched again")
 
-    monkeypatch.setattr(api, "_validate_qkv", must_not_run)
+    monkeypatch.setattr(validate, "qkv", must_not_run)
     monkeypatch.setattr(dispatch, "fwd_config", must_not_run)
     host, dev = make_qkv(rng, np.float16, 2, 97, 130, 4, 2, 64)
     check(host, dev)

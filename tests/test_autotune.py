@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 
-from cuflash import backward
 from cuflash import compile as cf_compile
-from cuflash import dispatch, info, tune_cache, tuner
-from cuflash.backward import BwdProblem
+from cuflash import dispatch, tune_cache, tuner
+from cuflash.cli import autotune as cli_autotune
+from cuflash.cli import info as cli_info
+from cuflash.dispatch import BwdProblem
 from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
 from cuflash.tune_common import CallShape, seqlen_bucket
@@ -228,20 +229,20 @@ def test_dispatch_uses_the_cache(cache, monkeypatch):
     assert dispatch.fwd_config(FwdProblem("float16", 64, False, 1100, 1500, 2)) == (tuned, "cache")
     with dispatch.heuristic_only():
         assert dispatch.fwd_config(problem)[1] == "heuristic"
-    assert "cache hit" in info.choice_report(problem, has_device=True)
-    report = info.tuning_cache_report(DEVICE)
+    assert "cache hit" in cli_info.choice_report(problem, has_device=True)
+    report = cli_info.tuning_cache_report(DEVICE)
     assert "(this device)" in report and FWD.key(problem) in report
     # An entry whose config this FwdConfig cannot build is ignored.
     tune_cache.put(DEVICE, {FWD.key(problem): {**entry(), "config": {"headdim": 64, "tile": 3}}})
     assert dispatch.fwd_config(problem)[1] == "heuristic"
-    assert "does not fit" in info.choice_report(problem, has_device=True)
+    assert "does not fit" in cli_info.choice_report(problem, has_device=True)
 
 
 def test_cli_rejects_bad_options():
     with pytest.raises(SystemExit):
-        tuner.main(["--headdim", "7"])
+        cli_autotune.main(["--headdim", "7"])
     with pytest.raises(SystemExit):
-        tuner.main(["--dtype", "fp8"])
+        cli_autotune.main(["--dtype", "fp8"])
 
 
 # ---------------------------------------------------------------- the backward
@@ -257,7 +258,7 @@ def test_bwd_space_holds_the_table_and_fits(headdim, deterministic):
     problem = bwd_problem(headdim, deterministic=deterministic)
     quick = tuner.candidates(BWD, problem, H100, quick=True)
     full = tuner.candidates(BWD, problem, H100, quick=False)
-    assert quick[0] == full[0] == backward.HEURISTIC_BWD[headdim]
+    assert quick[0] == full[0] == dispatch.HEURISTIC_BWD[headdim]
     assert len(quick) == len(set(quick)) and len(full) == len(set(full))
     assert set(quick) <= set(full) and len(quick) < len(full)
     for cfg in full:
@@ -271,7 +272,7 @@ def test_bwd_space_holds_the_table_and_fits(headdim, deterministic):
 
 def test_bwd_keep_drops_over_budget():
     small = tuner.DeviceLimits(DEVICE, 99 * 1024, 100 * 1024, 1536, 65536, 1 << 20)
-    table = backward.HEURISTIC_BWD[128]
+    table = dispatch.HEURISTIC_BWD[128]
     assert BWD.keep(table, H100) and not BWD.keep(table, small)
     assert all(BWD.keep(cfg, small) for cfg in tuner.candidates(BWD, bwd_problem(), small, quick=False)[1:])
     assert not BWD.keep(BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=48), H100)  # chunk does not divide the block
@@ -295,24 +296,24 @@ def test_bwd_key_and_kernels():
 def test_bwd_choice_uses_the_cache(cache, monkeypatch):
     monkeypatch.setattr(tune_cache, "current_device", lambda: DEVICE)
     problem = bwd_problem(64, seqlen=2000)
-    heuristic = backward.heuristic_bwd_config(problem)
-    assert backward.choose_config(problem) == (heuristic, "heuristic")
+    heuristic = dispatch.heuristic_bwd_config(problem)
+    assert dispatch.bwd_config(problem) == (heuristic, "heuristic")
     tuned = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=32)
     tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": dataclasses.asdict(tuned)}})
     assert tune_cache.get(DEVICE, BWD.key(problem))["config"] == dataclasses.asdict(tuned)
-    assert backward.choose_config(problem) == (tuned, "cache")
+    assert dispatch.bwd_config(problem) == (tuned, "cache")
     # Same bucket and length class: the same entry; the other dQ mode has its own.
-    assert backward.choose_config(bwd_problem(64, seqlen=1500))[1] == "cache"
-    assert backward.choose_config(bwd_problem(64, seqlen=2000, deterministic=True))[1] == "heuristic"
+    assert dispatch.bwd_config(bwd_problem(64, seqlen=1500))[1] == "cache"
+    assert dispatch.bwd_config(bwd_problem(64, seqlen=2000, deterministic=True))[1] == "heuristic"
     with dispatch.heuristic_only():
-        assert backward.choose_config(problem) == (heuristic, "heuristic")
+        assert dispatch.bwd_config(problem) == (heuristic, "heuristic")
     # Entries that this BwdConfig cannot build, or that do not fit the device, are ignored.
     for config in ({"headdim": 64, "tile": 3}, dataclasses.asdict(BwdConfig(128, 64, 8, 4, 64))):
         tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": config}})
-        assert backward.choose_config(problem) == (heuristic, "heuristic")
+        assert dispatch.bwd_config(problem) == (heuristic, "heuristic")
     small = dataclasses.replace(problem, max_smem=99 * 1024)
-    tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": dataclasses.asdict(backward.HEURISTIC_BWD[64])}})
-    assert backward.choose_config(small) == (backward.heuristic_bwd_config(small), "heuristic")
+    tune_cache.put(DEVICE, {BWD.key(problem): {**entry(), "config": dataclasses.asdict(dispatch.HEURISTIC_BWD[64])}})
+    assert dispatch.bwd_config(small) == (dispatch.heuristic_bwd_config(small), "heuristic")
 
 
 def test_bwd_compile_filter_checks_every_kernel(monkeypatch):
@@ -348,7 +349,7 @@ def test_autotune_builds_both_passes():
 
 def test_cli_rejects_bad_pass():
     with pytest.raises(SystemExit):
-        tuner.main(["--only", "sideways"])
+        cli_autotune.main(["--only", "sideways"])
 
 
 def test_hopper_192_key_tiles_are_tuned_with_both_length_variants():

@@ -12,8 +12,8 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import api, backward, dispatch, tune_cache, tuner
-from cuflash.backward import BwdProblem
+from cuflash import device, dispatch, forward, launch, tune_cache, tuner
+from cuflash.dispatch import BwdProblem
 from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
 from cuflash.tune_bwd import BWD
@@ -34,11 +34,11 @@ print(entry["config_name"], entry["tuned_at"], entry["timed"])
 
 USE = """
 import cupy, cuflash
-from cuflash import api, dispatch, tune_cache, tuner
+from cuflash import device, dispatch, tune_cache, tuner
 tuner.run = lambda *args, **kwargs: print("tuned again")  # any tuning would show up here
 dev = cupy.cuda.Device().id
-problem = dispatch.FwdProblem("float16", 64, False, 512, 512, 1, api.max_smem_per_block(dev),
-                              api.compute_capability(dev))
+problem = dispatch.FwdProblem("float16", 64, False, 512, 512, 1, device.max_smem_per_block(dev),
+                              device.compute_capability(dev))
 cfg, source = dispatch.fwd_config(problem)
 q = cupy.random.standard_normal((2, 512, 4, 64)).astype(cupy.float16)
 cuflash.attention(q, q, q, tune=True)
@@ -50,13 +50,14 @@ print(cfg.short_name(), source, entry["tuned_at"])
 def device_problem(*fields):
     """A FwdProblem as cuflash.attention builds it on the current device (its shared memory and arch)."""
     dev = cupy.cuda.Device().id
-    return FwdProblem(*fields, api.max_smem_per_block(dev), api.compute_capability(dev))
+    return FwdProblem(*fields, device.max_smem_per_block(dev), device.compute_capability(dev))
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tune_cache, "_memo", {})
+    monkeypatch.setattr(forward, "_plans", {})  # plans keep the dispatch of the cache they were made under
     return tmp_path
 
 
@@ -116,7 +117,7 @@ def test_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
 def device_bwd_problem(*fields):
     """A BwdProblem as cuflash.attention_backward builds it on the current device."""
     dev = cupy.cuda.Device().id
-    return BwdProblem(*fields, api.max_smem_per_block(dev), api.compute_capability(dev))
+    return BwdProblem(*fields, device.max_smem_per_block(dev), device.compute_capability(dev))
 
 
 def bwd_inputs(batch, nq, nk, nheads, nheads_kv, headdim, causal):
@@ -138,13 +139,13 @@ def assert_grads_close(grads, expected):
 
 def record_configs(monkeypatch):
     """The configs attention_backward launches, in order."""
-    used, launch = [], backward.launch_bwd
+    used, prepare = [], launch.prepare_bwd
 
     def recording(cfg, *args):
         used.append(cfg)
-        launch(cfg, *args)
+        return prepare(cfg, *args)
 
-    monkeypatch.setattr(backward, "launch_bwd", recording)
+    monkeypatch.setattr(launch, "prepare_bwd", recording)
     return used
 
 
@@ -160,14 +161,14 @@ def test_tuned_backward_is_cached_used_and_matches_the_heuristic(cache, monkeypa
     # Make a candidate the winner, so that the cache is seen to override the table.
     tuned = candidates[0]
     tune_cache.put(tune_cache.current_device(), {BWD.key(problem): {**entry, "config": dataclasses.asdict(tuned)}})
-    assert backward.choose_config(problem) == (tuned, "cache")
+    assert dispatch.bwd_config(problem) == (tuned, "cache")
 
     args = bwd_inputs(2, 512, 512, 4, 4, 64, causal=True)
     used = record_configs(monkeypatch)
     with dispatch.heuristic_only():
         expected = cuflash.attention_backward(*args, causal=True, deterministic=deterministic)
     grads = cuflash.attention_backward(*args, causal=True, deterministic=deterministic)
-    assert used == [backward.heuristic_bwd_config(problem), tuned]
+    assert used == [dispatch.heuristic_bwd_config(problem), tuned]
     assert_grads_close(grads, expected)
 
 
@@ -182,5 +183,5 @@ def test_backward_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     problem = device_bwd_problem("float16", 64, True, 300, 200, 2, False)
     entry = tune_cache.get(tune_cache.current_device(), BWD.key(problem))
     assert entry["shape"] == {**entry["shape"], "batch": 1, "nheads": 4, "nheads_kv": 2, "seqlen_q": 300}
-    assert backward.choose_config(problem)[1] == "cache"
+    assert dispatch.bwd_config(problem)[1] == "cache"
     assert_grads_close(grads, expected)

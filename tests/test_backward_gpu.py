@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import backward as backward_module
 from cuflash import dispatch
 from cuflash.config import BwdConfig
 from cuflash.reference import attention_backward as reference_backward
@@ -153,10 +152,10 @@ def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, 
     if kernel == "hopper" and not _is_hopper():
         pytest.skip("needs an sm_90 GPU")
     if kernel == "sm80":
-        monkeypatch.setattr(backward_module, "HEURISTIC_BWD_SM90", {})
+        monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
     cc = cupy.cuda.Device().compute_capability
-    chosen = backward_module.bwd_config(headdim, 227 * 1024, int(cc))
+    chosen = dispatch.bwd_tiles(headdim, 227 * 1024, int(cc))
     assert chosen.hopper == (kernel == "hopper")
     with dispatch.heuristic_only():
         grads = backward(dev, causal=causal, deterministic=deterministic)
@@ -284,10 +283,10 @@ def test_query_chunks_are_bitwise_exact(monkeypatch, rng, dtype, headdim, block_
     dout, q, k, v = dev
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     kd = 128 if headdim > 64 else 64
-    monkeypatch.setattr(backward_module, "HEURISTIC_BWD_SM90", {})  # the sm_80 dK/dV kernel on Hopper too
+    monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})  # the sm_80 dK/dV kernel on Hopper too
     grads = {}
     for chunk in (0, 16, 32, 64):  # 0: the whole block
-        monkeypatch.setitem(backward_module.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))
+        monkeypatch.setitem(dispatch.HEURISTIC_BWD, kd, BwdConfig(kd, block_m, 8, 4, 64, dkdv_chunk_m=chunk))
         with dispatch.heuristic_only():
             grads[chunk] = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
     check_grads(grads[16], host, causal=causal)

@@ -62,7 +62,7 @@ def test_sm90_smem_bytes_match_cpp_traits():
 
 
 def test_bwd_sm90_smem_bytes_match_cpp_traits():
-    from cuflash.backward import HEURISTIC_BWD_SM90
+    from cuflash.dispatch import HEURISTIC_BWD_SM90
 
     configs = [dataclasses.replace(c, stages=s) for c in HEURISTIC_BWD_SM90.values() for s in (2, 3)]
     assert all(c.is_valid() for c in HEURISTIC_BWD_SM90.values())

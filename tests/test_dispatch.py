@@ -2,7 +2,7 @@
 
 import pytest
 
-from cuflash import backward, dispatch
+from cuflash import dispatch
 from cuflash.config import KERNEL_HEADDIMS, FwdConfig, FwdSm90Config, kernel_headdim
 
 H200_SMEM = 227 * 1024
@@ -58,21 +58,21 @@ def test_every_choice_fits_the_shared_memory(headdim, max_smem):
             assert dispatch.heuristic_fwd_config(problem(headdim, arch=arch, max_smem=max_smem,
                                                          seqlen=seqlen)).smem_bytes() <= max_smem
     for arch in (80, 90):
-        cfg = backward.bwd_config(headdim, max_smem, arch)
+        cfg = dispatch.bwd_tiles(headdim, max_smem, arch)
         assert max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
 
 
 @pytest.mark.parametrize("headdim", [1, 48, 64, 65, 96, 128, 129, 256])
 def test_backward_uses_the_hopper_kernel_on_sm90_only(headdim):
     kd = kernel_headdim(headdim)
-    hopper = backward.bwd_config(headdim, H200_SMEM, 90)
+    hopper = dispatch.bwd_tiles(headdim, H200_SMEM, 90)
     assert hopper.hopper == (kd in (64, 96, 128))
     assert hopper.is_valid() and hopper.headdim == (128 if kd == 96 else kd)
-    assert not backward.bwd_config(headdim, H200_SMEM, 80).hopper
+    assert not dispatch.bwd_tiles(headdim, H200_SMEM, 80).hopper
 
 
 def test_no_kernel_fits_raises_clearly():
     with pytest.raises(RuntimeError, match="shared memory"):
         dispatch.heuristic_fwd_config(problem(256, max_smem=16 * 1024))
     with pytest.raises(RuntimeError, match="shared memory"):
-        backward.bwd_config(256, 16 * 1024)
+        dispatch.bwd_tiles(256, 16 * 1024)

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from cuflash import api, dispatch, reference, tail_split  # noqa: E402
+import cuflash  # noqa: E402
+from cuflash import device, dispatch, forward, launch, reference, tail_split  # noqa: E402
 from cuflash import compile as cf_compile  # noqa: E402
 from cuflash.config import FwdSm90Config  # noqa: E402
 
@@ -117,7 +118,7 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
     cfg = dispatch.HEURISTIC_SM90[headdim]
     scale = 1 / math.sqrt(headdim)
     problem = dispatch.FwdProblem(dtype, headdim, causal, nq, nk, nheads // nheads_kv)
-    api.launch_fwd(cfg, problem, dq_, dk_, dv_, out, lse, scale)
+    launch.launch_fwd(cfg, problem, dq_, dk_, dv_, out, lse, scale)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     naive = reference.attention_naive_lowp(q, k, v, causal=causal, dtype=np_dtype)
     atol = 1e-3 if dtype == "float16" else 5e-3
@@ -155,7 +156,7 @@ def test_sm90_other_configs(cfg, headdim, causal, nq, nk, rng):
     out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
     lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
     problem = dispatch.FwdProblem("float16", headdim, causal, nq, nk, nheads // nheads_kv, arch=90)
-    api.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in (q, k, v)), out, lse, 1 / math.sqrt(headdim))
+    launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in (q, k, v)), out, lse, 1 / math.sqrt(headdim))
     ref = reference.attention(q, k, v, causal=causal)
     naive = reference.attention_naive_lowp(q, k, v, causal=causal, dtype=np.float16)
     assert_close_2x(out.get(), ref, naive, 1e-3)
@@ -170,7 +171,8 @@ def test_persistent_ctas_take_many_tiles(monkeypatch, ctas, dtype, headdim, caus
     """With 1 or 3 CTAs for 36-72 work tiles, each CTA runs many tiles: the
     Q and K/V rings' phases, the tile counter and the tiles whose rows see no
     key (causal, nq > nk) carry over from tile to tile."""
-    monkeypatch.setattr(api, "sm_count", lambda device_id: ctas)
+    monkeypatch.setattr(launch, "sm_count", lambda device_id: ctas)
+    monkeypatch.setattr(forward, "_plans", {})  # plans hold the grids of the real CTA count
     batch, nheads, nheads_kv = 2, 6, 2
     if dtype == "float8_e4m3":
         bits, scales, values = _fp8_inputs(rng, batch, nq, nk, nheads, nheads_kv, headdim)
@@ -184,7 +186,7 @@ def test_persistent_ctas_take_many_tiles(monkeypatch, ctas, dtype, headdim, caus
         values = [rng.standard_normal((batch, n, h, headdim), dtype=np.float32).astype(np_dtype)
                   for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
         out = cupy.full(values[0].shape, np.nan, dtype=np_dtype)
-        _, lse = api.attention(*(cupy.asarray(x) for x in values), causal=causal, out=out, return_lse=True)
+        _, lse = cuflash.attention(*(cupy.asarray(x) for x in values), causal=causal, out=out, return_lse=True)
         got, got_lse = out.get().astype(np.float64), lse.get()
         naive = reference.attention_naive_lowp(*values, causal=causal, dtype=np_dtype)
         atol = 1e-3 if dtype == "float16" else 5e-3
@@ -218,10 +220,10 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
 
     monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)  # split these short key sequences too
     if ctas is None:
-        ctas = api.sm_count(cupy.cuda.Device().id)
+        ctas = device.sm_count(cupy.cuda.Device().id)
         nheads_kv = -(-3 * ctas // 8)  # about 1.5 waves of tiles
     else:
-        monkeypatch.setattr(api, "sm_count", lambda device_id: ctas)
+        monkeypatch.setattr(launch, "sm_count", lambda device_id: ctas)
         nheads_kv = 3
     batch, nheads = 1, 2 * nheads_kv
     split = _split_of(cfg, ctas, batch, nq, nheads, nk)
@@ -236,7 +238,7 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
         padded = cupy.full((batch, nq, nheads, headdim + 8), np.nan, dtype=np_dtype)
         out = padded[..., :headdim]
         lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
-        api.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim))
+        launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim))
         assert_close_2x(out.get().astype(np.float64), ref, naive, 1e-3 if dtype == "float16" else 5e-3)
         assert np.all(np.isnan(padded[..., headdim:].get()))
         np.testing.assert_allclose(lse.get(), ref_lse, atol=1e-3, rtol=1e-3)
@@ -248,10 +250,10 @@ def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
     """The split with fp8 inputs: partial outputs carry v_descale, lse the score descales; twice."""
     monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)
     if ctas is None:
-        ctas = api.sm_count(cupy.cuda.Device().id)
+        ctas = device.sm_count(cupy.cuda.Device().id)
         nheads_kv = -(-3 * ctas // 8)
     else:
-        monkeypatch.setattr(api, "sm_count", lambda device_id: ctas)
+        monkeypatch.setattr(launch, "sm_count", lambda device_id: ctas)
         nheads_kv = 3
     batch, nheads = 1, 2 * nheads_kv
     assert _split_of(dispatch.HEURISTIC_FP8[128], ctas, batch, nq, nheads, nk).items > 0
@@ -285,7 +287,7 @@ def test_sm90_strided_views(layout, rng):
     lse = cupy.full((q.shape[0], q.shape[2], nq), np.nan, dtype=cupy.float32)
     cfg = dispatch.HEURISTIC_SM90[headdim]
     problem = dispatch.FwdProblem("float16", headdim, causal, nq, nk, q.shape[2] // k.shape[2], arch=90)
-    api.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(headdim))
+    launch.launch_fwd(cfg, problem, q, k, v, out, lse, 1 / math.sqrt(headdim))
     hq, hk, hv = (x.get() for x in (q, k, v))
     ref = reference.attention(hq, hk, hv, causal=causal)
     naive = reference.attention_naive_lowp(hq, hk, hv, causal=causal, dtype=np.float16)
@@ -318,7 +320,7 @@ def _fp8_attention(bits, scales, causal):
     import ml_dtypes
 
     out = cupy.full(bits[0].shape, np.nan, dtype=ml_dtypes.bfloat16)
-    got, lse = api.attention(*(cupy.asarray(b) for b in bits), causal=causal, out=out, return_lse=True,
+    got, lse = cuflash.attention(*(cupy.asarray(b) for b in bits), causal=causal, out=out, return_lse=True,
                              q_descale=cupy.asarray(scales[0]), k_descale=cupy.asarray(scales[1]),
                              v_descale=cupy.asarray(scales[2]))
     assert got is out and got.dtype == ml_dtypes.bfloat16
@@ -385,7 +387,7 @@ def test_fp8_descale_defaults_to_one(rng):
 
     shape = (1, 128, 2, 128)
     bits = [rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8) for _ in range(3)]
-    got = api.attention(*(cupy.asarray(b) for b in bits))
+    got = cuflash.attention(*(cupy.asarray(b) for b in bits))
     values = [reference.fp8_dequantize(b, np.ones((1, 2), np.float32)) for b in bits]
     ref = reference.attention(*values)
     naive = reference.attention_naive_fp8(*values)

@@ -18,11 +18,11 @@ import sys
 
 from tabulate import tabulate
 
-from . import compile as _compile
-from .backward import bwd_fallbacks, hopper_bwd_plans, HEURISTIC_BWD
-from .config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
-from .dispatch import HEURISTIC_FP8, HEURISTIC_FWD, sm90_table_configs, small_fwd_configs
-from .fp8 import TRANSPOSE_V_KERNEL
+from .. import compile as _compile
+from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
+from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, hopper_bwd_plans,
+                        sm90_table_configs, small_fwd_configs)
+from ..fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at

@@ -50,7 +50,7 @@ def _cache_dir(env: str, default: str) -> str:
 
 
 def _tuning_cache_dir() -> str:
-    from .tune_cache import cache_dir
+    from ..tune_cache import cache_dir
 
     path = cache_dir()
     files = sorted(path.glob("*.json")) if path.is_dir() else []
@@ -126,8 +126,8 @@ def tuning_cache_report(current=None) -> str:
     """Every device file in the tuning cache with its entries; `current` marks this device's file."""
     from tabulate import tabulate
 
-    from . import compile as _compile
-    from . import tune_cache
+    from .. import compile as _compile
+    from .. import tune_cache
 
     directory = tune_cache.cache_dir()
     files = sorted(directory.glob("*.json")) if directory.is_dir() else []
@@ -152,8 +152,8 @@ def tuning_cache_report(current=None) -> str:
 
 def choice_report(problem, has_device: bool) -> str:
     """Which forward config a call with `problem` runs, and why."""
-    from . import dispatch
-    from .tune_fwd import FWD
+    from .. import dispatch
+    from ..tune_fwd import FWD
 
     lines = [f"call: {problem}", f"cache key: {FWD.key(problem)}"]
     if has_device:
@@ -197,13 +197,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     problem = None
     if args.headdim is not None or args.seqlen is not None:
-        from .benchmark import _dtype, _seqlen
-        from .dispatch import FwdProblem
+        from ..bench.options import dtype_option, seqlen_option
+        from ..dispatch import FwdProblem
 
         try:
-            seqlen_q = _seqlen(args.seqlen or "4k")
-            seqlen_k = _seqlen(args.seqlen_k) if args.seqlen_k else seqlen_q
-            problem = FwdProblem(_dtype(args.dtype), args.headdim or 128, args.causal, seqlen_q, seqlen_k,
+            seqlen_q = seqlen_option(args.seqlen or "4k")
+            seqlen_k = seqlen_option(args.seqlen_k) if args.seqlen_k else seqlen_q
+            problem = FwdProblem(dtype_option(args.dtype), args.headdim or 128, args.causal, seqlen_q, seqlen_k,
                                  args.group)
             problem.kernel_headdim  # raises for an unsupported head dim
         except ValueError as exc:
@@ -218,18 +218,18 @@ def main(argv=None) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
 
-    from . import tune_cache
+    from .. import tune_cache
 
     has_device = _has_device(cupy)
     print()
     print(tuning_cache_report(tune_cache.current_device() if has_device else None))
     if problem is not None:
         if has_device:  # the call as this device would see it (shared memory, Hopper kernels)
-            from . import api
+            from .. import device
 
             device_id = cupy.cuda.Device().id
-            problem = dataclasses.replace(problem, max_smem=api.max_smem_per_block(device_id),
-                                          arch=api.compute_capability(device_id))
+            problem = dataclasses.replace(problem, max_smem=device.max_smem_per_block(device_id),
+                                          arch=device.compute_capability(device_id))
         print()
         print(choice_report(problem, has_device))
     return 0

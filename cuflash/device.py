@@ -1,0 +1,64 @@
+"""The GPU a call runs on: CuPy's import, device facts (memoised) and the check that cuflash runs there.
+
+The lowest layer with launch and compile: nothing here imports another cuflash module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# The oldest GPU generation cuflash runs on (Ampere, cp.async and mma.sync).
+MIN_COMPUTE_CAPABILITY = 80
+# Compute capability of the Hopper kernels (wgmma and TMA need exactly sm_90a).
+HOPPER = 90
+
+
+def cupy():
+    """The cupy module, imported on first use with a hint where it is missing."""
+    try:
+        import cupy as module
+    except ImportError:
+        raise ImportError(
+            "cuflash needs CuPy: pip install 'cuflash[cuda12]' (or [cuda13]) to get CuPy and NVRTC"
+        ) from None
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def require_device(device_id: int) -> None:
+    """Raises unless device_id is a GPU cuflash runs on (a pass is memoised: it is asked on every call)."""
+    cp = cupy()
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver / no device
+        raise RuntimeError(f"cuflash needs a CUDA GPU and its driver: {exc}") from None
+    if count == 0:
+        raise RuntimeError("cuflash needs a CUDA GPU; none was found")
+    cc = compute_capability(device_id)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"cuflash needs compute capability 8.0 (Ampere) or newer; device {device_id} has {cc // 10}.{cc % 10}"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def max_smem_per_block(device_id: int) -> int:
+    """Opt-in dynamic shared memory per block of a device, in bytes."""
+    return int(cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device."""
+    return int(cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    """Compute capability of a device as major * 10 + minor (90 for H100/H200)."""
+    return int(cupy().cuda.Device(device_id).compute_capability)
+
+
+def stream_is_capturing() -> bool:
+    """Whether CuPy's current stream is recording a CUDA graph (cupy.cuda.Stream.begin_capture)."""
+    return cupy().cuda.get_current_stream().is_capturing()

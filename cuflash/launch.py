@@ -1,0 +1,386 @@
+"""Kernel launches: argument packing, grids, streams and workspaces.
+
+`prepare_fwd` and `prepare_bwd` turn a validated call and its chosen config
+into a launch object that holds everything the call's shapes decide (kernel
+handles, grids, packed arguments); its `run` rewrites the array addresses and
+tensor maps and launches on a stream. The entry points keep these objects as
+the launch plans of repeated calls, so a repeat is a lookup plus `run`.
+
+Workspaces: the Hopper forward's tile counters and last-wave partial outputs
+live per (device, stream) and grow on demand (`StreamState`); the backward's
+row statistics and dQ accumulator come from a `BackwardWorkspace`, given by
+the caller or allocated per call. Nothing here allocates while the stream
+captures a CUDA graph: a buffer that would have to grow raises instead.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy
+
+from . import fp8, tail_split, tma
+from .arrays import aligned_copy, elem_strides
+from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig
+from .device import cupy, sm_count, stream_is_capturing
+from .kernel_call import KernelArgs, kernel
+
+# Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
+LOG2E = 1.4426950408889634
+# A tensor-map argument before run() writes the call's maps.
+UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
+# Query rows per CTA of the backward's row-wise kernels (preprocess, dQ convert): one warp a row.
+ROWS_PER_CTA = 8
+
+
+def _strides(*arrays) -> list:
+    return [numpy.int64(s) for x in arrays for s in elem_strides(x)[:3]]
+
+
+def require_not_capturing(what: str) -> None:
+    if stream_is_capturing():
+        raise RuntimeError(f"cuflash: {what} would allocate device memory while the current stream captures a "
+                           "CUDA graph: pass the outputs and workspaces, and run the call once on this stream "
+                           "before the capture")
+
+
+# ---------------------------------------------------------------- per-stream state
+
+class StreamState:
+    """The Hopper forward's buffers on one stream: tile counters and the last wave's partial outputs.
+
+    Counters (int32): ticket, then two per split tile (one per consumer
+    warpgroup): CTAs past the first wave draw tiles from the ticket, and the
+    tail counts each split tile's finished key runs (cuda_src/tail_split.cuh).
+    The kernel resets all of them to 0 before it exits (the last ticket's
+    holder, each tile half's combiner), so one launch after another on the
+    stream, or a CUDA graph's replays, start from zeros without a memset.
+
+    Buffers only grow, and a replaced one stays allocated: prepared launches
+    and captured graphs keep its address, and launches on one stream run in
+    order, so sharing is safe. Growth doubles, so what is kept is at most
+    twice the largest buffer.
+    """
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self.counters = None
+        self.partials = None  # float32: partial outputs, then their logsumexps
+        self.replaced: list = []
+
+    def _grown(self, old, size: int, dtype, zeroed: bool, what: str):
+        if old is not None and old.size >= size:
+            return old
+        require_not_capturing(what)
+        size = max(size, 2 * old.size) if old is not None else size
+        with cupy().cuda.Device(self.device_id):
+            new = cupy().zeros(size, dtype) if zeroed else cupy().empty(size, dtype)
+        if old is not None:
+            self.replaced.append(old)
+        return new
+
+    def counters_for(self, split_tiles: int) -> tuple[int, int]:
+        """(ticket address, tail address) with room for `split_tiles` split tiles."""
+        needed = 1 + 2 * max(split_tiles, sm_count(self.device_id))
+        self.counters = self._grown(self.counters, needed, numpy.int32, True, "the first Hopper forward on this stream")
+        ptr = self.counters.data.ptr
+        return ptr, ptr + 4
+
+    def partials_for(self, floats: int) -> int:
+        """Address of at least `floats` float32 values for partial outputs."""
+        self.partials = self._grown(self.partials, floats, numpy.float32, False,
+                                    "a larger last-wave split than this stream has run")
+        return self.partials.data.ptr
+
+
+_stream_states: dict = {}
+_stream_states_lock = threading.Lock()
+
+
+def stream_state(device_id: int, stream: int) -> StreamState:
+    key = (device_id, stream)
+    state = _stream_states.get(key)
+    if state is None:
+        with _stream_states_lock:
+            state = _stream_states.setdefault(key, StreamState(device_id))
+    return state
+
+
+# ---------------------------------------------------------------- forward
+
+class FwdSm80Launch:
+    """The sm_80 forward (cuda_src/fwd_sm80.cuh): one CTA per block_m query rows of a head."""
+
+    def __init__(self, cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k = k.shape[1]
+        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+        name = cfg.name_expression(problem.dtype_name, problem.causal, even_n, headdim == cfg.headdim)
+        self.kernel = kernel(cfg.family, name, cfg.smem_bytes(), device_id)
+        self.grid = (-(-seqlen_q // cfg.block_m), nheads, batch)
+        self.threads = cfg.threads
+        self.args = KernelArgs([q, k, v, out, lse, numpy.int32(seqlen_q), numpy.int32(seqlen_k),
+                                numpy.int32(headdim), numpy.int32(problem.group), *_strides(q, k, v, out),
+                                numpy.float32(scale * LOG2E)])
+        self.last_addresses = None
+        self.lock = threading.Lock()
+
+    def run(self, q, k, v, out, lse, stream: int, descale=None) -> None:
+        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        with self.lock:
+            args = self.args
+            if addresses != self.last_addresses:  # else the packed arguments stand as they are
+                for slot, address in enumerate(addresses):
+                    args.set_address(slot, address)
+                self.last_addresses = addresses
+            self.kernel.launch(self.grid, self.threads, args, stream)
+
+
+class FwdSm90Launch:
+    """The Hopper forward (cuda_src/fwd_sm90.cuh): Q, K, V (fp8: Vt) and O reach it as tensor maps."""
+
+    # Argument slots rewritten per call (the order of fwd_sm90_kernel's parameters).
+    MAP_Q, MAP_K, MAP_V, MAP_O, OUT, LSE, DESCALE_Q, DESCALE_K, DESCALE_V, TICKET, WS_O, WS_LSE, TAIL = range(13)
+
+    def __init__(self, cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k = k.shape[1]
+        self.cfg = cfg
+        self.fp8 = problem.dtype_name == FP8_DTYPE_NAME
+        # Tensor maps need 16-byte multiples for every stride they step over (not only alignment).
+        self.copies = tuple(not tma.usable(x) for x in (q, k, v))
+        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+        smem = cfg.smem_bytes(problem.dtype_name)
+        self.kernel = kernel(cfg.family, cfg.name_expression(problem.dtype_name, problem.causal, even_n), smem,
+                             device_id)
+        self.device_id = device_id
+        num_tiles = -(-seqlen_q // cfg.block_m) * nheads * batch
+        ctas = sm_count(device_id) if cfg.persistent else num_tiles
+        split = tail_split.TailSplit(num_tiles, 0)
+        if cfg.persistent and not problem.causal and cfg.headdim < 256:  # TAIL_SPLIT in fwd_sm90.cuh
+            split = tail_split.plan(num_tiles, ctas, -(-seqlen_k // cfg.block_n))
+        self.grid = (min(split.full_tiles + split.items, ctas), 1, 1)
+        self.split_tiles = split.split_tiles(num_tiles) if split.items else 0
+        slots = split.slots(num_tiles)
+        self.partial_o_floats = slots * cfg.block_m * cfg.headdim
+        self.partial_floats = self.partial_o_floats + slots * cfg.block_m
+        self.args = KernelArgs([*[UNSET_MAP] * 4, out, lse, lse, lse, lse, lse, lse, lse, lse,
+                                numpy.int32(split.full_tiles), numpy.int32(split.items), numpy.int32(seqlen_q),
+                                numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
+                                numpy.int32(nheads), numpy.int32(k.shape[2]), numpy.int32(num_tiles),
+                                *_strides(out), numpy.float32(scale * LOG2E)])
+        self.last_addresses = None
+        self.lock = threading.Lock()
+
+    def _maps(self, q, k, v, out):
+        cfg = self.cfg
+        map_q = tma.seq_major_map(q, cfg.block_m)
+        if self.fp8:
+            map_v = tma.keys_major_map(v, cfg.headdim)  # v is Vt here
+        else:
+            map_v = tma.seq_major_map(v, cfg.block_n)
+        # Each consumer warpgroup stores its 64 rows of a tile (out is 16-byte aligned: validated).
+        map_o = tma.seq_major_map(out, cfg.block_m // 2) if cfg.stage_o else map_q  # map_q: not read
+        return map_q, tma.seq_major_map(k, cfg.block_n), map_v, map_o
+
+    def run(self, q, k, v, out, lse, stream: int, descale=None) -> None:
+        if self.copies != (False, False, False):
+            q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), self.copies))
+        if self.fp8:
+            v = fp8.transpose_v(v)
+        # v (fp8: Vt) and any copies are freed when this returns, before the
+        # kernel has run: safe because CuPy's memory pool hands a freed block
+        # out again only in stream order (to later work on this stream).
+        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream,
+                     None if descale is None else tuple(x.data.ptr for x in descale))
+        with self.lock:
+            args = self.args
+            # A loop that reuses its buffers calls with the last call's
+            # addresses: then the packed arguments stand as they are.
+            if addresses != self.last_addresses:
+                self._point(args, q, k, v, out, lse, stream, descale)
+                self.last_addresses = addresses
+            self.kernel.launch(self.grid, self.kernel_threads, args, stream)
+
+    def _point(self, args: KernelArgs, q, k, v, out, lse, stream: int, descale) -> None:
+        """Write the call's tensor maps and addresses into the packed arguments."""
+        state = stream_state(self.device_id, stream)
+        ticket, tail = state.counters_for(self.split_tiles)
+        partials = state.partials_for(self.partial_floats) if self.partial_floats else lse.data.ptr
+        args[self.MAP_Q], args[self.MAP_K], args[self.MAP_V], args[self.MAP_O] = self._maps(q, k, v, out)
+        args[self.OUT], args[self.LSE] = out, lse
+        if descale is not None:  # fp8; the 16-bit kernels never read these slots
+            args[self.DESCALE_Q], args[self.DESCALE_K], args[self.DESCALE_V] = descale
+        args.set_address(self.TICKET, ticket)
+        args.set_address(self.TAIL, tail)
+        args.set_address(self.WS_O, partials)
+        args.set_address(self.WS_LSE, partials + 4 * self.partial_o_floats)
+
+    @property
+    def kernel_threads(self) -> int:
+        return self.cfg.threads
+
+
+def prepare_fwd(cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
+    """The forward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
+    launch = FwdSm90Launch if cfg.family == "fwd_sm90" else FwdSm80Launch
+    return launch(cfg, problem, q, k, v, out, lse, scale, device_id)
+
+
+def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None) -> None:
+    """Prepare and run a forward on CuPy's current device and stream (the tuner's path)."""
+    cp = cupy()
+    device_id = cp.cuda.Device().id
+    prepare_fwd(cfg, problem, q, k, v, out, lse, scale, device_id).run(
+        q, k, v, out, lse, cp.cuda.get_current_stream().ptr, descale)
+
+
+# ---------------------------------------------------------------- backward
+
+def padded_rows(seqlen_q: int) -> int:
+    """Query rows of the backward's per-row buffers: a multiple of every kernel's row tile."""
+    return -(-seqlen_q // BWD_ROW_PAD) * BWD_ROW_PAD
+
+
+class BackwardWorkspace:
+    """The backward's scratch for calls up to a size: lse * log2(e) and rowsum(dO * O) per query row
+    (float32, padded rows), and the float32 dQ accumulator of the atomic (non-deterministic) mode.
+
+    Given to `attention_backward(..., workspace=)`, no call allocates: what a
+    CUDA graph capture needs. `floats` is the capacity in float32 values.
+    """
+
+    def __init__(self, floats: int, device_id: int):
+        with cupy().cuda.Device(device_id):
+            self.buffer = cupy().empty(max(floats, 1), dtype=numpy.float32)
+        self.device_id = device_id
+
+    @staticmethod
+    def floats_for(cfg: BwdConfig, batch: int, nheads: int, seqlen_q: int, deterministic: bool) -> int:
+        rows = batch * nheads * padded_rows(seqlen_q)
+        return 2 * rows + (0 if deterministic else rows * cfg.headdim)
+
+
+class BwdLaunch:
+    """The backward of one config: preprocess, dK/dV (with an atomic dQ) and the dQ convert or dQ kernel."""
+
+    def __init__(self, cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv, device_id: int):
+        dtype_name, causal = problem.dtype_name, problem.causal
+        self.cfg, self.device_id = cfg, device_id
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+        self.atomic_dq = not problem.deterministic
+        nq_pad = padded_rows(seqlen_q)
+        self.rows = batch * nheads * nq_pad
+        self.floats = BackwardWorkspace.floats_for(cfg, batch, nheads, seqlen_q, problem.deterministic)
+        self.copies = tuple(cfg.hopper and not tma.usable(x) for x in (q, k, v, dout))
+        ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
+                numpy.int32(nq_pad))
+        scales = (numpy.float32(scale * LOG2E), numpy.float32(scale))
+        even_d = headdim == cfg.headdim
+        # lse2, delta, dq_accum: placeholders until run() points them at the workspace.
+        scratch = lse
+
+        # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
+        self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name), 0, device_id)
+        self.pre_grid = (-(-nq_pad // ROWS_PER_CTA), nheads, batch)
+        self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, numpy.int32(seqlen_q), numpy.int32(nq_pad),
+                                    numpy.int32(headdim), *_strides(out, dout)])
+
+        even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
+        self.dkdv = kernel(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq),
+                           cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
+        self.dkdv_grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
+        if cfg.hopper:
+            self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, *ints, *_strides(dk, dv),
+                                         *scales])
+        else:
+            self.dkdv_args = KernelArgs([q, k, v, dout, scratch, scratch, scratch, dk, dv, *ints,
+                                         *_strides(q, k, v, dout, dk, dv), *scales])
+
+        if self.atomic_dq:
+            self.last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name), 0, device_id)
+            self.last_grid = (-(-seqlen_q // ROWS_PER_CTA), nheads, batch)
+            self.last_threads = 32 * ROWS_PER_CTA
+            sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
+            if not cfg.hopper:
+                sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
+            self.last_args = KernelArgs([scratch, dq, *sizes, *_strides(dq), numpy.float32(scale)])
+        else:
+            even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
+            self.last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d),
+                               cfg.dq_smem_bytes(), device_id)
+            self.last_grid = (-(-seqlen_q // cfg.dq_block_m), nheads, batch)
+            self.last_threads = cfg.dq_threads
+            if cfg.hopper:
+                self.last_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, dq, *ints, *_strides(dq), *scales])
+            else:
+                self.last_args = KernelArgs([q, k, v, dout, scratch, scratch, dq, *ints,
+                                             *_strides(q, k, v, dout, dq), *scales])
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _maps(q, k, v, dout, block_m: int, block_n: int):
+        return (tma.seq_major_map(q, block_m), tma.seq_major_map(k, block_n), tma.seq_major_map(v, block_n),
+                tma.seq_major_map(dout, block_m))
+
+    def run(self, q, k, v, dout, out, lse, dq, dk, dv, stream: int, workspace: BackwardWorkspace | None) -> None:
+        cfg = self.cfg
+        if workspace is None:
+            require_not_capturing("attention_backward without workspace=")
+            workspace = BackwardWorkspace(self.floats, self.device_id)
+        elif workspace.buffer.size < self.floats:
+            raise ValueError(f"workspace holds {workspace.buffer.size} float32 values; this call needs "
+                             f"{self.floats} (cuflash.backward_workspace sizes one for a call)")
+        lse2 = workspace.buffer.data.ptr
+        delta = lse2 + 4 * self.rows
+        dq_accum = delta + 4 * self.rows
+        q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
+        block = 32 * ROWS_PER_CTA
+        with self.lock:
+            pre = self.pre_args
+            pre[0], pre[1], pre[2] = out, dout, lse
+            pre.set_address(3, lse2)
+            pre.set_address(4, delta)
+            self.pre.launch(self.pre_grid, block, pre, stream)
+
+            if self.atomic_dq:
+                cupy().cuda.runtime.memsetAsync(dq_accum, 0, 4 * (self.floats - 2 * self.rows), stream)
+            args = self.dkdv_args
+            self._set_inputs(args, q, k, v, dout, cfg.dkdv_block_m, cfg.dkdv_block_n)
+            args.set_address(4, lse2)
+            args.set_address(5, delta)
+            args.set_address(6, dq_accum if self.atomic_dq else lse2)  # lse2: not read without atomics
+            args[7], args[8] = dk, dv
+            self.dkdv.launch(self.dkdv_grid, cfg.dkdv_threads, args, stream)
+
+            args = self.last_args
+            if self.atomic_dq:
+                args.set_address(0, dq_accum)
+                args[1] = dq
+            else:
+                self._set_inputs(args, q, k, v, dout, cfg.dq_block_m, cfg.dq_block_n)
+                args.set_address(4, lse2)
+                args.set_address(5, delta)
+                args[6] = dq
+            self.last.launch(self.last_grid, self.last_threads, args, stream)
+
+    def _set_inputs(self, args: KernelArgs, q, k, v, dout, block_m: int, block_n: int) -> None:
+        if self.cfg.hopper:
+            args[0], args[1], args[2], args[3] = self._maps(q, k, v, dout, block_m, block_n)
+        else:
+            args[0], args[1], args[2], args[3] = q, k, v, dout
+
+
+def prepare_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv,
+                device_id: int) -> BwdLaunch:
+    """The backward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
+    return BwdLaunch(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
+
+
+def launch_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv) -> None:
+    """Prepare and run a backward on CuPy's current device and stream (the tuner's path)."""
+    cp = cupy()
+    device_id = cp.cuda.Device().id
+    prepare_bwd(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id).run(
+        q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, None)

@@ -1,0 +1,127 @@
+"""Argument validation and normalisation shared by every public entry point.
+
+The face of the package: `attention`, `attention_backward` and every later
+entry point check their arguments here, by these public names, before any
+kernel is chosen. Each error names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from . import device
+from .arrays import dtype_name, is_aligned, last_dim_contiguous
+from .config import FP8_DTYPE_NAME
+
+MAX_HEADDIM = 256
+# Grid dims y and z carry heads and batch in the sm_80 kernels.
+MAX_GRID_YZ = 65535
+
+
+def require_cupy_array(name: str, x) -> None:
+    if not isinstance(x, device.cupy().ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+
+
+def softmax_scale(value, headdim: int) -> float:
+    """The scale of a call: 1/sqrt(headdim) for None, else a positive finite number."""
+    if value is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
+    scale = float(value)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
+    return scale
+
+
+def qkv(q, k, v, allow_fp8: bool = False) -> str:
+    """The dtype name of valid q, k, v (fp8 only where allow_fp8: the forward)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        require_cupy_array(name, x)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim), got shape {x.shape}")
+    name_of_dtype = dtype_name(q.dtype)
+    if name_of_dtype == FP8_DTYPE_NAME and not allow_fp8:
+        raise TypeError(f"q must be float16 or bfloat16 (fp8 attention is forward-only), got {q.dtype}")
+    if name_of_dtype is None:
+        raise TypeError(f"q must be float16, bfloat16 or fp8 e4m3 (uint8 bits), got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    batch, _, nheads, headdim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k must have q's batch size {batch}, got shape {k.shape}")
+    if k.shape[3] != headdim:
+        raise ValueError(f"k must have q's head dim {headdim}, got shape {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+    if headdim % 8 != 0 or not 8 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {MAX_HEADDIM}, got {headdim}")
+    if name_of_dtype == FP8_DTYPE_NAME and headdim % 16 != 0:
+        raise ValueError(f"q: fp8 head dim must be a multiple of 16 (16-byte rows), got {headdim}")
+    nheads_kv = k.shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(f"q: batch and nheads must each be at most {MAX_GRID_YZ}, got shape {q.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not last_dim_contiguous(x):
+            raise ValueError(f"{name} must be contiguous in its last dim (headdim), got strides {x.strides}")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    return name_of_dtype
+
+
+def like(name: str, x, ref, ref_name: str, dtype=None) -> None:
+    """x must be a CuPy array with ref's shape, dtype (or `dtype`) and device and a contiguous last dim."""
+    require_cupy_array(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(f"{name} must have {ref_name}'s shape {ref.shape}, got {x.shape}")
+    if dtype is not None:
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must be {numpy.dtype(dtype).name}, got {x.dtype}")
+    elif x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
+    if not last_dim_contiguous(x):
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
+
+
+def output(name: str, x, ref, ref_name: str, dtype=None) -> None:
+    """An output array the kernels write in place (never copied): `like` plus alignment."""
+    like(name, x, ref, ref_name, dtype)
+    if not is_aligned(x):
+        raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
+
+
+def lse_array(name: str, x, q, *, writable: bool) -> None:
+    """A logsumexp array of q's call: float32 (batch, nheads, seqlen_q) on q's device, contiguous
+    when the kernels write it."""
+    require_cupy_array(name, x)
+    batch, seqlen_q, nheads, _ = q.shape
+    if x.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"{name} must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, "
+                         f"got {x.shape}")
+    if x.dtype != numpy.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    if writable and not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (the kernels write it in place), got strides {x.strides}")
+
+
+def cuda_device(q, *, fp8: bool = False) -> int:
+    """q's device id, after checking cuflash runs there (fp8: a Hopper GPU)."""
+    device_id = q.device.id
+    device.require_device(device_id)
+    if fp8 and device.compute_capability(device_id) != device.HOPPER:
+        cc = device.compute_capability(device_id)
+        raise RuntimeError(f"cuflash: fp8 attention needs a Hopper GPU (compute capability 9.0); device "
+                           f"{device_id} has {cc // 10}.{cc % 10}")
+    return device_id
