@@ -20,7 +20,8 @@ from .arrays import numpy_dtype
 # kernel's 192-key tiles do not divide it: both of their variants may run.)
 TILE_ALIGN = 128
 
-# The benchmark's shapes (cuflash.benchmark): batch * seqlen tokens, hidden size.
+# The benchmark's shapes (cuflash/bench/shapes.py), which the tuner times on too: batch * seqlen
+# tokens (constant across sequence lengths), hidden size.
 TOKENS = 16384
 HIDDEN = 2048
 

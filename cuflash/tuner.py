@@ -30,7 +30,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import itertools
-import math
 import os
 import sys
 import time
@@ -55,8 +54,7 @@ CHECK_RTOL = 2e-2
 REPEATS = 20
 QUICK_REPEATS = 10
 WARMUP = 3
-# Input sets rotated during timing: at least this many, and enough for twice the L2 cache.
-MIN_INPUT_SETS = 2
+# Input sets rotated during timing: enough for twice the L2 cache (cuflash.timing), at most this many.
 MAX_INPUT_SETS = 32
 
 DEFAULT_HEADDIMS = (64, 128)
@@ -243,7 +241,7 @@ def _input_sets(task: Task, limits: DeviceLimits) -> list:
     import cupy
 
     first = task.family.make_inputs(task.problem, task.shape, 0)
-    wanted = max(MIN_INPUT_SETS, math.ceil(2 * limits.l2_bytes / max(first.nbytes, 1)))
+    wanted = timing.input_set_count(first.nbytes, limits.l2_bytes)
     free, _ = cupy.cuda.runtime.memGetInfo()
     affordable = 1 + int(free // 2 // max(first.nbytes, 1))  # leave half of the free memory
     count = max(1, min(wanted, affordable, MAX_INPUT_SETS))
