@@ -66,7 +66,3 @@ def aligned_copy(x):
     """
     return x.copy(order="C")
 
-
-def aligned_or_copy(x):
-    """x itself when the kernels can read it in place, else an aligned copy."""
-    return x if is_aligned(x) else aligned_copy(x)

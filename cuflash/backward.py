@@ -8,10 +8,13 @@ capability 9.0: dK/dV with a fused dQ, and a dQ kernel for deterministic mode).
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import dispatch, launch, tuner, validate
-from .arrays import aligned_or_copy
+from .arrays import aligned_copy, is_aligned
 from .device import compute_capability, cupy, max_smem_per_block
 from .forward import attention, autotune_requested
+from .plans import PlanCache, layout, ndarray_type, optional_layout
 
 
 def _problem(q, k, causal, deterministic, dtype_name: str, device_id: int) -> dispatch.BwdProblem:
@@ -34,6 +37,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     tune: first autotune this problem at this shape unless the tuning cache
     has it (also on with CUFLASH_AUTOTUNE=1), as `attention(..., tune=True)`.
     """
+    key = None
+    if not tune:
+        key = _plan_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, workspace)
+        plan = _plans.get(key) if key is not None else None
+        if plan is not None:
+            return plan.call(dout, q, k, v, out, lse, dq, dk, dv, workspace)
     validate.require_cupy_array("dout", dout)
     dtype_name = validate.qkv(q, k, v)
     validate.like("dout", dout, q, "q")
@@ -61,17 +70,73 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             for g in (dq, dk, dv):
                 g.fill(0)
             return dq, dk, dv
-        q, k, v, dout, out = (aligned_or_copy(x) for x in (q, k, v, dout, out))
-        if not lse.flags.c_contiguous:
-            launch.require_not_capturing("attention_backward with a strided lse")
-            lse = cp.ascontiguousarray(lse)
+        copies = tuple(not is_aligned(x) for x in (q, k, v, dout, out)) + (not lse.flags.c_contiguous,)
+        q, k, v, dout, out, lse = _copied(copies, q, k, v, dout, out, lse)
         problem = _problem(q, k, causal, deterministic, dtype_name, device_id)
-        if autotune_requested(tune):
+        autotune = autotune_requested(tune)
+        if autotune:
             tuner.tune_bwd_call(problem, batch, nheads, k.shape[2])
         cfg, _ = dispatch.bwd_config(problem)
         prepared = launch.prepare_bwd(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
         prepared.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace)
+    if key is not None and not autotune:
+        _plans.store(key, _Plan(prepared, copies, device_id))
     return dq, dk, dv
+
+
+def _copied(copies, q, k, v, dout, out, lse):
+    """The arrays as the kernels read them: aligned copies of q, k, v, dout, out and a contiguous
+    lse where `copies` says so."""
+    if not any(copies):
+        return q, k, v, dout, out, lse
+    launch.require_not_capturing("attention_backward with misaligned or strided inputs")
+    arrays = [aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout, out), copies)]
+    return (*arrays, cupy().ascontiguousarray(lse) if copies[5] else lse)
+
+
+# ---------------------------------------------------------------- repeated calls
+# See cuflash/plans.py.
+_plans = PlanCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    launch: launch.BwdLaunch
+    copies: tuple  # whether q, k, v, dout, out go to the kernels as aligned copies, lse as a contiguous one
+    device_id: int
+
+    def call(self, dout, q, k, v, out, lse, dq, dk, dv, workspace):
+        cp = cupy()
+        if cp.cuda.runtime.getDevice() != self.device_id:
+            with q.device:
+                return self.call(dout, q, k, v, out, lse, dq, dk, dv, workspace)
+        if dq is None or dk is None or dv is None:
+            launch.require_not_capturing("attention_backward without dq=, dk= and dv=")
+            dq = cp.empty(q.shape, q.dtype) if dq is None else dq
+            dk = cp.empty(k.shape, k.dtype) if dk is None else dk
+            dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        q, k, v, dout, out, lse = _copied(self.copies, q, k, v, dout, out, lse)
+        self.launch.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace)
+        return dq, dk, dv
+
+
+def _plan_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, workspace):
+    """The plan key of a call with these arguments, or None where only the full path applies."""
+    ndarray = ndarray_type()
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        return None
+    if workspace is not None and type(workspace) is not launch.BackwardWorkspace:
+        return None
+    for x in (dout, q, k, v, out, lse):
+        if type(x) is not ndarray:
+            return None
+    try:
+        grads = optional_layout(dq), optional_layout(dk), optional_layout(dv)
+    except LookupError:
+        return None
+    return (layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse), grads,
+            None if workspace is None else workspace.device_id, bool(causal), softmax_scale, bool(deterministic),
+            dispatch.cache_state())
 
 
 def backward_workspace(q, k, v, *, causal=False, deterministic=False):

@@ -12,10 +12,8 @@ dispatch read; a later call with the same key skips both.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
-import threading
 
 import numpy
 
@@ -23,6 +21,7 @@ from . import dispatch, fp8, launch, tuner, validate
 from .arrays import ALIGN_BYTES, aligned_copy, is_aligned, out_dtype
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
+from .plans import PlanCache, ndarray_type, optional_layout
 
 # Environment variable that turns autotuning on for every call.
 AUTOTUNE_ENV = "CUFLASH_AUTOTUNE"
@@ -96,24 +95,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale)
     # Not stored under autotuning (every call may tune) nor for fp8 (descales vary).
     if key is not None and not is_fp8 and not autotune:
-        _store_plan(key, _Plan(prepared, copies, result_dtype, device_id, (batch, nheads, seqlen_q)))
+        _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, (batch, nheads, seqlen_q)))
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------- repeated calls
-# A forward call's plan: its prepared launch, keyed by everything validation
-# and dispatch read: the arrays' types, shapes, strides, dtypes, devices and
-# base-pointer alignment (out's and lse's too, when given), the mask, the
-# scale and dispatch's cache state. Loops repeat their shapes; a hit skips
-# validation and dispatch and launches through the prepared argument buffer
-# (~10 us of host time against ~40 us for the full path on an H100 machine).
-# The environment (CUFLASH_AUTOTUNE, the tuning cache's location) is read when
-# a signature is first planned, not per call: reading it cost ~5 us a call.
-# Plans are only stored after a launch, so an argument that fails validation
-# never has one.
-_PLANS_MAX = 512
-_plans: dict = {}
-_plans_lock = threading.Lock()
+# See cuflash/plans.py. A plan hit costs ~10 us of host time against ~40 us
+# for the full path (H100 machine).
+_plans = PlanCache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,34 +149,18 @@ def _outputs(out_shape, out_dtype, lse_shape, out, lse):
     return out, lse
 
 
-def _layout(x):
-    data = x.data
-    return x.shape, x.strides, x.dtype, data.device_id, data.ptr % ALIGN_BYTES
-
-
 def _plan_key(q, k, v, causal, softmax_scale, out, lse):
     """The plan key of a call with these arguments, or None where only the full path applies."""
-    ndarray = _ndarray()
+    ndarray = ndarray_type()
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
     if softmax_scale is not None and type(softmax_scale) is not float:
         return None
-    if (out is not None and type(out) is not ndarray) or (lse is not None and type(lse) is not ndarray):
+    try:
+        outputs = optional_layout(out), optional_layout(lse)
+    except LookupError:
         return None
     qd, kd, vd = q.data, k.data, v.data
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
             qd.device_id, kd.device_id, vd.device_id, qd.ptr % ALIGN_BYTES, kd.ptr % ALIGN_BYTES,
-            vd.ptr % ALIGN_BYTES, None if out is None else _layout(out), None if lse is None else _layout(lse),
-            bool(causal), softmax_scale, dispatch.cache_state())
-
-
-@functools.lru_cache(maxsize=1)
-def _ndarray():
-    return cupy().ndarray
-
-
-def _store_plan(key, plan: _Plan) -> None:
-    with _plans_lock:  # two threads may evict at once
-        if len(_plans) >= _PLANS_MAX:
-            del _plans[next(iter(_plans))]  # the first stored (hits do not refresh a plan)
-        _plans[key] = plan
+            vd.ptr % ALIGN_BYTES, outputs, bool(causal), softmax_scale, dispatch.cache_state())
