@@ -14,6 +14,7 @@
 //                          (deterministic mode; recomputes S and dP).
 #pragma once
 #include "common.cuh"
+#include "sm80_mma.cuh"
 
 namespace cuflash {
 
@@ -39,7 +40,6 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
                                       float* __restrict__ delta, int nq, int nq_pad, int d, long long o_sb,
                                       long long o_sn, long long o_sh, long long do_sb, long long do_sn,
                                       long long do_sh) {
-    constexpr float LOG2E = 1.4426950408889634f;
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
@@ -47,7 +47,7 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     const long long idx = ((long long)b * nheads + h) * nq_pad + row;
     if (row >= nq) {
         if (lane == 0) {
-            lse2[idx] = __int_as_float(0x7f800000u);
+            lse2[idx] = pos_inf();
             delta[idx] = 0.f;
         }
         return;
@@ -60,7 +60,7 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
         const float l = lse[((long long)b * nheads + h) * nq + row];
-        lse2[idx] = l == neg_inf() ? __int_as_float(0x7f800000u) : l * LOG2E;
+        lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;
         delta[idx] = sum;
     }
 }
@@ -107,83 +107,6 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
     }
 }
 
-// Rows/columns of an m16n8 accumulator: element e of a lane sits at row
-// (lane / 4) + 8 * (e / 2), column 2 * (lane % 4) + (e % 2).
-
-// acc[NT][4] (16 x 8*NT) += A (16 x 16*KS) * B, A fragments read from shared
-// memory through `a_off` (rows a_row0.., row-major [m][k] storage) and B from
-// [n][k] storage (non-transposed ldmatrix, rows b_row0..) through `b_off`.
-template <bool BF16, int KS, int NT, class AOff, class BOff>
-__device__ __forceinline__ void gemm_ss_nt(float (&acc)[NT][4], u32 a_smem, const AOff& a_off, int a_row0,
-                                           u32 b_smem, const BOff& b_off, int b_row0) {
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        u32 a[4];
-        ldmatrix_x4(a, a_smem + a_off.at(a_row0, ks * 2));
-#pragma unroll
-        for (int nj = 0; nj < NT / 2; ++nj) {
-            u32 bb[4];
-            ldmatrix_x4(bb, b_smem + b_off.at(b_row0 + nj * 16, ks * 2));
-            mma_16816<BF16>(acc[2 * nj], a, bb[0], bb[1]);
-            mma_16816<BF16>(acc[2 * nj + 1], a, bb[2], bb[3]);
-        }
-    }
-}
-
-// acc[NT][4] += A * B with A from registers (KS k16 fragments) and B from
-// [k][n] storage (transposed ldmatrix), rows starting at b_row0.
-template <bool BF16, int KS, int NT, class BOff>
-__device__ __forceinline__ void gemm_rs_nn(float (&acc)[NT][4], const u32 (&a)[KS][4], u32 b_smem, const BOff& b_off,
-                                           int b_row0) {
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-        for (int dn = 0; dn < NT / 2; ++dn) {
-            u32 bb[4];
-            ldmatrix_x4_trans(bb, b_smem + b_off.at(b_row0 + kk * 16, dn * 2));
-            mma_16816<BF16>(acc[2 * dn], a[kk], bb[0], bb[1]);
-            mma_16816<BF16>(acc[2 * dn + 1], a[kk], bb[2], bb[3]);
-        }
-    }
-}
-
-// Accumulator tiles 2k, 2k+1 of a 16 x 8*NT fp32 accumulator, rounded to
-// 16-bit: the A fragment of k16 step k.
-template <bool BF16, int NT>
-__device__ __forceinline__ void acc_to_a(u32 (&a)[NT / 2][4], const float (&acc)[NT][4]) {
-#pragma unroll
-    for (int k = 0; k < NT / 2; ++k) {
-        a[k][0] = pack2<BF16>(acc[2 * k][0], acc[2 * k][1]);
-        a[k][1] = pack2<BF16>(acc[2 * k][2], acc[2 * k][3]);
-        a[k][2] = pack2<BF16>(acc[2 * k + 1][0], acc[2 * k + 1][1]);
-        a[k][3] = pack2<BF16>(acc[2 * k + 1][2], acc[2 * k + 1][3]);
-    }
-}
-
-template <int NT>
-__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-}
-
-// Writes a warp's 16 x D fp32 accumulator, times `mul`, as 16-bit values into
-// rows row0.. of a swizzled ROWS x D shared-memory tile.
-template <bool BF16, int ROWS, int D>
-__device__ __forceinline__ void acc_to_smem(u16* tile, const float (&acc)[D / 8][4], int row0, float mul, int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + (lane >> 2) + 8 * r;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            const int col = j * 8 + 2 * (lane & 3);
-            *reinterpret_cast<u32*>(tile + tile_offset<ROWS, D>(row, col >> 3) + (col & 7)) =
-                pack2<BF16>(acc[j][2 * r] * mul, acc[j][2 * r + 1] * mul);
-        }
-    }
-}
-
 // Writes a warp's dS^T fragments (16 keys from key0 x 16*KS queries from
 // query0, the A-operand layout of acc_to_a) into a swizzled [key][query] tile.
 template <int KEYS, int QUERIES, int KS>
@@ -226,7 +149,7 @@ struct BwdDkdvTraits {
     static_assert(QC % 16 == 0 && BR % QC == 0, "QC must be a multiple of 16 dividing BR");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
     static_assert(!ATOMIC_DQ || (WARPS % (BR / 16) == 0 && DQ_COLS % 16 == 0), "dQ warp split must be exact");
-    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
 template <int D, int BR, int QC, int WARPS, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N,
@@ -439,7 +362,7 @@ struct BwdDqTraits {
     static_assert(BC % 16 == 0, "BC must be a multiple of 16");
     static_assert(BR == 32 || BR == 64 || BR == 128, "BR (16 x warps) must divide 128, the row padding");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
-    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
 template <int D, int WARPS, int BC, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D>

@@ -69,7 +69,7 @@ struct BwdSm90Traits {
     // shapes that fit the consumers' registers (and give dQ a 64-wide wgmma).
     static_assert((D == 64 && BM == 128) || (D == 128 && BM == 64), "head dim 64 with BM 128, or 128 with BM 64");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
-    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
 // Offset of element (row, col) of a query block's dQ (BM x D floats) in its
@@ -379,7 +379,7 @@ struct BwdSm90DqTraits {
 
     static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64), "head dim 64 with BN 128, or 128 with BN 64");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
-    static_assert(SMEM_BYTES <= 227 * 1024, "tiles do not fit in shared memory");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
 template <int D, int BN, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N>

@@ -14,12 +14,17 @@ struct BoolConst {
     static constexpr bool value = B;
 };
 
-template <int N>
-struct IntConst {
-    static constexpr int value = N;
-};
+// ln 2 and log2 e: the kernels' exponentials and logarithms are base 2,
+// exp(x) = 2^(x log2 e) and ln(x) = log2(x) ln 2.
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
+
+// The most dynamic shared memory a block may opt into on any target (Hopper,
+// 227 KB); the host checks the device's own limit before a launch.
+constexpr int SMEM_LIMIT = 227 * 1024;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 addr;

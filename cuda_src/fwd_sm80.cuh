@@ -9,6 +9,8 @@
 // FMA. P stays in registers and is fed back as the A operand of P V.
 #pragma once
 #include "common.cuh"
+#include "sm80_mma.cuh"
+#include "softmax_sm80.cuh"
 
 namespace cuflash {
 
@@ -37,11 +39,8 @@ struct FwdTraits {
     static_assert(BC % 16 == 0 && BC >= 16, "BC must be a multiple of 16");
     static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
     static_assert(MT >= 1 && MT <= 2, "1 or 2 row tiles per warp");
-    static_assert(SMEM_BYTES <= 227 * 1024, "tile does not fit in shared memory");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
 };
-
-// Rows of one warp's accumulators: element e of an m16n8 accumulator sits at
-// row (lane / 4) + 8 * (e / 2) and column 2 * (lane % 4) + (e % 2).
 
 template <int D, int BC, int WARPS, int MT, int STAGES, int MIN_BLOCKS, bool Q_IN_REGS, bool BF16, bool CAUSAL,
           bool EVEN_N, bool EVEN_D>
@@ -117,10 +116,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int j = 0; j < T::NTILES_O; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+        zero(acc_o[mt]);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             row_max[mt][r] = neg_inf();
@@ -156,31 +152,19 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         // S = Q K^T (raw scores; the scale is applied inside the exponent)
         float acc_s[MT][T::NTILES_S][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < T::NTILES_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mt][j][e] = 0.f;
+        for (int mt = 0; mt < MT; ++mt) zero(acc_s[mt]);
         const u32 k_smem = smem_addr(sK + stage * T::KV_ELEMS);
 #pragma unroll
         for (int ks = 0; ks < T::KSTEPS_QK; ++ks) {
-#pragma unroll
-            for (int nj = 0; nj < T::NTILES_S / 2; ++nj) {
-                u32 kb[4];  // B fragments of key rows nj*16 .. +15, k columns ks*16 .. +15
-                ldmatrix_x4(kb, k_smem + k_off.at(nj * 16, ks * 2));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    u32 qa[4];
-                    if constexpr (Q_IN_REGS) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) qa[i] = q_frag[mt][ks][i];
-                    } else {
-                        ldmatrix_x4(qa, q_smem + q_off.at(mt * 16, ks * 2));
-                    }
-                    mma_16816<BF16>(acc_s[mt][2 * nj], qa, kb[0], kb[1]);
-                    mma_16816<BF16>(acc_s[mt][2 * nj + 1], qa, kb[2], kb[3]);
+            auto q_at = [&](int mt, u32(&scratch)[4]) -> const u32(&)[4] {
+                if constexpr (Q_IN_REGS) {
+                    return q_frag[mt][ks];
+                } else {
+                    ldmatrix_x4(scratch, q_smem + q_off.at(mt * 16, ks * 2));
+                    return scratch;
                 }
-            }
+            };
+            mma_k_step_nt<BF16>(acc_s, q_at, k_smem, k_off, 0, ks);
         }
 
         if constexpr (MASK) {  // keys past nk, or (causal) past i + nk - nq, score -inf
@@ -198,47 +182,13 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     }
         }
 
-        // Online softmax, per row r:
-        //   m' = max(m, rowmax(S));  alpha = 2^((m - m') * c);  P = 2^(S * c - m' * c)
-        //   l' = alpha * l + rowsum(P);  O' = alpha * O      with c = scale * log2(e).
-        // A row with no key yet has m' = -inf; its offset is taken as 0 so P = 0, never NaN.
+        // Online softmax; P rounded to 16 bits: the S accumulators of n8 tiles
+        // 2kk, 2kk+1 are exactly the A fragment of k16 step kk of O += P V.
         u32 p_frag[MT][T::KSTEPS_PV][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
-#pragma unroll
-                for (int j = 0; j < T::NTILES_S; ++j)
-                    mx = fmaxf(mx, fmaxf(acc_s[mt][j][2 * r], acc_s[mt][j][2 * r + 1]));
-                mx = quad_max(mx);
-                const float offset = mx == neg_inf() ? 0.f : mx * scale_log2;
-                const float alpha = exp2_approx(row_max[mt][r] * scale_log2 - offset);
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < T::NTILES_S; ++j)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const float p = exp2_approx(fmaf(acc_s[mt][j][2 * r + c], scale_log2, -offset));
-                        acc_s[mt][j][2 * r + c] = p;
-                        sum += p;
-                    }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;  // per-lane partial; quad-reduced at the end
-#pragma unroll
-                for (int j = 0; j < T::NTILES_O; ++j) {
-                    acc_o[mt][j][2 * r] *= alpha;
-                    acc_o[mt][j][2 * r + 1] *= alpha;
-                }
-            }
-            // The S accumulators of n8 tiles 2kk, 2kk+1 are exactly the A fragment of k16 step kk.
-#pragma unroll
-            for (int kk = 0; kk < T::KSTEPS_PV; ++kk) {
-                p_frag[mt][kk][0] = pack2<BF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-                p_frag[mt][kk][1] = pack2<BF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-                p_frag[mt][kk][2] = pack2<BF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-                p_frag[mt][kk][3] = pack2<BF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-            }
+            online_softmax_sm80(acc_s[mt], acc_o[mt], row_max[mt], row_sum[mt], scale_log2);
+            acc_to_a<BF16, T::NTILES_S>(p_frag[mt], acc_s[mt]);
         }
 
         cp_async_wait<PIPE_WAIT>();  // V[t] landed
@@ -248,20 +198,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         cp_async_commit();
 
         // O += P V
-        const u32 v_smem = smem_addr(sV + stage * T::KV_ELEMS);
-#pragma unroll
-        for (int kk = 0; kk < T::KSTEPS_PV; ++kk) {
-#pragma unroll
-            for (int dn = 0; dn < T::NTILES_O / 2; ++dn) {
-                u32 vb[4];  // B fragments of keys kk*16 .. +15, head-dim columns dn*16 .. +15
-                ldmatrix_x4_trans(vb, v_smem + v_off.at(kk * 16, dn * 2));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<BF16>(acc_o[mt][2 * dn], p_frag[mt][kk], vb[0], vb[1]);
-                    mma_16816<BF16>(acc_o[mt][2 * dn + 1], p_frag[mt][kk], vb[2], vb[3]);
-                }
-            }
-        }
+        gemm_rs_nn<BF16>(acc_o, p_frag, smem_addr(sV + stage * T::KV_ELEMS), v_off, 0);
     };
 
     int t = 0;
@@ -271,7 +208,6 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 
     // Epilogue: O /= l, lse = (m * c + log2 l) * ln 2; O goes through the
     // warp's own rows of the Q tile for coalesced 16-byte stores.
-    constexpr float LN2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll

@@ -220,7 +220,15 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
         : "memory");
 }
 
-// Named barriers (ids 1..15; 0 is __syncthreads): `threads` counts the
+// A consumer warp's arrival on `bar` (counted once per warp) after all its
+// lanes are done: __syncwarp orders every lane's earlier accesses before lane
+// 0's arrival, which releases them to the thread that waits on `bar`.
+__device__ __forceinline__ void warp_arrive(u32 bar, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+}
+
+// Named barriers (ids 1..15, named_barriers.cuh; 0 is __syncthreads): `threads` counts the
 // threads that sync plus those that arrive.
 template <int THREADS>
 __device__ __forceinline__ void named_bar_sync(int id) {

@@ -81,7 +81,6 @@ template <int BR, int D, bool BF16_OUT>
 __device__ __forceinline__ void combine_partials(const float* ws_o, const float* ws_lse, int2 slots, int row0,
                                                  u16* o_tile, long long o_sn, float* lse_rows, int rows_valid, int d,
                                                  int lane) {
-    constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
     constexpr int CW = D / 32;  // columns per lane: 2 or 4
     static_assert(CW == 2 || CW == 4, "head dim 64 or 128");
     using Chunk = typename FloatChunk<CW>::type;

@@ -1,0 +1,82 @@
+// The producer of the Hopper forward (fwd_sm90.cuh): one thread of warpgroup
+// 0 copies each segment's Q tile (once the consumers have read the previous
+// one) and then its K and V tiles of BC keys into the STAGES-deep ring with
+// bulk tensor copies (TMA, 128-byte swizzle, see sm90_tiles.cuh), each
+// completing on a "full" mbarrier, and refills a stage once the consumers
+// have arrived on its "empty" barrier. The ring's position runs on across
+// work tiles.
+#pragma once
+#include "fwd_sm90_scheduler.cuh"
+#include "fwd_sm90_traits.cuh"
+
+namespace cuflash {
+
+template <class T, bool CAUSAL, bool EVEN_N, bool TAIL_SPLIT>
+__device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const SegmentSlot& segment,
+                                                 const TmaDesc& map_q, const TmaDesc& map_k, const TmaDesc& map_v,
+                                                 int* tile_counter, int full_tiles, int tail_items, int nq, int nk,
+                                                 int group, int nheads, int num_tiles) {
+    constexpr int BR = T::BR, BC = T::BC, D = T::D, STAGES = T::STAGES;
+    tma_prefetch_desc(map_q);
+    tma_prefetch_desc(map_k);
+    tma_prefetch_desc(map_v);
+    // The next segment waits in shared memory during the key loop (at head
+    // dim 256 the producer has 24 registers).
+    const u32 next_word = sm.next_segment();
+    int kv_iter = 0, q_iter = 0;
+    const int num_items = full_tiles + tail_items;
+    for (int next = first_segment();; ++q_iter) {
+        const int item = next >> 1, part = next & 1;
+        if (q_iter > 0) mbar_wait(sm.empty_q(), (q_iter - 1) & 1);
+        if (item >= num_items) {
+            segment.publish_stop(num_tiles);
+            mbar_arrive(sm.full_q());
+            break;
+        }
+        // The lengths made opaque per tile: ptxas otherwise hoists the
+        // tile arithmetic's invariants out of this loop, and at head dim
+        // 256 (24 producer registers) kept them in local memory.
+        const int nq_t = opaque(nq), nk_t = opaque(nk);
+        Segment seg{item, 0, 0, -1, false};  // a whole tile; hi below
+        if (TAIL_SPLIT && item >= full_tiles)
+            seg = tail_segment(item, part, full_tiles, num_tiles - full_tiles, tail_items, (nk_t + BC - 1) / BC);
+        const Tile tile = tile_at<BR, CAUSAL>(seg.tile, (nq_t + BR - 1) / BR, nheads);
+        const int hk = tile.h / group;
+        if (seg.slot < 0) seg.hi = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq_t, nk_t).end;
+        segment.publish(seg);
+        stash_shared(next_word, seg.more ? next + 1 : -1);
+        if (seg.hi == 0) {  // the consumers write its empty rows
+            mbar_arrive(sm.full_q());
+        } else {
+            // Q, K and 16-bit V: one box per 128-byte panel of the row
+            // (tensor dims: head dim, seq, head, batch). fp8 Vt: one box of
+            // 64 keys x D rows per panel (dims: keys, head dim, kv head, batch).
+            mbar_arrive_expect_tx(sm.full_q(), T::Q_BYTES);
+            for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                tma_load_4d(sm.q() + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, sm.full_q());
+            // Key blocks descending, so that the masked ones come first.
+            for (int n = seg.hi - 1; n >= seg.lo; --n, ++kv_iter) {
+                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = n * BC;
+                const u32 k_tile = sm.k(st), v_tile = sm.v(st);
+                if (use > 0) mbar_wait(sm.empty_k(st), (use - 1) & 1);
+                mbar_arrive_expect_tx(sm.full_k(st), T::KV_BYTES);
+                for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                    tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, sm.full_k(st));
+                if (use > 0) mbar_wait(sm.empty_v(st), (use - 1) & 1);
+                mbar_arrive_expect_tx(sm.full_v(st), T::KV_BYTES);
+                if constexpr (T::DTYPE == E4M3) {
+                    for (int p = 0; p < BC / 64; ++p)
+                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, tile.b, sm.full_v(st));
+                } else {
+                    for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
+                        tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, sm.full_v(st));
+                }
+            }
+        }
+        next = unstash_shared(next_word);
+        if (next >= 0) continue;  // the item's second segment
+        next = draw_next_segment(tile_counter, num_items);
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,70 @@
+// Which work tile next, in the persistent Hopper forward (fwd_sm90.cuh).
+//
+// A work tile is BR query rows of one (batch, head). The producer takes work
+// items: blockIdx.x first, then one ticket from a global counter per item
+// taken. Items below full_tiles are whole tiles; the others are runs of the
+// split tiles' key blocks (tail_split.cuh), one or two segments each. The
+// producer hands each segment to the consumers through shared memory
+// (SegmentSlot); a tile index past the last tells them to stop.
+#pragma once
+#include "common.cuh"
+#include "tail_split.cuh"
+
+namespace cuflash {
+
+// BR query rows from m0 of head h, batch b.
+struct Tile {
+    int m0, h, b;
+};
+
+// Work tile t -> (query block, head, batch): query blocks innermost, so that
+// a head's K and V stay in L2 while its blocks run; under a causal mask the
+// longest blocks first. Each warpgroup passes the block count itself: one
+// computed before the register split (setmaxnreg) was kept in local memory
+// at head dim 256.
+template <int BR, bool CAUSAL>
+__device__ __forceinline__ Tile tile_at(int t, int m_blocks, int nheads) {
+    int m = t % m_blocks;
+    if constexpr (CAUSAL) m = m_blocks - 1 - m;
+    const int hb = t / m_blocks;
+    return Tile{m * BR, hb % nheads, hb / nheads};
+}
+
+// A segment's position in the producer's sequence: item x 2 + part (part 0
+// or 1: an item of the split tiles may end in a second tile, tail_segment).
+__device__ __forceinline__ int first_segment() { return 2 * blockIdx.x; }
+
+// Draws the next item's ticket, once the current item's copies are issued.
+// Every item taken draws one, so tickets run 0 .. num_items - 1 and the last
+// one's holder resets the counter for the next launch (one counter per
+// stream, cuflash/api.py). Drawn after the copies so that the ticket is not
+// live across them (at head dim 256 the producer has 24 registers); the
+// consumers are then STAGES key blocks behind, which hides the atomic's
+// latency.
+__device__ __forceinline__ int draw_next_segment(int* tile_counter, int num_items) {
+    const int ticket = atomicAdd(tile_counter, 1);
+    if (ticket == num_items - 1) atomicExch(tile_counter, 0);
+    return 2 * (ticket + gridDim.x);
+}
+
+// The segment in flight, in shared memory: written by the producer's thread
+// before it arrives on full_q, read by the consumers after their wait on
+// full_q, rewritten only after every consumer warp has arrived on empty_q
+// (which each does after its last read of it: docs/sanitizers.md).
+struct SegmentSlot {
+    volatile int* words;  // tile, lo, hi, slot
+
+    __device__ __forceinline__ void publish(const Segment& seg) const {
+        words[0] = seg.tile;
+        words[1] = seg.lo;
+        words[2] = seg.hi;
+        words[3] = seg.slot;
+    }
+    __device__ __forceinline__ void publish_stop(int num_tiles) const { words[0] = num_tiles; }
+    __device__ __forceinline__ int tile() const { return words[0]; }
+    __device__ __forceinline__ int lo() const { return words[1]; }
+    __device__ __forceinline__ int hi() const { return words[2]; }
+    __device__ __forceinline__ int slot() const { return words[3]; }
+};
+
+}  // namespace cuflash
