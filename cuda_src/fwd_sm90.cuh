@@ -117,7 +117,13 @@ __global__ void __launch_bounds__(384, 1)
         const int lo = TAIL_SPLIT ? segment.lo() : 0, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
         const int slot = TAIL_SPLIT ? segment.slot() : -1;
         const int hk = tile.h / group;
-        words.store(tile, hk, t, slot, hi - lo);
+        stash_shared(words.addr + TileWords::M0, tile.m0);  // every lane stores the same values
+        stash_shared(words.addr + TileWords::HEAD, tile.h);
+        stash_shared(words.addr + TileWords::BATCH, tile.b);
+        stash_shared(words.addr + TileWords::KV_HEAD, hk);
+        stash_shared(words.addr + TileWords::TILE, t);
+        stash_shared(words.addr + TileWords::SLOT, slot);
+        stash_shared(words.addr + TileWords::N_BLOCKS, hi - lo);
         const int n_blocks = hi - lo;
         const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.unmasked)) : blocks.end - blocks.unmasked;
         if (hi == 0) {  // no row of this tile sees a key

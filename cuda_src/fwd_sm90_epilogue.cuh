@@ -16,26 +16,20 @@ namespace cuflash {
 // last word of a consumer's first warp holds the consumer's flag for a tail
 // combine.
 struct TileWords {
+    // Byte offsets of the words (stored by the kernel as it takes a tile:
+    // through a helper, ptxas ordered the segment's loads otherwise).
+    enum : int { M0 = 0, HEAD = 4, BATCH = 8, KV_HEAD = 12, TILE = 16, SLOT = 20, N_BLOCKS = 24, COMBINE_FLAG = 28 };
     u32 addr;
 
-    __device__ __forceinline__ void store(const Tile& tile, int hk, int t, int slot, int n_blocks) const {
-        stash_shared(addr, tile.m0);
-        stash_shared(addr + 4, tile.h);
-        stash_shared(addr + 8, tile.b);
-        stash_shared(addr + 12, hk);
-        stash_shared(addr + 16, t);
-        stash_shared(addr + 20, slot);
-        stash_shared(addr + 24, n_blocks);
-    }
     __device__ __forceinline__ Tile tile() const {
-        return Tile{unstash_shared(addr), unstash_shared(addr + 4), unstash_shared(addr + 8)};
+        return Tile{unstash_shared(addr + M0), unstash_shared(addr + HEAD), unstash_shared(addr + BATCH)};
     }
-    __device__ __forceinline__ int kv_head() const { return unstash_shared(addr + 12); }
-    __device__ __forceinline__ int tile_index() const { return unstash_shared(addr + 16); }
-    __device__ __forceinline__ int slot() const { return unstash_shared(addr + 20); }
-    __device__ __forceinline__ int n_blocks() const { return unstash_shared(addr + 24); }
+    __device__ __forceinline__ int kv_head() const { return unstash_shared(addr + KV_HEAD); }
+    __device__ __forceinline__ int tile_index() const { return unstash_shared(addr + TILE); }
+    __device__ __forceinline__ int slot() const { return unstash_shared(addr + SLOT); }
+    __device__ __forceinline__ int n_blocks() const { return unstash_shared(addr + N_BLOCKS); }
     // The combine flag's word, in the words of the consumer's first warp.
-    __device__ __forceinline__ u32 combine_flag(int warp) const { return addr - 32 * (warp & 3) + 28; }
+    __device__ __forceinline__ u32 combine_flag(int warp) const { return addr - 32 * (warp & 3) + COMBINE_FLAG; }
 };
 
 // Where a tile's output rows go: O (batch, seq, head, dim; strides in

@@ -146,6 +146,7 @@ class FwdSm90Launch:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k = k.shape[1]
         self.cfg = cfg
+        self.threads = cfg.threads
         self.fp8 = problem.dtype_name == FP8_DTYPE_NAME
         # Tensor maps need 16-byte multiples for every stride they step over (not only alignment).
         self.copies = tuple(not tma.usable(x) for x in (q, k, v))
@@ -200,7 +201,7 @@ class FwdSm90Launch:
             if addresses != self.last_addresses:
                 self._point(args, q, k, v, out, lse, stream, descale)
                 self.last_addresses = addresses
-            self.kernel.launch(self.grid, self.kernel_threads, args, stream)
+            self.kernel.launch(self.grid, self.threads, args, stream)
 
     def _point(self, args: KernelArgs, q, k, v, out, lse, stream: int, descale) -> None:
         """Write the call's tensor maps and addresses into the packed arguments."""
@@ -215,10 +216,6 @@ class FwdSm90Launch:
         args.set_address(self.TAIL, tail)
         args.set_address(self.WS_O, partials)
         args.set_address(self.WS_LSE, partials + 4 * self.partial_o_floats)
-
-    @property
-    def kernel_threads(self) -> int:
-        return self.cfg.threads
 
 
 def prepare_fwd(cfg, problem, q, k, v, out, lse, scale: float, device_id: int):

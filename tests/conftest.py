@@ -1,13 +1,13 @@
+"""Fixtures shared by the test modules, and the skips behind the `gpu` and
+`hopper` markers (registered in pyproject.toml)."""
+
 import functools
 import zlib
 
 import numpy as np
-
 import pytest
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a usable CUDA device")
+from cuflash import forward, tune_cache
 
 
 @functools.cache
@@ -21,14 +21,37 @@ def gpu_available():
         return False
 
 
+@functools.cache
+def hopper_available():
+    """True when the current CUDA device is an sm_90 GPU."""
+    if not gpu_available():
+        return False
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
 @pytest.fixture(autouse=True)
 def require_gpu(request):
-    """Skip tests marked `gpu` when no CUDA device is usable."""
+    """Skip tests marked `gpu` when no CUDA device is usable, and tests marked
+    `hopper` when the device is not an sm_90 GPU."""
     if request.node.get_closest_marker("gpu") and not gpu_available():
         pytest.skip("no usable CUDA device")
+    if request.node.get_closest_marker("hopper") and not hopper_available():
+        pytest.skip("needs an sm_90 GPU")
 
 
 @pytest.fixture
 def rng(request):
     """Different inputs for every case, reproducible from the test id."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty tuning-cache directory and fresh per-process cache state."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune_cache, "_memo", {})
+    monkeypatch.setattr(tune_cache, "_warned", set())
+    forward._plans.clear()  # plans keep the dispatch of the cache they were made under
+    return tmp_path

@@ -1,4 +1,11 @@
+"""Inputs, tolerances and checks shared by the test modules."""
+
+import ml_dtypes
 import numpy as np
+
+# The 16-bit input dtypes every kernel takes, and the atol of the 2x rule for each.
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+ATOL = {np.dtype(np.float16): 1e-3, np.dtype(ml_dtypes.bfloat16): 5e-3}
 
 
 def assert_close_2x(out, ref64, naive, atol):
@@ -21,5 +28,11 @@ def assert_close_2x(out, ref64, naive, atol):
 
 
 def randn(rng, shape, dtype):
-    """Standard normal host array rounded to dtype."""
+    """Standard normal float32 draws rounded to dtype: a host array from a NumPy
+    generator, a device array from a CuPy one."""
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def mentions(arg):
+    """Regex matching the argument's name as a word in an error message."""
+    return rf"\b{arg}\b"

@@ -17,12 +17,9 @@ import pytest
 import cuflash
 from cuflash.reference import attention as reference
 from cuflash.reference import attention_naive_lowp
-from tests.numerics import assert_close_2x, randn
+from tests.numerics import ATOL, DTYPES, assert_close_2x, randn
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = [np.float16, ml_dtypes.bfloat16]
-ATOL = {np.dtype(np.float16): 1e-3, np.dtype(ml_dtypes.bfloat16): 5e-3}
 
 
 def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):

@@ -23,15 +23,6 @@ H100 = tuner.DeviceLimits(DEVICE, smem_per_block=227 * 1024, smem_per_sm=228 * 1
                           regs_per_block=65536, l2_bytes=50 << 20)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """An empty cache directory and fresh per-process cache state."""
-    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tune_cache, "_memo", {})
-    monkeypatch.setattr(tune_cache, "_warned", set())
-    return tmp_path
-
-
 def entry(name="d64_x", ms=1.0):
     return {"config": {"headdim": 64, "block_n": 64, "warps": 4, "m_tiles": 1, "stages": 2}, "config_name": name,
             "ms": ms, "tflops": 100.0, "heuristic": {"config_name": "h", "ms": 2 * ms, "tflops": 50.0},

@@ -12,12 +12,13 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import device, dispatch, forward, launch, tune_cache, tuner
+from cuflash import device, dispatch, launch, tune_cache, tuner
 from cuflash.dispatch import BwdProblem
 from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
 from cuflash.tune_bwd import BWD
 from cuflash.tune_fwd import FWD
+from tests.numerics import randn
 
 pytestmark = pytest.mark.gpu
 
@@ -51,14 +52,6 @@ def device_problem(*fields):
     """A FwdProblem as cuflash.attention builds it on the current device (its shared memory and arch)."""
     dev = cupy.cuda.Device().id
     return FwdProblem(*fields, device.max_smem_per_block(dev), device.compute_capability(dev))
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tune_cache, "_memo", {})
-    forward._plans.clear()  # plans keep the dispatch of the cache they were made under
-    return tmp_path
 
 
 def _python(code, cache_dir):
@@ -101,9 +94,9 @@ def test_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     candidate = FwdConfig(64, 32, 4, 1, 2)
     monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
         family.heuristic(problem), candidate])
-    rng = cupy.random.default_rng(0)
-    q = rng.standard_normal((1, 300, 4, 64), dtype=cupy.float32).astype(cupy.float16)
-    k, v = (rng.standard_normal((1, 200, 2, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
+    gen = cupy.random.default_rng(0)
+    q = randn(gen, (1, 300, 4, 64), cupy.float16)
+    k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
     with dispatch.heuristic_only():
         expected = cuflash.attention(q, k, v, causal=True)
     out = cuflash.attention(q, k, v, causal=True, tune=True)
@@ -121,11 +114,9 @@ def device_bwd_problem(*fields):
 
 
 def bwd_inputs(batch, nq, nk, nheads, nheads_kv, headdim, causal):
-    rng = cupy.random.default_rng(0)
-    q, dout = (rng.standard_normal((batch, nq, nheads, headdim), dtype=cupy.float32).astype(cupy.float16)
-               for _ in range(2))
-    k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=cupy.float32).astype(cupy.float16)
-            for _ in range(2))
+    gen = cupy.random.default_rng(0)
+    q, dout = (randn(gen, (batch, nq, nheads, headdim), cupy.float16) for _ in range(2))
+    k, v = (randn(gen, (batch, nk, nheads_kv, headdim), cupy.float16) for _ in range(2))
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     return dout, q, k, v, out, lse
 

@@ -35,9 +35,8 @@ from cuflash import dispatch
 from cuflash.config import BwdConfig
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
-from tests.numerics import assert_close_2x, randn
+from tests.numerics import DTYPES, assert_close_2x, mentions, randn
 
-DTYPES = [np.float16, ml_dtypes.bfloat16]
 ABS_FLOOR = 1e-5
 
 # JAX reserves most of the GPU memory when its backend starts unless told not
@@ -134,12 +133,8 @@ def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
     check(host, dev, causal=causal)
 
 
-def _is_hopper():
-    return cupy.cuda.Device().compute_capability == "90"
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["hopper", "sm80"])
+@pytest.mark.parametrize("kernel", [pytest.param("hopper", marks=pytest.mark.hopper), "sm80"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("headdim", [64, 128, 88])
 @pytest.mark.parametrize("nq,nk", [(257, 300), (128, 256), (300, 129)])
@@ -149,8 +144,6 @@ def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, 
     # Both dK/dV kernels on the same GPU: the Hopper one (head dims 64 and
     # 128, 88 zero-padded to 128; fed by tensor maps, fused atomic dQ) and
     # the sm_80 one. GQA, ragged and block-aligned lengths, Nq < Nk and Nq > Nk.
-    if kernel == "hopper" and not _is_hopper():
-        pytest.skip("needs an sm_90 GPU")
     if kernel == "sm80":
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
@@ -399,11 +392,6 @@ def test_jax_custom_vjp(rng, causal):
 # --- Argument validation ----------------------------------------------------
 
 B, NQ, NK, H, HKV, D = 2, 8, 16, 4, 2, 64
-
-
-def mentions(arg):
-    """Regex matching the argument's name as a word in an error message."""
-    return rf"\b{arg}\b"
 
 
 def np_args(dtype=np.float16):

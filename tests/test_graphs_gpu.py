@@ -8,6 +8,7 @@ import pytest
 import cuflash
 from cuflash import compile as cf_compile
 from cuflash import kernel_call
+from tests.numerics import randn
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +25,7 @@ def buffers(batch, nq, nk, nheads, nheads_kv, headdim):
 
 def fill(gen, *arrays):
     for x in arrays:
-        x[...] = gen.standard_normal(x.shape, dtype=cupy.float32).astype(x.dtype)
+        x[...] = randn(gen, x.shape, x.dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -7,16 +7,15 @@ import pytest
 
 import cuflash
 from cuflash import backward, dispatch, validate
+from tests.numerics import randn
 
 pytestmark = pytest.mark.gpu
 
 
 def inputs(gen, batch, nq, nk, nheads, nheads_kv, headdim, dtype=cupy.float16):
-    def randn(*shape):
-        return gen.standard_normal(shape, dtype=cupy.float32).astype(dtype)
-
-    q, dout = randn(batch, nq, nheads, headdim), randn(batch, nq, nheads, headdim)
-    k, v = randn(batch, nk, nheads_kv, headdim), randn(batch, nk, nheads_kv, headdim)
+    q_shape, kv_shape = (batch, nq, nheads, headdim), (batch, nk, nheads_kv, headdim)
+    q, dout = randn(gen, q_shape, dtype), randn(gen, q_shape, dtype)
+    k, v = randn(gen, kv_shape, dtype), randn(gen, kv_shape, dtype)
     return dout, q, k, v
 
 

@@ -4,29 +4,18 @@ strided and GQA views through tensor maps), and fp8 e4m3 attention."""
 
 import math
 
+import cupy
+import ml_dtypes
 import numpy as np
 import pytest
 
+import cuflash
+from cuflash import device, dispatch, forward, launch, reference, tail_split
+from cuflash import compile as cf_compile
+from cuflash.config import FwdSm90Config
+from tests.numerics import ATOL, assert_close_2x, randn
+
 pytestmark = pytest.mark.gpu
-
-cupy = pytest.importorskip("cupy")
-
-import cuflash  # noqa: E402
-from cuflash import device, dispatch, forward, launch, reference, tail_split  # noqa: E402
-from cuflash import compile as cf_compile  # noqa: E402
-from cuflash.config import FwdSm90Config  # noqa: E402
-
-from .numerics import assert_close_2x  # noqa: E402
-
-
-def _is_hopper():
-    try:
-        return cupy.cuda.Device().compute_capability == "90"
-    except Exception:
-        return False
-
-
-hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 
 # One warpgroup: S = Q K^T (64 x 64, k = 128: the k steps cross the two
 # 64-column panels) through K-major descriptors, then O = P V (64 x 128: n
@@ -79,7 +68,7 @@ __global__ void probe(const u16* q, const u16* k, const u16* p, const u16* v, fl
 """
 
 
-@hopper
+@pytest.mark.hopper
 def test_wgmma_layouts():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((64, 128)).astype(np.float16) for _ in range(3))
@@ -99,15 +88,13 @@ def test_wgmma_layouts():
     np.testing.assert_allclose(o_out.get(), o_ref, atol=1e-2, rtol=1e-3)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(256, 256), (1, 97), (257, 1025), (1025, 97), (384, 512)])
 def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
-    import ml_dtypes
-
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    np_dtype = np.dtype(dtype)
     batch, nheads, nheads_kv = 2, 4, 2
     q = rng.standard_normal((batch, nq, nheads, headdim)).astype(np_dtype)
     k = rng.standard_normal((batch, nk, nheads_kv, headdim)).astype(np_dtype)
@@ -121,15 +108,14 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
     launch.launch_fwd(cfg, problem, dq_, dk_, dv_, out, lse, scale)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     naive = reference.attention_naive_lowp(q, k, v, causal=causal, dtype=np_dtype)
-    atol = 1e-3 if dtype == "float16" else 5e-3
-    assert_close_2x(out.get().astype(np.float64), ref, naive, atol)
+    assert_close_2x(out.get().astype(np.float64), ref, naive, ATOL[np_dtype])
     got_lse = lse.get()
     finite = np.isfinite(ref_lse)
     assert np.all(np.isneginf(got_lse[~finite]))
     np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-3)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("cfg,headdim", [(FwdSm90Config(64, 192, 3), 64), (FwdSm90Config(128, 64, 3), 128),
                                          (FwdSm90Config(128, 128, 2, persistent=False), 128),
                                          (FwdSm90Config(256, 64, 2, persistent=False, stage_o=False), 256),
@@ -150,19 +136,18 @@ def test_sm90_other_configs(cfg, headdim, causal, nq, nk, rng):
     dims below the kernel's (columns zero-filled by TMA loads and clipped by
     TMA stores)."""
     batch, nheads, nheads_kv = 2, 6, 2
-    q = rng.standard_normal((batch, nq, nheads, headdim), dtype=np.float32).astype(np.float16)
-    k, v = (rng.standard_normal((batch, nk, nheads_kv, headdim), dtype=np.float32).astype(np.float16)
-            for _ in range(2))
+    q = randn(rng, (batch, nq, nheads, headdim), np.float16)
+    k, v = (randn(rng, (batch, nk, nheads_kv, headdim), np.float16) for _ in range(2))
     out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
     lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
     problem = dispatch.FwdProblem("float16", headdim, causal, nq, nk, nheads // nheads_kv, arch=90)
     launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in (q, k, v)), out, lse, 1 / math.sqrt(headdim))
     ref = reference.attention(q, k, v, causal=causal)
     naive = reference.attention_naive_lowp(q, k, v, causal=causal, dtype=np.float16)
-    assert_close_2x(out.get(), ref, naive, 1e-3)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("ctas", [1, 3])
 @pytest.mark.parametrize("dtype,headdim", [("float16", 64), ("bfloat16", 128), ("float8_e4m3", 128)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -180,16 +165,14 @@ def test_persistent_ctas_take_many_tiles(monkeypatch, ctas, dtype, headdim, caus
         naive = reference.attention_naive_fp8(*values, causal=causal)
         atol = 1e-2
     else:
-        import ml_dtypes
-
-        np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-        values = [rng.standard_normal((batch, n, h, headdim), dtype=np.float32).astype(np_dtype)
+        np_dtype = np.dtype(dtype)
+        values = [randn(rng, (batch, n, h, headdim), np_dtype)
                   for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
         out = cupy.full(values[0].shape, np.nan, dtype=np_dtype)
         _, lse = cuflash.attention(*(cupy.asarray(x) for x in values), causal=causal, out=out, return_lse=True)
         got, got_lse = out.get().astype(np.float64), lse.get()
         naive = reference.attention_naive_lowp(*values, causal=causal, dtype=np_dtype)
-        atol = 1e-3 if dtype == "float16" else 5e-3
+        atol = ATOL[np_dtype]
     ref, ref_lse = reference.attention(*values, causal=causal, return_lse=True)
     assert_close_2x(got, ref, naive, atol)
     finite = np.isfinite(ref_lse)
@@ -202,7 +185,7 @@ def _split_of(cfg, ctas, batch, nq, nheads, nk):
     return tail_split.plan(num_tiles, ctas, -(-nk // cfg.block_n))
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("cfg,dtype,headdim", [(dispatch.HEURISTIC_SM90[64], "float16", 64),
                                                (dispatch.SM90_SHORT_KEYS[64][0], "bfloat16", 64),
                                                (dispatch.HEURISTIC_SM90[128], "bfloat16", 128),
@@ -216,8 +199,6 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
     outputs combined by the last run of each tile half, on 5 or
     11 CTAs or the device's own count, into a strided output; twice, so that the
     second launch finds the counters reset by the first."""
-    import ml_dtypes
-
     monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)  # split these short key sequences too
     if ctas is None:
         ctas = device.sm_count(cupy.cuda.Device().id)
@@ -228,9 +209,8 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
     batch, nheads = 1, 2 * nheads_kv
     split = _split_of(cfg, ctas, batch, nq, nheads, nk)
     assert split.items > 0, "the shape must exercise the split"
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    values = [rng.standard_normal((batch, n, h, headdim), dtype=np.float32).astype(np_dtype)
-              for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
+    np_dtype = np.dtype(dtype)
+    values = [randn(rng, (batch, n, h, headdim), np_dtype) for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
     ref, ref_lse = reference.attention(*values, return_lse=True)
     naive = reference.attention_naive_lowp(*values, dtype=np_dtype)
     problem = dispatch.FwdProblem(dtype, headdim, False, nq, nk, 2, arch=90)
@@ -239,12 +219,12 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
         out = padded[..., :headdim]
         lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
         launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim))
-        assert_close_2x(out.get().astype(np.float64), ref, naive, 1e-3 if dtype == "float16" else 5e-3)
+        assert_close_2x(out.get().astype(np.float64), ref, naive, ATOL[np_dtype])
         assert np.all(np.isnan(padded[..., headdim:].get()))
         np.testing.assert_allclose(lse.get(), ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (5, 256, 2304), (None, 129, 1500)])
 def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
     """The split with fp8 inputs: partial outputs carry v_descale, lse the score descales; twice."""
@@ -266,22 +246,21 @@ def test_tail_split_fp8(monkeypatch, ctas, nq, nk, rng):
         np.testing.assert_allclose(got_lse, ref_lse, atol=2e-3, rtol=1e-3)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("layout", ["packed_qkv", "heads_major", "single_row_head"])
 def test_sm90_strided_views(layout, rng):
     """Tensor maps over views: q, k, v slices of one packed tensor, a
     (batch, heads, seq, dim) buffer transposed, and extent-1 dims."""
     headdim, causal = 128, True
     if layout == "packed_qkv":
-        qkv = cupy.asarray(rng.standard_normal((2, 300, 3, 4, headdim), dtype=np.float32).astype(np.float16))
+        qkv = cupy.asarray(randn(rng, (2, 300, 3, 4, headdim), np.float16))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     elif layout == "heads_major":
-        q, k, v = (cupy.asarray(rng.standard_normal((2, 4, 257, headdim), dtype=np.float32).astype(np.float16))
-                   .transpose(0, 2, 1, 3) for _ in range(3))
+        q, k, v = (cupy.asarray(randn(rng, (2, 4, 257, headdim), np.float16)).transpose(0, 2, 1, 3)
+                   for _ in range(3))
     else:
-        q = cupy.asarray(rng.standard_normal((1, 1, 1, headdim), dtype=np.float32).astype(np.float16))
-        k, v = (cupy.asarray(rng.standard_normal((1, 129, 1, headdim), dtype=np.float32).astype(np.float16))
-                for _ in range(2))
+        q = cupy.asarray(randn(rng, (1, 1, 1, headdim), np.float16))
+        k, v = (cupy.asarray(randn(rng, (1, 129, 1, headdim), np.float16)) for _ in range(2))
     nq, nk = q.shape[1], k.shape[1]
     out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
     lse = cupy.full((q.shape[0], q.shape[2], nq), np.nan, dtype=cupy.float32)
@@ -291,7 +270,7 @@ def test_sm90_strided_views(layout, rng):
     hq, hk, hv = (x.get() for x in (q, k, v))
     ref = reference.attention(hq, hk, hv, causal=causal)
     naive = reference.attention_naive_lowp(hq, hk, hv, causal=causal, dtype=np.float16)
-    assert_close_2x(out.get(), ref, naive, 1e-3)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
 
 
 def _fp8_inputs(rng, batch, nq, nk, nheads, nheads_kv, headdim, outliers=False):
@@ -317,8 +296,6 @@ def _fp8_inputs(rng, batch, nq, nk, nheads, nheads_kv, headdim, outliers=False):
 
 
 def _fp8_attention(bits, scales, causal):
-    import ml_dtypes
-
     out = cupy.full(bits[0].shape, np.nan, dtype=ml_dtypes.bfloat16)
     got, lse = cuflash.attention(*(cupy.asarray(b) for b in bits), causal=causal, out=out, return_lse=True,
                              q_descale=cupy.asarray(scales[0]), k_descale=cupy.asarray(scales[1]),
@@ -327,7 +304,7 @@ def _fp8_attention(bits, scales, causal):
     return got.get().astype(np.float64), lse.get()
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("cfg", [FwdSm90Config(128, 64, 3), FwdSm90Config(128, 128, 3), FwdSm90Config(128, 192, 3),
                                  FwdSm90Config(128, 192, 3, persistent=False),
                                  FwdSm90Config(128, 192, 4, stage_o=False)], ids=lambda c: c.short_name())
@@ -344,7 +321,7 @@ def test_fp8_tile_widths(monkeypatch, cfg, causal, nq, nk, rng):
     assert_close_2x(got, ref, naive, 1e-2)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(256, 256), (1, 97), (257, 1025), (1025, 97)])
@@ -362,7 +339,7 @@ def test_fp8_forward(headdim, causal, nq, nk, rng):
     np.testing.assert_allclose(got_lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("headdim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_outlier_activations(headdim, causal, rng):
@@ -380,11 +357,9 @@ def test_fp8_outlier_activations(headdim, causal, rng):
     assert err.max() <= 0.5 * np.abs(ref).max(), (err.max(), np.abs(ref).max())
 
 
-@hopper
+@pytest.mark.hopper
 def test_fp8_descale_defaults_to_one(rng):
     """Without descales the uint8 bits are the values themselves."""
-    import ml_dtypes
-
     shape = (1, 128, 2, 128)
     bits = [rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8) for _ in range(3)]
     got = cuflash.attention(*(cupy.asarray(b) for b in bits))
@@ -394,7 +369,7 @@ def test_fp8_descale_defaults_to_one(rng):
     assert_close_2x(got.get().astype(np.float64), ref, naive, 1e-2)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.parametrize("shape", [(2, 97, 3, 80), (1, 600, 2, 128), (1, 1, 1, 256), (2, 300, 2, 192)])
 @pytest.mark.parametrize("strided", [False, True])
 def test_fp8_transposed_v_layout(rng, shape, strided):
