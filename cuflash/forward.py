@@ -95,7 +95,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale)
     # Not stored under autotuning (every call may tune) nor for fp8 (descales vary).
     if key is not None and not is_fp8 and not autotune:
-        _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, (batch, nheads, seqlen_q)))
+        _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, lse.shape, lse.size))
     return (out, lse) if return_lse else out
 
 
@@ -112,6 +112,7 @@ class _Plan:
     out_dtype: numpy.dtype
     device_id: int
     lse_shape: tuple
+    lse_size: int
 
     def call(self, q, k, v, out, lse, return_lse: bool):
         cp = cupy()
@@ -119,14 +120,22 @@ class _Plan:
             with q.device:
                 return self.call(q, k, v, out, lse, return_lse)
         stream = cp.cuda.get_current_stream()
+        kernel_lse = lse
         if out is None or lse is None:
             if stream.is_capturing():
                 launch.require_not_capturing("attention without out= and lse=")
-            out, lse = _outputs(q.shape, self.out_dtype, self.lse_shape, out, lse)
+            if lse is None and not return_lse:
+                # The kernel writes every row's lse: where the caller wants none, into the
+                # stream's scratch, so that the call allocates only its output.
+                kernel_lse = launch.stream_state(self.device_id, stream.ptr).discarded_lse_for(self.lse_size)
+                out = cp.empty(q.shape, self.out_dtype) if out is None else out
+            else:
+                out, lse = _outputs(q.shape, self.out_dtype, self.lse_shape, out, lse)
+                kernel_lse = lse
         copies = self.copies
         if copies[0] or copies[1] or copies[2]:
             q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), copies))
-        self.launch.run(q, k, v, out, lse, stream.ptr)
+        self.launch.run(q, k, v, out, kernel_lse, stream.ptr)
         return (out, lse) if return_lse else out
 
 

@@ -47,7 +47,8 @@ def require_not_capturing(what: str) -> None:
 # ---------------------------------------------------------------- per-stream state
 
 class StreamState:
-    """The Hopper forward's buffers on one stream: tile counters and the last wave's partial outputs.
+    """The forward's buffers on one stream: the Hopper kernel's tile counters and last-wave partial
+    outputs, and the lse of calls that do not return it.
 
     Counters (int32): ticket, then two per split tile (one per consumer
     warpgroup): CTAs past the first wave draw tiles from the ticket, and the
@@ -66,6 +67,7 @@ class StreamState:
         self.device_id = device_id
         self.counters = None
         self.partials = None  # float32: partial outputs, then their logsumexps
+        self.discarded_lse = None  # float32: the lse of forward calls that do not return it
         self.replaced: list = []
 
     def _grown(self, old, size: int, dtype, zeroed: bool, what: str):
@@ -85,6 +87,12 @@ class StreamState:
         self.counters = self._grown(self.counters, needed, numpy.int32, True, "the first Hopper forward on this stream")
         ptr = self.counters.data.ptr
         return ptr, ptr + 4
+
+    def discarded_lse_for(self, floats: int):
+        """A float32 array of at least `floats` values the forward may write an unwanted lse into."""
+        self.discarded_lse = self._grown(self.discarded_lse, floats, numpy.float32, False,
+                                         "a forward that returns no lse, larger than this stream has run")
+        return self.discarded_lse
 
     def partials_for(self, floats: int) -> int:
         """Address of at least `floats` float32 values for partial outputs."""
