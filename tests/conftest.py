@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cuflash import forward, tune_cache
+from cuflash import backward, forward, tune_cache
 
 
 @functools.cache
@@ -53,5 +53,6 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tune_cache, "_memo", {})
     monkeypatch.setattr(tune_cache, "_warned", set())
-    forward._plans.clear()  # plans keep the dispatch of the cache they were made under
+    for plans in (forward._plans, backward._plans):
+        plans.clear()  # plans keep the dispatch of the cache they were made under
     return tmp_path
