@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..tune_common import HIDDEN, TOKENS  # the workload the tuner times on too
+
 HEADDIMS = (64, 128)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (2048, 8192)
