@@ -139,9 +139,17 @@ struct BwdDkdvTraits {
     // dQ = dS K splits into 16-row tiles x DQ_SPLIT column slices, one per warp.
     static constexpr int DQ_SPLIT = WARPS / (BR / 16);
     static constexpr int DQ_COLS = D / DQ_SPLIT;
-    // K, V, STAGES x (Q, dO), STAGES x (lse2, delta) rows, dS^T (fp16) when dQ is fused.
-    static constexpr int SMEM_BYTES =
-        2 * (2 * KV_ELEMS + 2 * STAGES * QB_ELEMS) + 4 * 2 * STAGES * BR + (ATOMIC_DQ ? 2 * BC * BR : 0);
+    // Shared memory (byte offsets; cuflash/config.py BwdConfig.dkdv_smem_layout):
+    // K, V, STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows,
+    // dS^T (16-bit, [key][query]) when dQ is fused.
+    static constexpr int OFF_K = 0;
+    static constexpr int OFF_V = OFF_K + 2 * KV_ELEMS;
+    static constexpr int OFF_Q = OFF_V + 2 * KV_ELEMS;
+    static constexpr int OFF_DO = OFF_Q + 2 * STAGES * QB_ELEMS;
+    static constexpr int OFF_LSE2 = OFF_DO + 2 * STAGES * QB_ELEMS;
+    static constexpr int OFF_DELTA = OFF_LSE2 + 4 * STAGES * BR;
+    static constexpr int OFF_DS = OFF_DELTA + 4 * STAGES * BR;
+    static constexpr int SMEM_BYTES = OFF_DS + (ATOMIC_DQ ? 2 * BC * BR : 0);
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     // BR divides 128, the padding of the lse2 / delta / dq_accum rows.
@@ -170,13 +178,13 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     constexpr int NT_D = D / 8;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* sK = reinterpret_cast<u16*>(smem_raw);
-    u16* sV = sK + T::KV_ELEMS;
-    u16* sQ = sV + T::KV_ELEMS;
-    u16* sdO = sQ + STAGES * T::QB_ELEMS;
-    float* sLse2 = reinterpret_cast<float*>(sdO + STAGES * T::QB_ELEMS);
-    float* sDelta = sLse2 + STAGES * BR;
-    u16* sdS = reinterpret_cast<u16*>(sDelta + STAGES * BR);  // dS^T: [key][query]
+    u16* sK = reinterpret_cast<u16*>(smem_raw + T::OFF_K);
+    u16* sV = reinterpret_cast<u16*>(smem_raw + T::OFF_V);
+    u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
+    u16* sdO = reinterpret_cast<u16*>(smem_raw + T::OFF_DO);
+    float* sLse2 = reinterpret_cast<float*>(smem_raw + T::OFF_LSE2);
+    float* sDelta = reinterpret_cast<float*>(smem_raw + T::OFF_DELTA);
+    u16* sdS = reinterpret_cast<u16*>(smem_raw + T::OFF_DS);  // dS^T: [key][query]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -355,8 +363,13 @@ struct BwdDqTraits {
     static constexpr int BR = 16 * WARPS;  // queries per CTA: 16 per warp
     static constexpr int KV_ELEMS = BC * D;
     static constexpr int QB_ELEMS = BR * D;
-    // Q, dO, STAGES x (K, V)
-    static constexpr int SMEM_BYTES = 2 * (2 * QB_ELEMS + 2 * STAGES * KV_ELEMS);
+    // Shared memory (byte offsets; cuflash/config.py BwdConfig.dq_smem_layout):
+    // Q, dO, STAGES x K, STAGES x V.
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_DO = OFF_Q + 2 * QB_ELEMS;
+    static constexpr int OFF_K = OFF_DO + 2 * QB_ELEMS;
+    static constexpr int OFF_V = OFF_K + 2 * STAGES * KV_ELEMS;
+    static constexpr int SMEM_BYTES = OFF_V + 2 * STAGES * KV_ELEMS;
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     static_assert(BC % 16 == 0, "BC must be a multiple of 16");
@@ -378,10 +391,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     constexpr int NT_K = BC / 8, KS_K = BC / 16, KS_D = D / 16, NT_D = D / 8;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sdO = sQ + T::QB_ELEMS;
-    u16* sK = sdO + T::QB_ELEMS;
-    u16* sV = sK + STAGES * T::KV_ELEMS;
+    u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
+    u16* sdO = reinterpret_cast<u16*>(smem_raw + T::OFF_DO);
+    u16* sK = reinterpret_cast<u16*>(smem_raw + T::OFF_K);
+    u16* sV = reinterpret_cast<u16*>(smem_raw + T::OFF_V);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;

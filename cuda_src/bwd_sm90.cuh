@@ -31,6 +31,7 @@
 // bwd_sm90_dq_kernel (below) computes dQ.
 #pragma once
 #include "common.cuh"
+#include "named_barriers.cuh"
 #include "sm90_tiles.cuh"
 #include "wgmma.cuh"
 
@@ -50,10 +51,12 @@ struct BwdSm90Traits {
     static constexpr int DQ_N = BM == 128 ? D : D / 2;
     static constexpr int DQ_BYTES = ATOMIC_DQ ? 64 * DQ_N * 4 : 0;  // one consumer's dQ tile (fp32)
     static constexpr int BARRIERS = 1 + 2 * STAGES;
-    // Shared memory: K, V, STAGES x Q, STAGES x dO, 2 x dS^T (tiles 1024-byte
-    // aligned), 2 x dQ (one per consumer), STAGES x lse2, STAGES x Delta, mbarriers.
-    static constexpr int OFF_V = KV_BYTES;
-    static constexpr int OFF_Q = 2 * KV_BYTES;
+    // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V,
+    // STAGES x Q, STAGES x dO, 2 x dS^T (tiles 1024-byte aligned), 2 x dQ (one
+    // per consumer), STAGES x lse2, STAGES x Delta, mbarriers.
+    static constexpr int OFF_K = 0;
+    static constexpr int OFF_V = OFF_K + KV_BYTES;
+    static constexpr int OFF_Q = OFF_V + KV_BYTES;
     static constexpr int OFF_DO = OFF_Q + STAGES * QB_BYTES;
     static constexpr int OFF_DS = OFF_DO + STAGES * QB_BYTES;
     static constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;
@@ -69,6 +72,8 @@ struct BwdSm90Traits {
     // shapes that fit the consumers' registers (and give dQ a 64-wide wgmma).
     static_assert((D == 64 && BM == 128) || (D == 128 && BM == 64), "head dim 64 with BM 128, or 128 with BM 64");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
+    static_assert(OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 && QB_BYTES % 1024 == 0,
+                  "tiles start on 1024-byte swizzle atoms");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
@@ -119,7 +124,7 @@ __global__ void __launch_bounds__(384, 1)
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_addr(smem_raw);
-    const u32 sK = base, sV = base + T::OFF_V;
+    const u32 sK = base + T::OFF_K, sV = base + T::OFF_V;
     auto sQ = [&](int st) { return base + T::OFF_Q + st * T::QB_BYTES; };
     auto sdO = [&](int st) { return base + T::OFF_DO + st * T::QB_BYTES; };
     auto sdS = [&](int buf) { return base + T::OFF_DS + buf * T::DS_BYTES; };
@@ -194,10 +199,6 @@ __global__ void __launch_bounds__(384, 1)
     // dim): the leading offset is the distance between 64-column panels, the
     // stride that between 8-row atoms (as V in fwd_sm90.cuh).
     auto qb_desc = [&](u32 tile, int kk) { return desc_mn_major_sw128<BM * 128, 1024>(tile, kk); };
-    auto release = [&](u32 bar) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar);
-    };
 
     // A step's dQ tile into dq_accum ((B, H, nq_pad, D) floats: padded rows
     // need no bounds check), each warp on its own: its accumulators to shared
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(384, 1)
                                  : "memory");
                 }
             fence_proxy_async();
-            named_bar_sync<256>(1);  // both consumers' dS^T are in
+            named_bar_sync<256>(BWD_DS_STORED);
 
             // dQ (64 queries x DQ_N columns) = dS K: A = dS^T read MN-major
             // (M = queries: the 64-column panel of this consumer's rows), B =
@@ -317,11 +318,11 @@ __global__ void __launch_bounds__(384, 1)
                                                              desc_mn_major_sw128<BN * 128, 1024>(b_tile, ks), ks > 0);
             wgmma_commit();
             wgmma_wait<0>();
-            release(empty(st));
+            warp_arrive(empty(st), lane);
             flush_dq(acc_dq, (((long long)b * nheads + h) * nq_pad + m0) * D + c * 64 * T::DQ_N);
         } else {
             wgmma_wait<0>();
-            release(empty(st));
+            warp_arrive(empty(st), lane);
         }
     }
 
@@ -367,9 +368,11 @@ struct BwdSm90DqTraits {
     static constexpr int BM = 64 * CONSUMERS;
     static constexpr int QB_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, ROW_BYTES = BM * 4;
     static constexpr int BARRIERS = 1 + 4 * STAGES;
-    // Q, dO, STAGES x K, STAGES x V (1024-byte aligned tiles), lse2, Delta, mbarriers.
-    static constexpr int OFF_DO = QB_BYTES;
-    static constexpr int OFF_K = 2 * QB_BYTES;
+    // Shared memory (cuflash/config.py BwdConfig.dq_smem_layout): Q, dO,
+    // STAGES x K, STAGES x V (1024-byte aligned tiles), lse2, Delta, mbarriers.
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_DO = OFF_Q + QB_BYTES;
+    static constexpr int OFF_K = OFF_DO + QB_BYTES;
     static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
     static constexpr int OFF_ROWS = OFF_V + STAGES * KV_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * ROW_BYTES;
@@ -397,7 +400,7 @@ __global__ void __launch_bounds__(384, 1)
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_addr(smem_raw);
-    const u32 sQ = base, sdO = base + T::OFF_DO;
+    const u32 sQ = base + T::OFF_Q, sdO = base + T::OFF_DO;
     auto sK = [&](int st) { return base + T::OFF_K + st * T::KV_BYTES; };
     auto sV = [&](int st) { return base + T::OFF_V + st * T::KV_BYTES; };
     const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);  // lse2 [BM], then Delta [BM]
@@ -520,8 +523,7 @@ __global__ void __launch_bounds__(384, 1)
                                                    desc_mn_major_sw128<BN * 128, 1024>(sK(st), kk));
             wgmma_commit();
             wgmma_wait<0>();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_kv(st));
+            warp_arrive(empty_kv(st), lane);
         }
     }
 

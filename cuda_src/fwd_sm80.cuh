@@ -32,8 +32,12 @@ struct FwdTraits {
     static constexpr int NTILES_O = D / 8;      // n8 tiles of O
     static constexpr int Q_ELEMS = BR * D;
     static constexpr int KV_ELEMS = BC * D;
-    // Q tile (reused for the output tile) + STAGES K tiles + STAGES V tiles.
-    static constexpr int SMEM_BYTES = 2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS);
+    // Shared memory (byte offsets; cuflash/config.py FwdConfig.smem_layout):
+    // the Q tile (reused for the output tile), STAGES K tiles, STAGES V tiles.
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_K = OFF_Q + 2 * Q_ELEMS;
+    static constexpr int OFF_V = OFF_K + 2 * STAGES * KV_ELEMS;
+    static constexpr int SMEM_BYTES = OFF_V + 2 * STAGES * KV_ELEMS;
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     static_assert(BC % 16 == 0 && BC >= 16, "BC must be a multiple of 16");
@@ -56,9 +60,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     constexpr int PIPE_WAIT = 2 * STAGES - 2;  // cp.async groups allowed in flight at each wait
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sK = sQ + T::Q_ELEMS;
-    u16* sV = sK + STAGES * T::KV_ELEMS;
+    u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
+    u16* sK = reinterpret_cast<u16*>(smem_raw + T::OFF_K);
+    u16* sV = reinterpret_cast<u16*>(smem_raw + T::OFF_V);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Causal: the last query blocks see the most keys; launch them first.

@@ -66,8 +66,8 @@ struct TailSplit {
 // rows' partial output and lse in the workspace instead.
 template <class T, bool TAIL_SPLIT, bool BF16_OUT>
 __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D>& acc, const FwdSm90Smem<T>& sm,
-                                                  const TileWords& words, const FwdOutput& out,
-                                                  const TailSplit& split, const TmaDesc& map_o,
+                                                  TileWords words, FwdOutput out,
+                                                  TailSplit split, const TmaDesc& map_o,
                                                   const float* descale_v, int nk, int d, int nheads_kv,
                                                   float qk_scale_log2, int c, int tid, int warp, int lane,
                                                   int warp_row0, bool stage_leader) {

@@ -74,14 +74,15 @@ struct FwdSm90Traits {
 // instructions, some hoisted into its key loop).
 template <class T>
 struct FwdSm90Smem {
-    u32 q_tile, k_ring, v_ring, o_tile, bars;
+    u32 q_tile, k_ring, v_ring, o_tile, bars, empty_q_bar;
 
     __device__ __forceinline__ explicit FwdSm90Smem(u32 base)
         : q_tile(base + T::OFF_Q),
           k_ring(q_tile + (T::OFF_K - T::OFF_Q)),
           v_ring(k_ring + (T::OFF_V - T::OFF_K)),
           o_tile(v_ring + (T::OFF_O - T::OFF_V)),
-          bars(o_tile + (T::OFF_BARS - T::OFF_O)) {}
+          bars(o_tile + (T::OFF_BARS - T::OFF_O)),
+          empty_q_bar(bars + 8) {}
 
     __device__ __forceinline__ u32 q() const { return q_tile; }
     __device__ __forceinline__ u32 k(int st) const { return k_ring + st * T::KV_BYTES; }
@@ -89,7 +90,7 @@ struct FwdSm90Smem {
     __device__ __forceinline__ u32 o() const { return o_tile; }
     // mbarriers: the Q tile is in / has been read; stage st's K (V) tile is in / has been read.
     __device__ __forceinline__ u32 full_q() const { return bars; }
-    __device__ __forceinline__ u32 empty_q() const { return bars + 8; }
+    __device__ __forceinline__ u32 empty_q() const { return empty_q_bar; }
     __device__ __forceinline__ u32 full_k(int st) const { return bars + 8 * (2 + st); }
     __device__ __forceinline__ u32 full_v(int st) const { return bars + 8 * (2 + T::STAGES + st); }
     __device__ __forceinline__ u32 empty_k(int st) const { return bars + 8 * (2 + 2 * T::STAGES + st); }

@@ -1,8 +1,10 @@
 """Kernel configurations: Python mirrors of the C++ template parameters.
 
-`FwdConfig` fields match `cuflash::fwd_kernel`'s tile parameters one to one;
-`smem_bytes()` repeats `FwdTraits::SMEM_BYTES` (a test compiles the traits and
-checks the two agree).
+`FwdConfig` fields match `cuflash::fwd_kernel`'s tile parameters one to one.
+Each kernel's shared-memory layout is mirrored region for region from its C++
+traits (`smem_layout()`: the traits' OFF_* constants and SMEM_BYTES, in the
+same order); `smem_bytes()` is that layout's end. tests/test_smem_layout.py
+compiles the traits of every shipped specialisation against these values.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ def kernel_headdim(d: int) -> int:
 
 def _cpp_bool(x: bool) -> str:
     return "true" if x else "false"
+
+
+def _layout(*regions: tuple[str, int]) -> dict[str, int]:
+    """Shared-memory regions laid out back to back: {OFF_<name>: offset, ..., SMEM_BYTES: end}."""
+    layout, offset = {}, 0
+    for name, size in regions:
+        layout[f"OFF_{name}"] = offset
+        offset += size
+    layout["SMEM_BYTES"] = offset
+    return layout
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -62,10 +74,19 @@ class FwdConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
+    def smem_layout(self) -> dict[str, int]:
+        """FwdTraits: the Q tile (reused for the output), STAGES K tiles, STAGES V tiles (16-bit)."""
+        kv = 2 * self.stages * self.block_n * self.headdim
+        return _layout(("Q", 2 * self.block_m * self.headdim), ("K", kv), ("V", kv))
+
     def smem_bytes(self) -> int:
-        q_elems = self.block_m * self.headdim
-        kv_elems = self.block_n * self.headdim
-        return 2 * (q_elems + 2 * self.stages * kv_elems)
+        return self.smem_layout()["SMEM_BYTES"]
+
+    def traits(self, dtype_name: str) -> str:
+        """The C++ traits type of this config's kernel."""
+        args = [self.headdim, self.block_n, self.warps, self.m_tiles, self.stages, self.min_blocks,
+                _cpp_bool(self.q_in_regs), _cpp_bool(dtype_name == "bfloat16")]
+        return "cuflash::FwdTraits<" + ", ".join(str(a) for a in args) + ">"
 
     def is_valid(self) -> bool:
         """Static constraints of FwdTraits (the static_asserts)."""
@@ -107,7 +128,7 @@ class FwdConfig:
 
 # Head dims of the Hopper forward kernel (wgmma n = head dim).
 SM90_HEADDIMS = (64, 128, 256)
-# Opt-in shared memory per block on compute capability 9.0 (FwdSm90Traits' static_assert).
+# Opt-in shared memory per block on compute capability 9.0 (cuda_src/common.cuh SMEM_LIMIT).
 SM90_SMEM_LIMIT = 227 * 1024
 
 
@@ -142,13 +163,26 @@ class FwdSm90Config:
     # The wgmma n values FwdSm90Traits accepts (cuda_src/wgmma.cuh).
     BLOCK_N = (64, 80, 128, 176, 192)
 
-    def smem_bytes(self, dtype_name: str = "float16") -> int:
-        """FwdSm90Traits::SMEM_BYTES: the Q tile, the K/V ring, the staged output tile (16-bit), the
-        mbarriers, the segment slots (32 bytes), a word per consumer thread, 32 bytes per consumer warp."""
+    def smem_layout(self, dtype_name: str = "float16") -> dict[str, int]:
+        """FwdSm90Traits (cuda_src/fwd_sm90_traits.cuh): the Q tile, STAGES K and V tiles, the staged
+        output tile (16-bit), the mbarriers (full/empty of Q, and of K and V per stage), the segment in
+        flight and the producer's next one (16 bytes each), a word per consumer thread, 32 bytes per
+        consumer warp."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
-        o_bytes = self.block_m * self.headdim * 2 if self.stage_o else 0
-        return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * elem + o_bytes
-                + 8 * (2 + 4 * self.stages) + 32 + 4 * (self.threads - 128) + 32 * (self.threads - 128) // 32)
+        consumer_threads = self.threads - 128
+        kv = self.stages * self.block_n * self.headdim * elem
+        return _layout(("Q", self.block_m * self.headdim * elem), ("K", kv), ("V", kv),
+                       ("O", self.block_m * self.headdim * 2 if self.stage_o else 0),
+                       ("BARS", 8 * (2 + 4 * self.stages)), ("SEGMENT", 16), ("NEXT", 16),
+                       ("SINK", 4 * consumer_threads), ("TILE_WORDS", 32 * (consumer_threads // 32)))
+
+    def smem_bytes(self, dtype_name: str = "float16") -> int:
+        return self.smem_layout(dtype_name)["SMEM_BYTES"]
+
+    def traits(self, dtype_name: str) -> str:
+        """The C++ traits type of this config's kernel for `dtype_name`."""
+        args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(self.stage_o)]
+        return "cuflash::FwdSm90Traits<" + ", ".join(str(a) for a in args) + ">"
 
     def supports(self, dtype_name: str) -> bool:
         if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim < 128):
@@ -250,28 +284,54 @@ class BwdConfig:
     def dq_block_m(self) -> int:
         return 16 * self.dq_warps
 
-    def dkdv_smem_bytes(self, atomic_dq: bool) -> int:
-        if self.hopper:  # BwdSm90Traits::SMEM_BYTES
-            qb, n = 2 * self.dkdv_block_m * self.headdim, self.dkdv_block_n
-            ds = 2 * n * self.dkdv_block_m if atomic_dq else 0
+    def dkdv_smem_layout(self, atomic_dq: bool) -> dict[str, int]:
+        """The dK/dV kernel's shared memory: BwdSm90Traits (K, V, STAGES x Q, STAGES x dO, 2 x dS^T,
+        a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers) or BwdDkdvTraits (K, V,
+        STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows, dS^T)."""
+        n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
+        if self.hopper:
+            ds = 2 * n * m if atomic_dq else 0
             dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
-            return (2 * 2 * n * self.headdim + 2 * self.stages * qb + 2 * ds + 2 * dq
-                    + 2 * self.stages * 4 * self.dkdv_block_m + 8 * (1 + 2 * self.stages))
-        kv = self.dkdv_block_n * self.headdim
-        qb = self.dkdv_block_m * self.headdim
-        rows = 4 * 2 * self.stages * self.dkdv_block_m
-        ds = 2 * self.dkdv_block_n * self.dkdv_block_m if atomic_dq else 0
-        return 2 * (2 * kv + 2 * self.stages * qb) + rows + ds
+            return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", stages * 2 * m * d),
+                           ("DS", 2 * ds), ("DQ", 2 * dq), ("ROWS", 2 * stages * 4 * m),
+                           ("BARS", 8 * (1 + 2 * stages)))
+        return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", 2 * stages * m * d), ("DO", 2 * stages * m * d),
+                       ("LSE2", 4 * stages * m), ("DELTA", 4 * stages * m),
+                       ("DS", 2 * n * m if atomic_dq else 0))
+
+    def dkdv_smem_bytes(self, atomic_dq: bool) -> int:
+        return self.dkdv_smem_layout(atomic_dq)["SMEM_BYTES"]
+
+    def dkdv_traits(self, atomic_dq: bool) -> str:
+        """The C++ traits type of the dK/dV kernel."""
+        if self.hopper:
+            args = [self.headdim, self.dkdv_block_m, self.stages, _cpp_bool(atomic_dq)]
+            return "cuflash::BwdSm90Traits<" + ", ".join(str(a) for a in args) + ">"
+        args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, _cpp_bool(atomic_dq)]
+        return "cuflash::BwdDkdvTraits<" + ", ".join(str(a) for a in args) + ">"
 
     @property
     def dq_threads(self) -> int:
         return 384 if self.hopper else 32 * self.dq_warps
 
+    def dq_smem_layout(self) -> dict[str, int]:
+        """The deterministic dQ kernel's shared memory: BwdSm90DqTraits (Q, dO, STAGES x K, STAGES x V,
+        lse2 and Delta rows, mbarriers) or BwdDqTraits (Q, dO, STAGES x K, STAGES x V)."""
+        m, n, d, stages = self.dq_block_m, self.dq_block_n, self.headdim, self.stages
+        qb, kv = 2 * m * d, stages * 2 * n * d
+        if self.hopper:
+            return _layout(("Q", qb), ("DO", qb), ("K", kv), ("V", kv), ("ROWS", 2 * 4 * m),
+                           ("BARS", 8 * (1 + 4 * stages)))
+        return _layout(("Q", qb), ("DO", qb), ("K", kv), ("V", kv))
+
     def dq_smem_bytes(self) -> int:
-        if self.hopper:  # BwdSm90DqTraits::SMEM_BYTES
-            return (2 * 2 * self.dq_block_m * self.headdim + 2 * self.stages * 2 * self.dq_block_n * self.headdim
-                    + 2 * 4 * self.dq_block_m + 8 * (1 + 4 * self.stages))
-        return 2 * (2 * self.dq_block_m * self.headdim + 2 * self.stages * self.dq_block_n * self.headdim)
+        return self.dq_smem_layout()["SMEM_BYTES"]
+
+    def dq_traits(self) -> str:
+        """The C++ traits type of the deterministic dQ kernel."""
+        if self.hopper:
+            return f"cuflash::BwdSm90DqTraits<{self.headdim}, {self.dq_block_n}, {self.stages}>"
+        return f"cuflash::BwdDqTraits<{self.headdim}, {self.dq_warps}, {self.dq_block_n}, {self.stages}>"
 
     def is_valid(self) -> bool:
         """Static constraints of BwdDkdvTraits (in both dQ modes) and BwdDqTraits (the static_asserts)."""
