@@ -171,6 +171,11 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
                              out_tile.b);
             bulk_commit();
         }
+    } else {
+        // Every lane has read this tile's words before any lane of the warp
+        // stores the next tile's (TileWords; with STAGE_O and for split tiles
+        // a named barrier orders them): docs/sanitizers.md.
+        __syncwarp();
     }
 }
 
