@@ -63,7 +63,7 @@ struct BwdSm90Traits {
     static constexpr int OFF_ROWS = OFF_DQ + CONSUMERS * DQ_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
-    // Register split as in fwd_sm90.cuh: producer + 2 x consumer <= 3 x 168.
+    // Register split as in fwd_sm90_traits.cuh: producer + 2 x consumer <= 3 x 168.
     static constexpr int ENTRY_REGS = 168;
     static constexpr int CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(384, 1)
 
     // Q and dO as the MN-major B operands of dK and dV (K = queries, N = head
     // dim): the leading offset is the distance between 64-column panels, the
-    // stride that between 8-row atoms (as V in fwd_sm90.cuh).
+    // stride that between 8-row atoms (as V in fwd_sm90_mainloop.cuh).
     auto qb_desc = [&](u32 tile, int kk) { return desc_mn_major_sw128<BM * 128, 1024>(tile, kk); };
 
     // A step's dQ tile into dq_accum ((B, H, nq_pad, D) floats: padded rows

@@ -136,6 +136,11 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
     if constexpr (STAGE_O) {
         if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
         named_bar_sync<128>(own_barrier(FWD_CONSUMER_SYNC, c));
+    } else {
+        // Every lane has read the tile words before any lane of the warp
+        // stores the next tile's (with STAGE_O and for split tiles a named
+        // barrier orders them): docs/sanitizers.md.
+        __syncwarp();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -171,11 +176,6 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
                              out_tile.b);
             bulk_commit();
         }
-    } else {
-        // Every lane has read this tile's words before any lane of the warp
-        // stores the next tile's (TileWords; with STAGE_O and for split tiles
-        // a named barrier orders them): docs/sanitizers.md.
-        __syncwarp();
     }
 }
 
