@@ -63,8 +63,8 @@ struct BwdSm90Traits {
     static constexpr int OFF_ROWS = OFF_DQ + CONSUMERS * DQ_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
-    // Register split as in fwd_sm90_traits.cuh: producer + 2 x consumer <= 3 x 168.
-    static constexpr int ENTRY_REGS = 168;
+    // Register split (setmaxnreg, SM90_ENTRY_REGS).
+    static constexpr int ENTRY_REGS = SM90_ENTRY_REGS;
     static constexpr int CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
@@ -377,7 +377,7 @@ struct BwdSm90DqTraits {
     static constexpr int OFF_ROWS = OFF_V + STAGES * KV_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * ROW_BYTES;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
-    static constexpr int ENTRY_REGS = 168, CONSUMER_REGS = 232;
+    static constexpr int ENTRY_REGS = SM90_ENTRY_REGS, CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
     static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64), "head dim 64 with BN 128, or 128 with BN 64");

@@ -94,15 +94,16 @@ struct SoftmaxAccumulators {
 };
 
 // The key loop over blocks [0, n_blocks) of a segment of a tile from query
-// row m0 (ring position kv_iter; the first n_masked blocks need the mask;
-// block i holds keys from (hi - 1 - i) * BC, the producer's descending order). The last S GEMM
-// releases the Q tile (empty_q) for the producer's next segment.
+// row m0: block i (ring position kv_iter + i) holds keys from (hi - 1 - i) *
+// BC, the producer's descending order, and the first n_masked need the mask.
+// The last S GEMM releases the Q tile (empty_q) for the producer's next
+// segment. (The mask is a lambda here, not a function of its own: as one,
+// ptxas formed its comparisons otherwise.)
 template <class T, bool CAUSAL, bool EVEN_N, int MAX_CHAINS, int SUM_CHAINS, class Turns>
 __device__ __forceinline__ void fwd_sm90_mainloop(SoftmaxAccumulators<T::D>& acc, const FwdSm90Smem<T>& sm,
                                                   const Turns& turns, int kv_iter, int n_blocks, int n_masked,
                                                   int hi, int m0, int warp_row0, int nk, int diag,
-                                                  float qk_scale_log2, int c,
-                                                  u32 sink, int lane) {
+                                                  float qk_scale_log2, int c, u32 sink, int lane) {
     constexpr int D = T::D, BC = T::BC, STAGES = T::STAGES, BR = T::BR;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     constexpr bool FP8 = T::DTYPE == E4M3;

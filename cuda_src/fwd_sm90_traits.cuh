@@ -44,13 +44,10 @@ struct FwdSm90Traits {
     static constexpr int OFF_TILE_WORDS = OFF_SINK + SINK_BYTES;
     static constexpr int SMEM_BYTES = OFF_TILE_WORDS + TILE_WORDS_BYTES;
 
-    // Register split (setmaxnreg): the warpgroups share the CTA's allocation
-    // at entry, 168 per thread (__launch_bounds__(384, 1)), so PRODUCER_REGS +
-    // 2 x CONSUMER_REGS must not exceed 3 x 168 (a consumer's increase waits
-    // for registers the producer gave back: more would hang). 240 only where
-    // the consumers need it (head dim 256: O alone is 128 registers); the
-    // producer spills below 40.
-    static constexpr int ENTRY_REGS = 168;
+    // Register split (setmaxnreg, SM90_ENTRY_REGS): 240 per consumer thread
+    // only where the consumers need it (head dim 256: O alone is 128
+    // registers); the producer spills below 40.
+    static constexpr int ENTRY_REGS = SM90_ENTRY_REGS;
     static constexpr int CONSUMER_REGS = D == 256 ? 240 : 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
     // k steps (32 bytes of each row) of the two GEMMs.

@@ -239,6 +239,13 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
 }
 
+// Registers per thread at entry of the Hopper kernels (__launch_bounds__(384,
+// 1): 65536 / 384, rounded down to a multiple of 8), which their warpgroups
+// then split with setmaxnreg: producer + 2 x consumer <= 3 x SM90_ENTRY_REGS
+// (a consumer's increase waits for registers the producer gave back: more
+// would hang). `python -m cuflash check` verifies the entry allocation.
+constexpr int SM90_ENTRY_REGS = 168;
+
 // Hand registers from the producer warpgroup to the consumers (sm_90a; needs a
 // register cap at kernel entry, from __launch_bounds__(threads, 1)).
 template <int N>
