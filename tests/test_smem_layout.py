@@ -8,7 +8,7 @@ import pytest
 
 from cuflash import compile as cf_compile
 from cuflash.cli.check import shipped_specialisations
-from cuflash.config import FP8_DTYPE_NAME, BwdConfig, FwdConfig, FwdSm90Config, SM90_DTYPES
+from cuflash.config import FP8_DTYPE_NAME, SM90_DTYPES, SM90_SMEM_LIMIT, BwdConfig, FwdConfig, FwdSm90Config
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -81,6 +81,7 @@ def test_cpp_layout_matches_python(family):
         for traits, layout in sorted(layouts.items())
         for field, value in layout.items()
     ]
+    asserts.append(f'static_assert(cuflash::SMEM_LIMIT == {SM90_SMEM_LIMIT}, "SMEM_LIMIT != config.SM90_SMEM_LIMIT");')
     arch = cf_compile.FAMILY_ARCH.get(family, "sm_80").replace("sm_", "compute_")
     source = cf_compile.kernel_source(family) + "\n" + "\n".join(asserts) + "\n"
     prog = nvrtc.createProgram(source, "smem_layout.cu", [], [])
