@@ -67,6 +67,18 @@ def kernel_source(family: str) -> str:
     return _inline(cuda_src_dir() / header, set())
 
 
+_CPP_INT_CONSTANT = r"constexpr\s+int\s+{}\s*=\s*(\d+)\s*;"
+
+
+@functools.lru_cache(maxsize=None)
+def cpp_int_constant(header: str, name: str) -> int:
+    """The value of `constexpr int name = ...;` in cuda_src/header: read from its one home."""
+    match = re.search(_CPP_INT_CONSTANT.format(re.escape(name)), (cuda_src_dir() / header).read_text())
+    if match is None:
+        raise RuntimeError(f"cuflash: no constexpr int {name} in cuda_src/{header}")
+    return int(match.group(1))
+
+
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     """Hash of every file in cuda_src/: changes whenever any kernel changes."""

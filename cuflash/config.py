@@ -97,7 +97,7 @@ class FwdConfig:
             and 1 <= self.stages <= 4
             and self.m_tiles in (1, 2)
             and 1 <= self.warps <= 16
-            and self.smem_bytes() <= 227 * 1024
+            and self.smem_bytes() <= SM90_SMEM_LIMIT
         )
 
     def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:

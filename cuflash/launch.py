@@ -15,6 +15,7 @@ captures a CUDA graph: a buffer that would have to grow raises instead.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy
@@ -26,7 +27,7 @@ from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
 
 # Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
-LOG2E = 1.4426950408889634
+LOG2E = math.log2(math.e)
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
 # Query rows per CTA of the backward's row-wise kernels (preprocess, dQ convert): one warp a row.

@@ -12,14 +12,14 @@ from cuflash import dispatch, tune_cache, tuner
 from cuflash.cli import autotune as cli_autotune
 from cuflash.cli import info as cli_info
 from cuflash.dispatch import BwdProblem
-from cuflash.config import BwdConfig, FwdConfig
+from cuflash.config import SM90_SMEM_LIMIT, BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
 from cuflash.tune_common import CallShape, seqlen_bucket
 from cuflash.tune_bwd import BWD
 from cuflash.tune_fwd import FWD, QUICK_SPACE
 
 DEVICE = tune_cache.DeviceKey("Test GPU 80GB", "90")
-H100 = tuner.DeviceLimits(DEVICE, smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048,
+H100 = tuner.DeviceLimits(DEVICE, smem_per_block=SM90_SMEM_LIMIT, smem_per_sm=228 * 1024, threads_per_sm=2048,
                           regs_per_block=65536, l2_bytes=50 << 20)
 
 
@@ -81,7 +81,7 @@ def test_compile_filter_drops_spills_errors_and_register_hogs(monkeypatch):
 
     monkeypatch.setattr(cf_compile, "compile_report", fake)
     monkeypatch.setattr(tuner, "_reports", {})
-    limits = tuner.DeviceLimits(DEVICE, 227 * 1024, 228 * 1024, 2048, 32768, 1 << 20)
+    limits = tuner.DeviceLimits(DEVICE, SM90_SMEM_LIMIT, 228 * 1024, 2048, 32768, 1 << 20)
     task = tuner.Task(FWD, problem, CallShape(1, 1, 1), "custom", [heuristic, clean, spills, broken, hog])
     tuner.compile_filter([task], limits, load=False, jobs=2, progress=False)
     assert task.candidates == [heuristic, clean]
@@ -358,7 +358,7 @@ def test_hopper_192_key_tiles_are_tuned_with_both_length_variants():
 
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_hopper_candidates_stage_the_output_wherever_it_fits(headdim):
-    from cuflash.config import SM90_SMEM_LIMIT, FwdSm90Config
+    from cuflash.config import FwdSm90Config
 
     problem = FwdProblem("float16", headdim, False, 4096, 4096, 1, arch=90)
     hopper = [c for c in FWD.space(problem, quick=False) if isinstance(c, FwdSm90Config) and c.is_valid()]

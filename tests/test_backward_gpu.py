@@ -32,7 +32,7 @@ import pytest
 
 import cuflash
 from cuflash import dispatch
-from cuflash.config import BwdConfig
+from cuflash.config import SM90_SMEM_LIMIT, BwdConfig
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
 from tests.numerics import DTYPES, assert_close_2x, mentions, randn
@@ -148,7 +148,7 @@ def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, 
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
     cc = cupy.cuda.Device().compute_capability
-    chosen = dispatch.bwd_tiles(headdim, 227 * 1024, int(cc))
+    chosen = dispatch.bwd_tiles(headdim, SM90_SMEM_LIMIT, int(cc))
     assert chosen.hopper == (kernel == "hopper")
     with dispatch.heuristic_only():
         grads = backward(dev, causal=causal, deterministic=deterministic)

@@ -3,9 +3,9 @@
 import pytest
 
 from cuflash import dispatch
-from cuflash.config import KERNEL_HEADDIMS, FwdConfig, FwdSm90Config, kernel_headdim
+from cuflash.config import KERNEL_HEADDIMS, SM90_SMEM_LIMIT, FwdConfig, FwdSm90Config, kernel_headdim
 
-H200_SMEM = 227 * 1024
+H200_SMEM = SM90_SMEM_LIMIT
 ADA_SMEM = 99 * 1024  # sm_86 / sm_89 opt-in shared memory per block
 
 

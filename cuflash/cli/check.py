@@ -26,9 +26,8 @@ from ..fp8 import TRANSPOSE_V_KERNEL
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
-# entry (cuda_src/fwd_sm90.cuh, bwd_sm90.cuh: ENTRY_REGS); with another, a
-# consumer warpgroup could wait forever for registers.
-SM90_ENTRY_REGISTERS = 168
+# entry; with another, a consumer warpgroup could wait forever for registers.
+SM90_ENTRY_REGISTERS = _compile.cpp_int_constant("sm90_tiles.cuh", "SM90_ENTRY_REGS")
 SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
