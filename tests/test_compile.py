@@ -7,7 +7,7 @@ from cuflash import compile as cf_compile
 from cuflash.config import KERNEL_HEADDIMS, kernel_headdim
 from cuflash.dispatch import HEURISTIC_FWD
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 
 def test_every_heuristic_config_is_valid():
