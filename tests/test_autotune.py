@@ -143,7 +143,7 @@ def test_round_trip(cache, monkeypatch):
 
 
 def test_cache_writes_move_the_generation(cache):
-    # cuflash.api's launch plans hold dispatch decisions keyed by it.
+    # The entry points' launch plans hold dispatch decisions keyed by it (cuflash/plans.py).
     before = tune_cache.generation()
     tune_cache.put(DEVICE, {"a": entry("A")})
     middle = tune_cache.generation()

@@ -24,8 +24,7 @@ from tabulate import tabulate
 
 from cuflash import compile as cf_compile
 from cuflash.config import FP8_DTYPE_NAME
-from cuflash.backward import hopper_bwd_plans
-from cuflash.dispatch import HEURISTIC_FP8, sm90_table_configs
+from cuflash.dispatch import HEURISTIC_FP8, hopper_bwd_plans, sm90_table_configs
 
 OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
 
