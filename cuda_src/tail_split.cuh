@@ -3,7 +3,7 @@
 // Without a causal mask every work tile has the same key blocks, so the last
 // wave holds num_tiles mod CTAs tiles, and the CTAs without one idle for a
 // whole tile's time (2048 tiles on 132 SMs: 68 tiles, the wave half empty).
-// The host (cuflash/api.py, tail_split) keeps the first `full_tiles` tiles
+// The host (cuflash/tail_split.py, cuflash/launch.py) keeps the first `full_tiles` tiles
 // whole and deals the key blocks of the others, tile after tile, into `items`
 // equal runs, one per ticket (stream-K). A run covers at most two tiles (items
 // >= the split tiles), so it is one or two segments: key blocks [lo, hi) of

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# compute-sanitizer over every kernel family at small awkward shapes, on the GPU machine:
+#
+#   bench/sanitize.sh [TOOL ...]        (default: memcheck racecheck synccheck initcheck)
+#
+# Runs bench/sanitize_workload.py under each tool, one process per family, and
+# prints each run's error summary; logs go to $OUT (./sanitize_out when unset).
+# Exits non-zero if any run reports an error. docs/sanitizers.md explains the
+# reports that come from ordering the tools do not model (mbarriers, bulk copies).
+set -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-./sanitize_out}
+mkdir -p "$OUT"
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+TOOLS=${*:-memcheck racecheck synccheck initcheck}
+FAMILIES="fwd_sm80 bwd_sm80 fwd_sm90 fp8 bwd_sm90 plan"
+failed=0
+for tool in $TOOLS; do
+    for family in $FAMILIES; do
+        log="$OUT/$tool-$family.log"
+        compute-sanitizer --tool "$tool" --error-exitcode 3 "$PYTHON" bench/sanitize_workload.py "$family" >"$log" 2>&1
+        rc=$?
+        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error:" "$log" | tail -1)
+        printf '%-10s %-9s exit %d  %s\n' "$tool" "$family" "$rc" "$summary"
+        [ "$rc" -ne 0 ] && failed=1
+    done
+done
+exit $failed

@@ -1,0 +1,91 @@
+"""Small awkward-shaped calls of every kernel family, for compute-sanitizer (bench/sanitize.sh).
+
+    PYTHONPATH=. python bench/sanitize_workload.py [FAMILY ...]
+
+Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
+fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
+(atomic and deterministic dQ), plan (a repeated forward, then a backward:
+the launch-plan path). Each call runs twice, the second time on its launch
+plan. Without arguments, all of them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+
+import cuflash
+from cuflash import tail_split
+from cuflash.bench.inputs import cupy_dtype
+
+
+def qkv(batch, nq, nk, nheads, nheads_kv, headdim, dtype="float16", seed=0):
+    gen = cupy.random.default_rng(seed)
+    shapes = ((batch, nq, nheads, headdim), (batch, nk, nheads_kv, headdim), (batch, nk, nheads_kv, headdim))
+    return [gen.standard_normal(s, dtype=cupy.float32).astype(cupy_dtype(dtype)) for s in shapes]
+
+
+def forward_and_backward(q, k, v, causal, deterministic=False, backward=True):
+    for _ in range(2):
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        if backward:
+            cuflash.attention_backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal,
+                                       deterministic=deterministic)
+
+
+def fwd_sm80():
+    forward_and_backward(*qkv(2, 97, 130, 4, 2, 32), causal=True, backward=False)
+
+
+def bwd_sm80():
+    forward_and_backward(*qkv(2, 97, 130, 4, 2, 32), causal=True)
+
+
+def fwd_sm90():
+    for dtype in ("float16", "bfloat16"):
+        forward_and_backward(*qkv(2, 97, 257, 4, 2, 128, dtype), causal=False, backward=False)
+        forward_and_backward(*qkv(1, 257, 17, 2, 1, 64, dtype), causal=True, backward=False)
+    forward_and_backward(*qkv(1, 33, 161, 2, 2, 256, "bfloat16"), causal=True, backward=False)
+    saved, tail_split.SEGMENT_COST = tail_split.SEGMENT_COST, 0  # split these short key sequences too
+    try:
+        forward_and_backward(*qkv(1, 300, 2049, 2 * 50, 50, 128), causal=False, backward=False)
+    finally:
+        tail_split.SEGMENT_COST = saved
+
+
+def fp8():
+    x = qkv(1, 97, 300, 4, 2, 128, "float16")
+    (q, qs), (k, ks), (v, vs) = (cuflash.fp8.quantize_e4m3(t.astype(cupy.float32)) for t in x)
+    for causal in (False, True):
+        cuflash.attention(q, k, v, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+
+
+def bwd_sm90():
+    for deterministic in (False, True):
+        forward_and_backward(*qkv(2, 97, 130, 4, 2, 128), causal=True, deterministic=deterministic)
+        forward_and_backward(*qkv(1, 17, 257, 2, 2, 64), causal=False, deterministic=deterministic)
+
+
+def plan():
+    q, k, v = qkv(1, 200, 200, 2, 2, 128)
+    for _ in range(3):
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+    cuflash.attention_backward(cupy.ones_like(q), q, k, v, out, lse)
+
+
+FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan)}
+
+
+def main(names) -> None:
+    # Without CuPy's pool every array is a cudaMalloc of its own: memcheck sees
+    # each one's bounds, and initcheck each one's first write.
+    cupy.cuda.set_allocator(None)
+    for name in names or FAMILIES:
+        FAMILIES[name]()
+        cupy.cuda.Device().synchronize()
+        print(name, "done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
