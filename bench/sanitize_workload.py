@@ -55,7 +55,7 @@ def fwd_sm90():
 
 
 def fp8():
-    x = qkv(1, 97, 300, 4, 2, 128, "float16")
+    x = qkv(1, 97, 300, 2, 2, 128, "float16")  # descales are per (batch, kv head): no GQA here
     (q, qs), (k, ks), (v, vs) = (cuflash.fp8.quantize_e4m3(t.astype(cupy.float32)) for t in x)
     for causal in (False, True):
         cuflash.attention(q, k, v, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
