@@ -54,11 +54,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     fp8 problems run the heuristic's kernel).
     """
     key = None
-    if not tune and q_descale is None and k_descale is None and v_descale is None:
-        key = _plan_key(q, k, v, causal, softmax_scale, out, lse)
+    descales = (q_descale, k_descale, v_descale)
+    if not tune:
+        key = _plan_key(q, k, v, causal, softmax_scale, out, lse, descales)
         plan = _plans.get(key) if key is not None else None
         if plan is not None:
-            return plan.call(q, k, v, out, lse, return_lse)
+            return plan.call(q, k, v, out, lse, return_lse, descales)
     dtype_name = validate.qkv(q, k, v, allow_fp8=True)
     is_fp8 = dtype_name == FP8_DTYPE_NAME
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
@@ -93,9 +94,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         cfg, _ = dispatch.fwd_config(problem)
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out, lse, scale, device_id)
         prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale)
-    # Not stored under autotuning (every call may tune) nor for fp8 (descales vary).
-    if key is not None and not is_fp8 and not autotune:
-        _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, lse.shape, lse.size))
+    if key is not None and not autotune:  # under autotuning every call may tune
+        _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, lse.shape, lse.size, descale))
     return (out, lse) if return_lse else out
 
 
@@ -113,12 +113,14 @@ class _Plan:
     device_id: int
     lse_shape: tuple
     lse_size: int
+    # fp8: the first call's descales; a later call's given ones replace them (ones stand for None)
+    descale: tuple | None
 
-    def call(self, q, k, v, out, lse, return_lse: bool):
+    def call(self, q, k, v, out, lse, return_lse: bool, descales: tuple):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
-                return self.call(q, k, v, out, lse, return_lse)
+                return self.call(q, k, v, out, lse, return_lse, descales)
         stream = cp.cuda.get_current_stream()
         kernel_lse = lse
         if out is None or lse is None:
@@ -135,7 +137,10 @@ class _Plan:
         copies = self.copies
         if copies[0] or copies[1] or copies[2]:
             q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), copies))
-        self.launch.run(q, k, v, out, kernel_lse, stream.ptr)
+        descale = self.descale
+        if descale is not None:
+            descale = tuple(given if given is not None else first for given, first in zip(descales, descale))
+        self.launch.run(q, k, v, out, kernel_lse, stream.ptr, descale)
         return (out, lse) if return_lse else out
 
 
@@ -158,7 +163,7 @@ def _outputs(out_shape, out_dtype, lse_shape, out, lse):
     return out, lse
 
 
-def _plan_key(q, k, v, causal, softmax_scale, out, lse):
+def _plan_key(q, k, v, causal, softmax_scale, out, lse, descales):
     """The plan key of a call with these arguments, or None where only the full path applies."""
     ndarray = ndarray_type()
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
@@ -166,8 +171,10 @@ def _plan_key(q, k, v, causal, softmax_scale, out, lse):
     if softmax_scale is not None and type(softmax_scale) is not float:
         return None
     try:
-        outputs = optional_layout(out), optional_layout(lse)
+        outputs = optional_layout(out), optional_layout(lse), *(optional_layout(x) for x in descales)
     except LookupError:
+        return None
+    if any(x is not None and not x.flags.c_contiguous for x in descales):  # copied on the full path
         return None
     qd, kd, vd = q.data, k.data, v.data
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 
 import numpy
@@ -63,25 +64,23 @@ class KernelArgs:
 
     def __init__(self, values):
         self.words: list[int] = []  # the buffer word where each argument starts
-        sizes = [_nbytes(v) for v in values]
-        offset = 0
-        for size in sizes:
+        chunks, offset = [], 0
+        for value in values:
+            raw = _raw_bytes(value)
+            raw += b"\0" * (-len(raw) % _WORD)
             self.words.append(offset // _WORD)
-            offset += -(-size // _WORD) * _WORD
-        self.buffer = numpy.zeros(max(offset, _WORD) // _WORD, numpy.uint64)
+            chunks.append(raw)
+            offset += len(raw)
+        # One join and one copy: packing argument by argument cost ~100 us for the Hopper forward.
+        self.buffer = numpy.frombuffer(bytearray(b"".join(chunks) or bytes(_WORD)), numpy.uint64)
         base = self.buffer.ctypes.data
         self.pointers = numpy.array([base + w * _WORD for w in self.words], numpy.uint64)
         self.address = ctypes.c_void_p(self.pointers.ctypes.data)  # the kernelParams argument
-        for i, value in enumerate(values):
-            self[i] = value
 
     def __setitem__(self, i: int, value) -> None:
         w = self.words[i]
         if isinstance(value, numpy.ndarray):  # a tensor map's 16 words
             self.buffer[w:w + value.size] = value
-        elif isinstance(value, numpy.generic):
-            raw = numpy.frombuffer(value.tobytes().ljust(_WORD, b"\0"), numpy.uint64)
-            self.buffer[w] = raw[0]
         else:  # a CuPy array
             self.buffer[w] = value.data.ptr
 
@@ -89,12 +88,11 @@ class KernelArgs:
         self.buffer[self.words[i]] = address
 
 
-def _nbytes(value) -> int:
-    if isinstance(value, numpy.ndarray):
-        return value.nbytes
-    if isinstance(value, numpy.generic):
-        return value.itemsize
-    return _WORD
+def _raw_bytes(value) -> bytes:
+    """An argument's bytes as the kernel parameter holds them."""
+    if isinstance(value, (numpy.ndarray, numpy.generic)):  # tensor-map words, numpy scalars
+        return value.tobytes()
+    return struct.pack("<Q", value.data.ptr)  # a CuPy array: its device address
 
 
 class Kernel:
