@@ -41,6 +41,14 @@ def require_gpu(request):
         pytest.skip("needs an sm_90 GPU")
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Every test starts without launch plans: a plan keeps the dispatch choice it was made with, and
+    tests change dispatch's tables (monkeypatch) for the same shapes."""
+    for plans in (forward._plans, backward._plans):
+        plans.clear()
+
+
 @pytest.fixture
 def rng(request):
     """Different inputs for every case, reproducible from the test id."""
@@ -53,6 +61,4 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tune_cache, "_memo", {})
     monkeypatch.setattr(tune_cache, "_warned", set())
-    for plans in (forward._plans, backward._plans):
-        plans.clear()  # plans keep the dispatch of the cache they were made under
     return tmp_path
