@@ -37,7 +37,7 @@ __device__ __forceinline__ int first_segment() { return 2 * blockIdx.x; }
 // Draws the next item's ticket, once the current item's copies are issued.
 // Every item taken draws one, so tickets run 0 .. num_items - 1 and the last
 // one's holder resets the counter for the next launch (one counter per
-// stream, cuflash/api.py). Drawn after the copies so that the ticket is not
+// stream, cuflash/launch.py: StreamState). Drawn after the copies so that the ticket is not
 // live across them (at head dim 256 the producer has 24 registers); the
 // consumers are then STAGES key blocks behind, which hides the atomic's
 // latency.
