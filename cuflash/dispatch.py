@@ -75,11 +75,6 @@ def set_tuned_lookup(lookup: TunedLookup | None) -> None:
     _tuned = lookup
 
 
-def cache_enabled() -> bool:
-    """Whether the choices consult the tuning cache now (not within heuristic_only)."""
-    return _cache_enabled
-
-
 def cache_state() -> tuple:
     """What a choice depends on besides the problem: the switch, the lookup and its cache's state
     (part of the launch-plan keys of the entry points)."""

@@ -120,10 +120,6 @@ class Kernel:
             raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} "
                                f"(grid {grid}, block {block}, {self.smem_bytes} bytes of shared memory)")
 
-    def __call__(self, grid, block: int, values, stream) -> None:
-        """Pack `values` afresh and launch (the general path: argument lists built per call)."""
-        self.launch(grid, block, KernelArgs(values), stream)
-
 
 _kernels: dict = {}
 _kernels_lock = threading.Lock()
