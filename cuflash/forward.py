@@ -124,8 +124,7 @@ class _Plan:
         stream = cp.cuda.get_current_stream()
         kernel_lse = lse
         if out is None or lse is None:
-            if stream.is_capturing():
-                launch.require_not_capturing("attention without out= and lse=")
+            launch.require_not_capturing("attention without out= and lse=")
             if lse is None and not return_lse:
                 # The kernel writes every row's lse: where the caller wants none, into the
                 # stream's scratch, so that the call allocates only its output.

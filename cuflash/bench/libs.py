@@ -161,10 +161,11 @@ class TorchSdpa:
         torch = self.torch
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        run = lambda: sdpa(tq, tk, tv, is_causal=causal)  # noqa: E731
+        return self._checked(lambda: sdpa(tq, tk, tv, is_causal=causal))
+
+    def _checked(self, run):
+        """run, after one call: an unsupported backend raises there, reported as a skip rather than an error."""
         try:
-            # An unsupported backend raises at the first call; report it as
-            # a skip rather than an error.
             with self.context():
                 run()
         except RuntimeError as exc:
@@ -198,12 +199,7 @@ class TorchSdpaFwdBwd(TorchSdpa):
             out = sdpa(tq, tk, tv, is_causal=causal)
             return grad(out, (tq, tk, tv), tdout)
 
-        try:
-            with self.context():
-                run()
-        except RuntimeError as exc:
-            raise Skip(str(exc).splitlines()[0]) from exc
-        return run
+        return self._checked(run)
 
     @staticmethod
     def to_cupy(grads):
