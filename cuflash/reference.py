@@ -4,44 +4,116 @@ Layout everywhere: q is (batch, seqlen_q, nheads, headdim); k and v are
 (batch, seqlen_k, nheads_kv, headdim).  Query head h reads kv head
 h // (nheads // nheads_kv) (grouped-query attention).
 
-    S = softmax_scale * q @ k^T          (masked entries set to -inf)
+    s = softmax_scale * q @ k^T
+    s = softcap * tanh(s / softcap)      (softcap > 0 only)
+    s = s - slope[b, h] * |i + seqlen_k - seqlen_q - j|   (alibi_slopes only)
+    S = s with the entries query i may not see set to -inf
     lse = log(sum_j exp(S[:, j]))        (natural log, per query row)
     out = exp(S - lse) @ v
 
-With causal=True the mask is aligned to the bottom-right corner of S: query
-i sees key j iff j <= i + seqlen_k - seqlen_q.  When seqlen_q > seqlen_k the
-first seqlen_q - seqlen_k rows see no key at all; such rows get out = 0 and
-lse = -inf.
+Which keys query i sees (`visible_mask`), with d = i + seqlen_k - seqlen_q,
+the key aligned with query i when the corners of S are bottom-right aligned,
+and window_size = (left, right), -1 meaning unbounded:
 
-`attention_backward` gives the gradients (dq, dk, dv) of the same function;
-rows that see no key contribute nothing to them (their dq is 0).
+    j >= d - left (left >= 0 only)  and  j <= d + right (right >= 0 only)
+
+causal=True sets right = 0, whatever window_size says, and keeps its left.
+When seqlen_q > seqlen_k + right the first rows see no key at all; such rows
+get out = 0 and lse = -inf.
+
+`attention_backward` gives the gradients (dq, dk, dv) of the same function,
+through the tanh of softcap; alibi_slopes are constants without a gradient.
+Rows that see no key contribute nothing to them (their dq is 0).
+
+alibi_slopes: float32 values of shape (nheads,) or (batch, nheads), as a
+NumPy array, anything np.asarray takes, or a CuPy array.
 """
 
 import math
+from typing import NamedTuple
 
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" NumPy dtype)
 import numpy as np
 
 
-def causal_mask(seqlen_q, seqlen_k):
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
     """Boolean (seqlen_q, seqlen_k) matrix, True where query i may see key j."""
-    i = np.arange(seqlen_q)[:, None]
+    left, right = (int(x) for x in window_size)
+    if causal:
+        right = 0
+    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + seqlen_k - seqlen_q
+    mask = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        mask &= j >= diagonal - left
+    if right >= 0:
+        mask &= j <= diagonal + right
+    return mask
 
 
-def _heads(q, k, v, causal, softmax_scale):
-    """Yield (batch, head, q rows, k rows, v rows), the scale and the mask."""
+def causal_mask(seqlen_q, seqlen_k):
+    """Boolean (seqlen_q, seqlen_k) matrix, True where query i may see key j <= i + seqlen_k - seqlen_q."""
+    return visible_mask(seqlen_q, seqlen_k, causal=True)
+
+
+def _host_slopes(alibi_slopes, batch, nheads):
+    """alibi_slopes as a float64 (batch, nheads) NumPy array, or None."""
+    if alibi_slopes is None:
+        return None
+    if hasattr(alibi_slopes, "get"):
+        alibi_slopes = alibi_slopes.get()
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                         f"{(batch, nheads)}, got {slopes.shape}")
+    return np.broadcast_to(slopes, (batch, nheads))
+
+
+class _ScoreMods(NamedTuple):
+    """What turns q @ k^T into the masked scores S of one call."""
+
+    scale: float
+    softcap: float
+    mask: np.ndarray  # (seqlen_q, seqlen_k) bool, True where visible
+    slopes: np.ndarray | None  # (batch, nheads) float64
+    distance: np.ndarray  # (seqlen_q, seqlen_k) |i + seqlen_k - seqlen_q - j|
+
+    def modify(self, s, b, h, rnd=None):
+        """Softcap, ALiBi bias and mask applied to the scaled scores s of (batch b, head h).
+
+        Computes in s's dtype; rnd, when given, rounds each step's result as a
+        framework working in a low-precision dtype would.  Returns the masked
+        scores and tanh(s / softcap) (None without softcap), which the
+        backward needs.
+        """
+        rnd = rnd or (lambda x: x)
+        real = s.dtype.type
+        tanh = None
+        if self.softcap > 0:
+            tanh = np.tanh(s / real(self.softcap))
+            s = rnd(real(self.softcap) * tanh)
+        if self.slopes is not None:
+            s = rnd(s - (self.slopes[b, h] * self.distance).astype(s.dtype))
+        return np.where(self.mask, s, real(-np.inf)), tanh
+
+
+def _heads(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """The score modifications of the call and, per (batch, head), (b, h, q rows, k rows, v rows)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be divisible by nheads_kv ({nheads_kv})")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
     group = nheads // nheads_kv
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    mask = causal_mask(seqlen_q, seqlen_k) if causal else None
-    for b in range(batch):
-        for h in range(nheads):
-            yield b, h, q[b, :, h], k[b, :, h // group], v[b, :, h // group], scale, mask
+    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    mods = _ScoreMods(scale, float(softcap), visible_mask(seqlen_q, seqlen_k, causal, window_size),
+                      _host_slopes(alibi_slopes, batch, nheads),
+                      np.abs(diagonal - np.arange(seqlen_k)[None, :]).astype(np.float64))
+    heads = ((b, h, q[b, :, h], k[b, :, h // group], v[b, :, h // group])
+             for b in range(batch) for h in range(nheads))
+    return mods, heads
 
 
 def _softmax_rows(s):
@@ -60,8 +132,9 @@ def _softmax_rows(s):
     return p, lse[:, 0]
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """Exact attention in float64.
+def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              softmax_scale=None, return_lse=False):
+    """Exact attention in float64, with the options of the module docstring.
 
     Returns out (float64, shaped like q) and, with return_lse=True, also
     lse (float64, (batch, nheads, seqlen_q)).
@@ -69,37 +142,40 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf)
-    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
-        s = scale * (qh @ kh.T)
-        if mask is not None:
-            s = np.where(mask, s, -np.inf)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    for b, h, qh, kh, vh in heads:
+        s, _ = mods.modify(mods.scale * (qh @ kh.T), b, h)
         p, lse[b, h] = _softmax_rows(s)
         out[b, :, h] = p @ vh
     return (out, lse) if return_lse else out
 
 
-def attention_naive_lowp(q, k, v, *, causal=False, softmax_scale=None, dtype):
+def _rounder(dtype):
+    """x -> x rounded to dtype, as float32."""
+    dtype = np.dtype(dtype)
+    return lambda x: np.asarray(x).astype(dtype).astype(np.float32)
+
+
+def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                         softmax_scale=None, dtype):
     """Attention computed the naive way in a low-precision dtype.
 
-    Mimics what a GPU framework does with three kernels in float16/bfloat16:
-    scale q in dtype, S = q @ k^T with float32 accumulation rounded to dtype,
-    softmax in float32 rounded to dtype, P @ V with float32 accumulation
-    rounded to dtype.  Its error against `attention` is the yardstick for
-    the "at most twice the naive error" accuracy rule.
+    Mimics what a GPU framework does with a kernel per step in
+    float16/bfloat16: scale q in dtype, S = q @ k^T with float32 accumulation
+    rounded to dtype, softcap * tanh(S / softcap) in float32 from the rounded
+    S and rounded, the ALiBi bias added in float32 and rounded, softmax in
+    float32 rounded to dtype, P @ V with float32 accumulation rounded to
+    dtype.  Its error against `attention` is the yardstick for the "at most
+    twice the naive error" accuracy rule.
 
     Returns a float32 array (whose values are all representable in dtype).
     """
-    dtype = np.dtype(dtype)
-
-    def rnd(x):
-        return np.asarray(x).astype(dtype).astype(np.float32)
-
+    rnd = _rounder(dtype)
     q, k, v = rnd(q), rnd(k), rnd(v)
     out = np.zeros(q.shape, dtype=np.float32)
-    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
-        s = rnd(rnd(qh * np.float32(scale)) @ kh.T)
-        if mask is not None:
-            s = np.where(mask, s, np.float32(-np.inf))
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    for b, h, qh, kh, vh in heads:
+        s, _ = mods.modify(rnd(rnd(qh * np.float32(mods.scale)) @ kh.T), b, h, rnd)
         p, _ = _softmax_rows(s)
         out[b, :, h] = rnd(rnd(p) @ vh)
     return out
@@ -123,22 +199,21 @@ def fp8_dequantize(bits, descale):
     return values * np.asarray(descale, dtype=np.float64)[:, None, :, None]
 
 
-def attention_naive_fp8(q, k, v, *, causal=False, softmax_scale=None):
+def attention_naive_fp8(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None):
     """Attention on fp8 operands computed the straightforward way with fp8 GEMMs.
 
     q, k, v: the dequantised float values (exactly representable as e4m3 times
-    their descale). S = q k^T in float32; P = exp(S - row max) in float32,
-    rounded to e4m3 (the operand of an fp8 P V GEMM); out = (P V) / rowsum(P)
-    in float32, rounded to bfloat16, the output dtype. The yardstick of the fp8
-    accuracy rule.
+    their descale). S = q k^T in float32, softcapped in float32; P = exp(S - row
+    max) in float32, rounded to e4m3 (the operand of an fp8 P V GEMM); out =
+    (P V) / rowsum(P) in float32, rounded to bfloat16, the output dtype. The
+    yardstick of the fp8 accuracy rule.
     """
     e4m3 = ml_dtypes.float8_e4m3fn
     q, k, v = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
     out = np.zeros(q.shape, dtype=np.float32)
-    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
-        s = np.float32(scale) * (qh @ kh.T)
-        if mask is not None:
-            s = np.where(mask, s, np.float32(-np.inf))
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap)
+    for b, h, qh, kh, vh in heads:
+        s, _ = mods.modify(np.float32(mods.scale) * (qh @ kh.T), b, h)
         row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
         row_max = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float32)
         e = np.exp(s - row_max)
@@ -148,15 +223,18 @@ def attention_naive_fp8(q, k, v, *, causal=False, softmax_scale=None):
     return out.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       softmax_scale=None):
     """Gradients of attention in float64, from the closed form.
 
-    For a loss L with dL/dout = dout, per batch and query head:
+    For a loss L with dL/dout = dout, per batch and query head, with S the
+    masked scores of the module docstring:
 
         P  = softmax(S)                 (rows that see no key: P = 0)
         dV = P^T dO
         dP = dO V^T
         dS = P * (dP - rowsum(dP * P))  (rowsum(dP * P) = rowsum(dO * out))
+        dS = dS * (1 - tanh^2(s / softcap))   (softcap > 0 only; s the scaled score)
         dQ = softmax_scale * dS K
         dK = softmax_scale * dS^T Q
 
@@ -171,40 +249,40 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
     dq = np.zeros(q.shape, dtype=np.float64)
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
-    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
-        s = scale * (qh @ kh.T)
-        if mask is not None:
-            s = np.where(mask, s, -np.inf)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    for b, h, qh, kh, vh in heads:
+        s, tanh = mods.modify(mods.scale * (qh @ kh.T), b, h)
         p, _ = _softmax_rows(s)
         doh = dout[b, :, h]
         dp = doh @ vh.T
         ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-        dq[b, :, h] = scale * (ds @ kh)
-        dk[b, :, h // group] += scale * (ds.T @ qh)
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)
+        dq[b, :, h] = mods.scale * (ds @ kh)
+        dk[b, :, h // group] += mods.scale * (ds.T @ qh)
         dv[b, :, h // group] += p.T @ doh
     return dq, dk, dv
 
 
-def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, dtype):
+def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                                  alibi_slopes=None, softmax_scale=None, dtype):
     """Gradients of attention computed the naive way in a low-precision dtype.
 
     What reverse-mode autodiff through `attention_naive_lowp` does in
     float16/bfloat16: every matmul accumulates in float32 and rounds to
     dtype, the softmax backward runs in float32 from the rounded P and dP and
-    rounds to dtype, and the scaling of q is differentiated as its own step
-    (dq = round(round(dS K) * scale), dk = round(dS^T round(q * scale))).
-    The kv gradients of a grouped-query head group are summed in float32
-    and rounded once.  Its error against `attention_backward` is the
-    yardstick for the "at most twice the naive error" accuracy rule.
+    rounds to dtype, the tanh of softcap multiplies the rounded dS by
+    (1 - tanh^2) in float32 and rounds, and the scaling of q is
+    differentiated as its own step (dq = round(round(dS K) * scale),
+    dk = round(dS^T round(q * scale))).  The kv gradients of a grouped-query
+    head group are summed in float32 and rounded once.  Its error against
+    `attention_backward` is the yardstick for the "at most twice the naive
+    error" accuracy rule.
 
     Returns (dq, dk, dv), float32 arrays whose values are all representable
     in dtype.
     """
-    dtype = np.dtype(dtype)
-
-    def rnd(x):
-        return np.asarray(x).astype(dtype).astype(np.float32)
-
+    rnd = _rounder(dtype)
     dout, q, k, v = rnd(dout), rnd(q), rnd(k), rnd(v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
@@ -212,17 +290,18 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, softmax_scale=
     dq = np.zeros(q.shape, dtype=np.float32)
     dk = np.zeros(k.shape, dtype=np.float32)
     dv = np.zeros(v.shape, dtype=np.float32)
-    for b, h, qh, kh, vh, scale, mask in _heads(q, k, v, causal, softmax_scale):
-        scale = np.float32(scale)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    scale = np.float32(mods.scale)
+    for b, h, qh, kh, vh in heads:
         qs = rnd(qh * scale)
-        s = rnd(qs @ kh.T)
-        if mask is not None:
-            s = np.where(mask, s, np.float32(-np.inf))
+        s, tanh = mods.modify(rnd(qs @ kh.T), b, h, rnd)
         p, _ = _softmax_rows(s)
         p = rnd(p)
         doh = dout[b, :, h]
         dp = rnd(doh @ vh.T)
         ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+        if tanh is not None:
+            ds = rnd(ds * (1 - tanh * tanh))
         dq[b, :, h] = rnd(rnd(ds @ kh) * scale)
         dk[b, :, h // group] += rnd(ds.T @ qs)
         dv[b, :, h // group] += rnd(p.T @ doh)
