@@ -37,6 +37,58 @@ def softmax_scale(value, headdim: int) -> float:
     return scale
 
 
+def window_size(value, causal: bool) -> tuple[int, int]:
+    """(left, right) of a sliding window: None or a pair of ints >= -1, -1 meaning unbounded.
+
+    Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
+    j <= i + seqlen_k - seqlen_q + right (right >= 0); causal forces right = 0.
+    """
+    expected = "window_size must be a pair of ints >= -1 (-1: unbounded)"
+    if value is None:
+        left, right = -1, -1
+    else:
+        try:
+            pair = tuple(value)
+        except TypeError:
+            raise TypeError(f"{expected}, got {type(value).__name__}") from None
+        if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, numpy.integer)) for x in pair):
+            raise TypeError(f"{expected}, got {value!r}")
+        left, right = (int(x) for x in pair)
+        if left < -1 or right < -1:
+            raise ValueError(f"{expected}, got {value!r}")
+    return left, 0 if causal else right
+
+
+def softcap(value) -> float:
+    """The softcap of a call: None or a finite number >= 0; 0.0 means off."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
+        raise TypeError(f"softcap must be a float >= 0 (0: off) or None, got {type(value).__name__}")
+    cap = float(value)
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
+    return cap
+
+
+def alibi_slopes(x, batch: int, nheads: int) -> int | None:
+    """The batch stride, in elements, of valid ALiBi slopes (0 for shape (nheads,)); None for None.
+
+    x: a CuPy float32 array of shape (nheads,) or (batch, nheads), contiguous in its last dim.
+    """
+    if x is None:
+        return None
+    require_cupy_array("alibi_slopes", x)
+    if x.dtype != numpy.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {x.dtype}")
+    if x.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                         f"{(batch, nheads)}, got {x.shape}")
+    if nheads > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"alibi_slopes must be contiguous in its last dim (nheads), got strides {x.strides}")
+    return 0 if x.ndim == 1 else x.strides[0] // x.itemsize
+
+
 def qkv(q, k, v, allow_fp8: bool = False) -> str:
     """The dtype name of valid q, k, v (fp8 only where allow_fp8: the forward)."""
     for name, x in (("q", q), ("k", k), ("v", v)):

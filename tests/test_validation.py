@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import validate
 from tests.numerics import DTYPES, mentions
 
 B, NQ, NK, H, D = 2, 8, 16, 4, 64
@@ -234,3 +235,99 @@ def test_fp8_backward_rejected():
     q, k, v = cp_qkv(np.uint8)
     with pytest.raises(TypeError, match="fp8"):
         cuflash.attention_vjp(q, k, v)
+
+
+# --- Score modifications: validate.window_size, softcap, alibi_slopes -------
+
+
+@pytest.mark.parametrize(
+    "value,causal,want",
+    [
+        (None, False, (-1, -1)),
+        (None, True, (-1, 0)),
+        ((-1, -1), False, (-1, -1)),
+        ((0, 0), False, (0, 0)),
+        ([128, 3], False, (128, 3)),
+        ((128, 3), True, (128, 0)),
+        ((-1, 7), True, (-1, 0)),
+        ((np.int64(5), np.int32(-1)), False, (5, -1)),
+        (np.array([4, 2]), False, (4, 2)),
+    ],
+)
+def test_window_size_accepted(value, causal, want):
+    got = validate.window_size(value, causal)
+    assert got == want
+    assert all(type(x) is int for x in got)
+
+
+@pytest.mark.parametrize("value", [(-2, 0), (0, -2), (-5, -5)])
+def test_window_size_below_minus_one(value):
+    with pytest.raises(ValueError, match=mentions("window_size")) as info:
+        validate.window_size(value, causal=False)
+    assert ">= -1" in str(info.value) and str(value) in str(info.value)
+
+
+@pytest.mark.parametrize("value", [3, 2.0, (1,), (1, 2, 3), (1.0, 2), (True, 0), (0, False), ("1", 2), "ab"])
+def test_window_size_not_a_pair_of_ints(value):
+    with pytest.raises(TypeError, match=mentions("window_size")):
+        validate.window_size(value, causal=True)
+
+
+@pytest.mark.parametrize(
+    "value,want", [(None, 0.0), (0, 0.0), (0.0, 0.0), (30, 30.0), (np.float32(50.0), 50.0), (np.int64(2), 2.0)]
+)
+def test_softcap_accepted(value, want):
+    got = validate.softcap(value)
+    assert got == want and type(got) is float
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, math.nan, math.inf])
+def test_softcap_out_of_range(value):
+    with pytest.raises(ValueError, match=mentions("softcap")):
+        validate.softcap(value)
+
+
+@pytest.mark.parametrize("value", [True, "30", (30,), np.ones(1)])
+def test_softcap_not_a_number(value):
+    with pytest.raises(TypeError, match=mentions("softcap")):
+        validate.softcap(value)
+
+
+def test_alibi_slopes_none():
+    assert validate.alibi_slopes(None, B, H) is None
+
+
+def test_alibi_slopes_numpy_rejected():
+    with pytest.raises(TypeError, match=mentions("alibi_slopes")):
+        validate.alibi_slopes(np.ones(H, np.float32), B, H)
+
+
+@pytest.mark.gpu
+def test_alibi_slopes_batch_stride():
+    assert validate.alibi_slopes(cupy.ones(H, cupy.float32), B, H) == 0
+    assert validate.alibi_slopes(cupy.ones((B, H), cupy.float32), B, H) == H
+    wide = cupy.ones((B, 3 * H), cupy.float32)
+    assert validate.alibi_slopes(wide[:, H:2 * H], B, H) == 3 * H
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
+def test_alibi_slopes_wrong_dtype(dtype):
+    with pytest.raises(TypeError, match=mentions("alibi_slopes")) as info:
+        validate.alibi_slopes(cupy.ones(H, dtype), B, H)
+    assert "float32" in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(H + 1,), (B + 1, H), (B, H, 1), (1, H), (H, B), ()])
+def test_alibi_slopes_wrong_shape(shape):
+    with pytest.raises(ValueError, match=mentions("alibi_slopes")) as info:
+        validate.alibi_slopes(cupy.ones(shape, cupy.float32), B, H)
+    assert "(nheads,)" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_alibi_slopes_strided_heads():
+    slopes = cupy.ones((B, 2 * H), cupy.float32)[:, ::2]
+    with pytest.raises(ValueError, match=mentions("alibi_slopes")):
+        validate.alibi_slopes(slopes, B, H)
