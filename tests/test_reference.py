@@ -12,27 +12,45 @@ from cuflash.reference import (
     attention,
     attention_backward,
     attention_backward_naive_lowp,
+    attention_naive_fp8,
     attention_naive_lowp,
+    causal_mask,
+    visible_mask,
 )
 
 
-def brute_force(q, k, v, causal, scale):
-    """One query row at a time, straight from the definition."""
+def sees(row, col, nq, nk, causal, window_size):
+    """Whether query row sees key col, written out from the definition."""
+    left, right = window_size
+    if causal:
+        right = 0
+    diagonal = row + nk - nq
+    return (left < 0 or col >= diagonal - left) and (right < 0 or col <= diagonal + right)
+
+
+def brute_force(q, k, v, causal, scale, window_size=(-1, -1), softcap=0.0, slopes=None):
+    """One query row at a time, straight from the definition; slopes: (batch, nheads) or None."""
     batch, nq, nheads, headdim = q.shape
     nk, nheads_kv = k.shape[1], k.shape[2]
-    i = np.arange(nq)[:, None]
-    j = np.arange(nk)[None, :]
-    mask = j <= i + nk - nq if causal else np.ones((nq, nk), dtype=bool)
+
+    def score(b, h, hk, row, col):
+        s = scale * np.dot(q[b, row, h], k[b, col, hk])
+        if softcap > 0:
+            s = softcap * math.tanh(s / softcap)
+        if slopes is not None:
+            s -= slopes[b][h] * abs(row + nk - nq - col)
+        return s
+
     out = np.zeros(q.shape)
     lse = np.full((batch, nheads, nq), -np.inf)
     for b in range(batch):
         for h in range(nheads):
             hk = h // (nheads // nheads_kv)
             for row in range(nq):
-                keys = np.flatnonzero(mask[row])
+                keys = np.array([col for col in range(nk) if sees(row, col, nq, nk, causal, window_size)], int)
                 if keys.size == 0:
                     continue
-                scores = np.array([scale * np.dot(q[b, row, h], k[b, col, hk]) for col in keys])
+                scores = np.array([score(b, h, hk, row, col) for col in keys])
                 weights = np.exp(scores - scores.max())
                 lse[b, h, row] = scores.max() + math.log(weights.sum())
                 out[b, row, h] = weights @ v[b, keys, hk] / weights.sum()
@@ -226,3 +244,235 @@ def test_backward_naive_lowp_error_is_small_but_nonzero(dtype, max_rel_err, caus
         np.testing.assert_array_equal(a, a.astype(dtype).astype(np.float32))  # representable
         rel_err = np.abs(a - b).max() / np.abs(b).max()
         assert 0 < rel_err < max_rel_err, (name, rel_err)
+
+
+# --- Sliding window, softcap and ALiBi --------------------------------------
+
+
+def test_visible_mask_window():
+    # Square: the band of keys within one to the left and two to the right of the diagonal.
+    want = np.array(
+        [[1, 1, 1, 0, 0],
+         [1, 1, 1, 1, 0],
+         [0, 1, 1, 1, 1],
+         [0, 0, 1, 1, 1],
+         [0, 0, 0, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(visible_mask(5, 5, window_size=(1, 2)), want)
+    np.testing.assert_array_equal(visible_mask(5, 5, window_size=(-1, 2)), np.tri(5, 5, 2, dtype=bool))
+    np.testing.assert_array_equal(visible_mask(5, 5, window_size=(1, -1)), np.tri(5, 5, 1, dtype=bool).T)
+
+
+def test_visible_mask_window_and_causal():
+    # Nq < Nk: query i's diagonal is key i + 2; causal overrides the right bound 3 with 0.
+    want = np.array(
+        [[0, 1, 1, 0, 0, 0],
+         [0, 0, 1, 1, 0, 0],
+         [0, 0, 0, 1, 1, 0],
+         [0, 0, 0, 0, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(visible_mask(4, 6, causal=True, window_size=(1, 3)), want)
+    np.testing.assert_array_equal(visible_mask(4, 6, window_size=(1, 0)), want)
+
+
+def test_visible_mask_rows_without_keys():
+    # Nq > Nk: query i's diagonal is key i - 4, so it sees keys i - 5 .. i - 3; rows 0..2 see none.
+    want = np.array(
+        [[0, 0, 0],
+         [0, 0, 0],
+         [0, 0, 0],
+         [1, 0, 0],
+         [1, 1, 0],
+         [1, 1, 1],
+         [0, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(visible_mask(7, 3, window_size=(1, 1)), want)
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (5, 5), (4, 9), (9, 4)])
+def test_visible_mask_special_windows(nq, nk):
+    full = np.ones((nq, nk), dtype=bool)
+    causal = np.tri(nq, nk, nk - nq, dtype=bool)
+    np.testing.assert_array_equal(visible_mask(nq, nk), full)
+    np.testing.assert_array_equal(visible_mask(nq, nk, window_size=(nq + nk, nq + nk)), full)
+    np.testing.assert_array_equal(visible_mask(nq, nk, window_size=(-1, 0)), causal)
+    np.testing.assert_array_equal(visible_mask(nq, nk, causal=True), causal)
+    np.testing.assert_array_equal(visible_mask(nq, nk, causal=True, window_size=(nq + nk, -1)), causal)
+    np.testing.assert_array_equal(causal_mask(nq, nk), causal)
+
+
+def test_softcap_hand_computed():
+    # One query, keys 1 and 0, scale 1: scores (2, 0) become (tanh 2, 0) with softcap 1.
+    q, k, v = (np.array(x, float).reshape(1, -1, 1, 1) for x in ([2.0], [1.0, 0.0], [1.0, 0.0]))
+    out, lse = attention(q, k, v, softcap=1.0, softmax_scale=1.0, return_lse=True)
+    t = math.tanh(2.0)
+    assert out[0, 0, 0, 0] == pytest.approx(math.exp(t) / (math.exp(t) + 1), rel=1e-14)
+    assert lse[0, 0, 0] == pytest.approx(math.log(math.exp(t) + 1), rel=1e-14)
+
+
+def test_alibi_hand_computed():
+    # Zero scores, one query and three keys: distances to the diagonal key 2 are 2, 1, 0.
+    q, k = np.zeros((1, 1, 1, 8)), np.zeros((1, 3, 1, 8))
+    v = np.arange(3.0).reshape(1, 3, 1, 1) * np.ones(8)
+    out, lse = attention(q, k, v, alibi_slopes=np.array([0.5], np.float32), return_lse=True)
+    weights = np.exp([-1.0, -0.5, 0.0])
+    assert lse[0, 0, 0] == pytest.approx(math.log(weights.sum()), rel=1e-14)
+    np.testing.assert_allclose(out[0, 0, 0], weights @ np.arange(3.0) / weights.sum(), rtol=1e-14)
+
+
+def test_softcap_comes_before_alibi():
+    # Scores (3, 3), softcap 2, slope 1, distances (1, 0): (c - 1, c) with c = 2 tanh(1.5).
+    q, k = np.full((1, 1, 1, 1), 3.0), np.ones((1, 2, 1, 1))
+    _, lse = attention(q, k, k, softcap=2.0, alibi_slopes=[1.0], softmax_scale=1.0, return_lse=True)
+    c = 2 * math.tanh(1.5)
+    assert lse[0, 0, 0] == pytest.approx(c + math.log(1 + math.exp(-1)), rel=1e-14)
+
+
+class DeviceSlopes:
+    """Stands in for a CuPy array: np.asarray would not take it, .get() gives the host copy."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def get(self):
+        return self.host
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("device memory")
+
+
+def test_alibi_slope_shapes():
+    q, k, v = random_qkv(2, 5, 7, 4, 2, 8)
+    per_head = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    want = attention(q, k, v, alibi_slopes=np.tile(per_head, (2, 1)))
+    np.testing.assert_array_equal(attention(q, k, v, alibi_slopes=per_head), want)
+    np.testing.assert_array_equal(attention(q, k, v, alibi_slopes=per_head.tolist()), want)
+    np.testing.assert_array_equal(attention(q, k, v, alibi_slopes=DeviceSlopes(per_head)), want)
+    np.testing.assert_array_equal(attention(q, k, v, alibi_slopes=np.zeros(4)), attention(q, k, v))
+    assert np.abs(want - attention(q, k, v)).max() > 1e-3
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        attention(q, k, v, alibi_slopes=np.ones((2, 2)))
+
+
+def test_softcap_off_and_large():
+    q, k, v = random_qkv(1, 6, 9, 2, 1, 8)
+    plain = attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(attention(q, k, v, causal=True, softcap=0.0), plain)
+    np.testing.assert_allclose(attention(q, k, v, causal=True, softcap=1e6), plain, rtol=1e-9, atol=1e-12)
+    assert np.abs(attention(q, k, v, causal=True, softcap=0.5) - plain).max() > 1e-3
+
+
+OPTIONS = [
+    dict(window_size=(2, 1)),
+    dict(window_size=(3, -1), causal=True),
+    dict(window_size=(-1, 2)),
+    dict(softcap=0.8),
+    dict(alibi_slopes=np.array([0.3, 0.7, 1.1, 0.05], np.float32)),
+    dict(alibi_slopes=np.array([[0.3, 0.7, 1.1, 0.05], [0.9, 0.0, 0.2, 0.4]], np.float32), causal=True),
+    dict(window_size=(2, 0), softcap=1.5, alibi_slopes=np.array([0.2, 0.4, 0.6, 0.8], np.float32)),
+]
+
+
+def slopes_2d(options, batch, nheads):
+    slopes = options.get("alibi_slopes")
+    return None if slopes is None else np.broadcast_to(slopes, (batch, nheads))
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("nq,nk", [(6, 6), (4, 9), (9, 4), (1, 5)])
+def test_options_match_brute_force(options, nq, nk):
+    q, k, v = random_qkv(2, nq, nk, 4, 2, 8, seed=nq * 10 + nk)
+    scale = 0.6
+    out, lse = attention(q, k, v, softmax_scale=scale, return_lse=True, **options)
+    want_out, want_lse = brute_force(
+        q, k, v, options.get("causal", False), scale, options.get("window_size", (-1, -1)),
+        options.get("softcap", 0.0), slopes_2d(options, 2, 4))
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_window_rows_without_keys():
+    # Window (2, 1) with nq = 9, nk = 4: query i sees keys up to i - 4, so rows 0..3 see none.
+    q, k, v = random_qkv(2, 9, 4, 2, 2, 8)
+    options = dict(window_size=(2, 1), softcap=1.0, alibi_slopes=np.array([0.5, 1.0], np.float32))
+    dout = np.random.default_rng(7).standard_normal(q.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention(q, k, v, return_lse=True, **options)
+        naive = attention_naive_lowp(q, k, v, dtype=np.float16, **options)
+        grads = attention_backward(dout, q, k, v, **options)
+        naive_grads = attention_backward_naive_lowp(dout, q, k, v, dtype=np.float16, **options)
+    assert np.all(out[:, :4] == 0) and np.all(naive[:, :4] == 0)
+    assert np.all(np.isneginf(lse[:, :, :4])) and np.all(np.isfinite(lse[:, :, 4:]))
+    for g in (*grads, *naive_grads):
+        assert not np.isnan(g).any()
+    assert np.all(grads[0][:, :4] == 0) and np.all(naive_grads[0][:, :4] == 0)
+
+
+def random_coordinates(rng, shape, count):
+    return [tuple(int(rng.integers(n)) for n in shape) for _ in range(count)]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("nq,nk", [(5, 9), (9, 5)])
+def test_options_backward_matches_finite_differences(options, nq, nk):
+    # GQA (4 query heads on 2 kv heads), Nq != Nk, central differences at random coordinates.
+    q, k, v = random_qkv(2, nq, nk, 4, 2, 8, seed=nq * 10 + nk)
+    g = np.random.default_rng(1).standard_normal(q.shape)
+    scale, step = 0.7, 1e-6
+
+    def loss():
+        return float(np.sum(attention(q, k, v, softmax_scale=scale, **options) * g))
+
+    got = attention_backward(g, q, k, v, softmax_scale=scale, **options)
+    rng = np.random.default_rng(2)
+    for name, x, grad in zip(("dq", "dk", "dv"), (q, k, v), got):
+        assert grad.shape == x.shape and grad.dtype == np.float64, name
+        for idx in random_coordinates(rng, x.shape, 12):
+            saved = x[idx]
+            x[idx] = saved + step
+            up = loss()
+            x[idx] = saved - step
+            down = loss()
+            x[idx] = saved
+            want = (up - down) / (2 * step)
+            assert grad[idx] == pytest.approx(want, rel=1e-6, abs=1e-7), (name, idx)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 3.0])
+def test_softcap_backward_matches_finite_differences_everywhere(softcap):
+    q, k, v = random_qkv(1, 4, 6, 2, 1, 4, seed=3)
+    g = np.random.default_rng(4).standard_normal(q.shape)
+    options = dict(causal=True, window_size=(3, -1), softcap=softcap, alibi_slopes=[0.25, 0.5])
+
+    def loss(q, k, v):
+        return float(np.sum(attention(q, k, v, **options) * g))
+
+    want = finite_difference_grads(loss, [q.copy(), k.copy(), v.copy()])
+    got = attention_backward(g, q, k, v, **options)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype,max_rel_err", [(np.float16, 2e-2), (ml_dtypes.bfloat16, 1e-1)])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_options_naive_lowp_close_to_float64(dtype, max_rel_err, options):
+    q, k, v = (x.astype(dtype) for x in random_qkv(2, 48, 64, 4, 2, 64))
+    dout = np.random.default_rng(6).standard_normal(q.shape).astype(dtype)
+    ref = attention(q, k, v, **options)
+    naive = attention_naive_lowp(q, k, v, dtype=dtype, **options)
+    assert 0 < np.abs(naive - ref).max() / np.abs(ref).max() < max_rel_err
+    refs = attention_backward(dout, q, k, v, **options)
+    naives = attention_backward_naive_lowp(dout, q, k, v, dtype=dtype, **options)
+    for name, a, b in zip(("dq", "dk", "dv"), naives, refs):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, a.astype(dtype).astype(np.float32))  # representable
+        rel_err = np.abs(a - b).max() / np.abs(b).max()
+        assert 0 < rel_err < max_rel_err, (name, rel_err)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(window_size=(5, 3)), dict(softcap=2.0, causal=True), dict(window_size=(8, 0), softcap=1.0)]
+)
+def test_naive_fp8_options_close_to_float64(options):
+    q, k, v = random_qkv(2, 40, 56, 4, 2, 64)
+    ref = attention(q, k, v, **options)
+    naive = attention_naive_fp8(q, k, v, **options)
+    assert 0 < np.abs(naive - ref).max() / np.abs(ref).max() < 5e-2
