@@ -46,9 +46,11 @@ def release_memory(torch_libs) -> None:
         torch_libs[0].torch.cuda.empty_cache()
 
 
-def time_libraries(libs, causal: bool, sets, repeats: int, flops: float, budget_ms: float = BUDGET_MS) -> dict:
+def time_libraries(libs, causal: bool, sets, repeats: int, flops: float, budget_ms: float = BUDGET_MS,
+                   lib_flops: dict | None = None) -> dict:
     """Time `libs` on `sets` (tuples of prepare's inputs) in interleaved rounds (cuflash.timing.time_calls).
 
+    lib_flops: the FLOPs of libraries whose calls count other than `flops` (a window's visible entries), by name.
     Returns lib name -> {"ms", "min_ms", "repeats", "tflops"}, {"skipped": why} or {"error": one line}.
     """
     entries, results = {}, {}
@@ -65,7 +67,7 @@ def time_libraries(libs, causal: bool, sets, repeats: int, flops: float, budget_
     finally:
         entries = None
         timing.synchronize()
-    for result in results.values():
+    for name, result in results.items():
         if "ms" in result:
-            result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
+            result["tflops"] = (lib_flops or {}).get(name, flops) / (result["ms"] * 1e-3) / 1e12
     return {lib.name: results[lib.name] for lib in libs}

@@ -7,6 +7,8 @@ import math
 import cupy
 import numpy
 
+from .variants import NO_WINDOW, effective_window
+
 # The fallback reference runs on one batch entry and this many heads
 # (attention is independent per (batch, head)) to bound its memory.
 REFERENCE_HEADS = 4
@@ -49,7 +51,34 @@ def _bmm(a, b, *, transpose_b=False, alpha=1.0):
     return c
 
 
-def naive_attention(q, k, v, causal: bool, dtype=None):
+def score_bias(nq, nk, causal, window=NO_WINDOW, alibi_slopes=None, dtype=cupy.float32):
+    """The additive score bias in `dtype`: -inf where query i may not see key j, and with ALiBi
+    -slope_h |i + Nk - Nq - j| elsewhere; (Nq, Nk), or (H, Nq, Nk) with slopes; None if there is none."""
+    row = cupy.arange(nq)[:, None]
+    col = cupy.arange(nk)[None, :]
+    if window == NO_WINDOW and alibi_slopes is None:
+        return cupy.where(col > row + (nk - nq), -numpy.inf, 0.0).astype(dtype) if causal else None
+    left, right = effective_window(window, causal)
+    offset = col - row - (nk - nq)  # j - (i + Nk - Nq): 0 on the bottom-right diagonal
+    visible = cupy.ones((nq, nk), dtype=bool)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    bias = cupy.where(visible, 0.0, -numpy.inf).astype(cupy.float32)
+    if alibi_slopes is not None:
+        bias = bias - cupy.asarray(alibi_slopes, dtype=cupy.float32)[:, None, None] * cupy.abs(offset)
+    return bias.astype(dtype)
+
+
+def _soft_cap(scores, softcap: float) -> None:
+    """scores <- softcap * tanh(scores / softcap), in place."""
+    scores /= softcap
+    cupy.tanh(scores, out=scores)
+    scores *= softcap
+
+
+def naive_attention(q, k, v, causal: bool, dtype=None, window=NO_WINDOW, softcap=0.0, alibi_slopes=None):
     """softmax(Q K^T / sqrt(D)) V with the N x N scores materialised.
 
     The unfused baseline: one batched GEMM writes the scores, a row softmax
@@ -58,6 +87,8 @@ def naive_attention(q, k, v, causal: bool, dtype=None):
     to the bottom-right corner, so query i (of Nq) sees keys j <= i + Nk - Nq,
     the convention FlashAttention uses. The softmax runs in place, so peak
     memory is one N x N buffer plus (B, H, N, D) copies of the inputs.
+    window, softcap, alibi_slopes (H,): flash-attn's options (cuflash.bench.variants),
+    the soft cap applied to the scaled scores before the ALiBi bias is added.
     """
     dtype = q.dtype if dtype is None else numpy.dtype(dtype)
     batch, nq, heads, d = q.shape
@@ -68,11 +99,13 @@ def naive_attention(q, k, v, causal: bool, dtype=None):
             batch * heads, x.shape[1], d)
 
     s = _bmm(heads_major(q), heads_major(k), transpose_b=True, alpha=1.0 / math.sqrt(d))
-    if causal:
-        row = cupy.arange(nq)[:, None]
-        col = cupy.arange(nk)[None, :]
-        # An additive (Nq, Nk) bias broadcasts in place over the batch.
-        s += cupy.where(col > row + (nk - nq), -numpy.inf, 0.0).astype(dtype)
+    if softcap > 0:
+        _soft_cap(s, softcap)
+    bias = score_bias(nq, nk, causal, window, alibi_slopes, dtype)
+    if bias is not None:
+        # An additive (Nq, Nk) or (H, Nq, Nk) bias broadcasts in place over the batch.
+        per_head = s.reshape(batch, heads, nq, nk)
+        per_head += bias
     rows = s.reshape(-1, nk)  # 2-D view: cheaper indexing for the row ops
     rows -= rows.max(axis=1, keepdims=True)
     cupy.exp(rows, out=rows)
@@ -81,22 +114,18 @@ def naive_attention(q, k, v, causal: bool, dtype=None):
     return out.reshape(batch, heads, nq, d).transpose(0, 2, 1, 3)  # (B, Nq, H, D)
 
 
-def naive_attention_backward(dout, q, k, v, causal: bool):
+def naive_attention_backward(dout, q, k, v, causal: bool, window=NO_WINDOW, softcap=0.0, alibi_slopes=None):
     """float32 gradients (dq, dk, dv) of softmax(Q K^T / sqrt(D)) V, N x N per head.
 
-    The fallback correctness reference when torch is missing: one (batch,
-    head) at a time, so memory stays at a few N x N float32 matrices. Same
-    bottom-right causal alignment as :func:`naive_attention`; equal head
-    counts.
+    The fallback correctness reference when torch is missing, and the only one
+    with the options: one (batch, head) at a time, so memory stays at a few
+    N x N float32 matrices. Same mask, options and bottom-right causal
+    alignment as :func:`naive_attention`; equal head counts.
     """
     batch, nq, heads, d = q.shape
     nk = k.shape[1]
     scale = 1.0 / math.sqrt(d)
-    bias = None
-    if causal:
-        row = cupy.arange(nq)[:, None]
-        col = cupy.arange(nk)[None, :]
-        bias = cupy.where(col > row + (nk - nq), -numpy.inf, 0.0).astype(cupy.float32)
+    bias = score_bias(nq, nk, causal, window, alibi_slopes, cupy.float32)
     dq, dk, dv = (cupy.empty(x.shape, cupy.float32) for x in (q, k, v))
     for b in range(batch):
         for h in range(heads):
@@ -104,8 +133,11 @@ def naive_attention_backward(dout, q, k, v, causal: bool):
                                for x in (q, k, v, dout))
             p = qh @ kh.T
             p *= scale
+            if softcap > 0:
+                _soft_cap(p, softcap)
+                cap_grad = 1 - (p / softcap) ** 2  # d(c tanh(x / c)) / dx
             if bias is not None:
-                p += bias
+                p += bias[h] if bias.ndim == 3 else bias
             p -= p.max(axis=1, keepdims=True)
             cupy.exp(p, out=p)
             p /= p.sum(axis=1, keepdims=True)
@@ -115,6 +147,9 @@ def naive_attention_backward(dout, q, k, v, causal: bool):
             ds -= delta
             ds *= p
             del p
+            if softcap > 0:
+                ds *= cap_grad
+                del cap_grad
             dq[b, :, h] = (ds @ kh) * scale
             dk[b, :, h] = (ds.T @ qh) * scale
             del ds

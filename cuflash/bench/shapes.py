@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..tune_common import HIDDEN, TOKENS  # the workload the tuner times on too
+from .variants import effective_window, visible_entries
 
 HEADDIMS = (64, 128)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -49,6 +50,32 @@ class Shape:
     def bwd_flops(self) -> float:
         """Forward+backward FLOPs."""
         return BWD_FLOPS_FACTOR * self.flops
+
+    def variant_flops(self, variant) -> float:
+        """Forward FLOPs under a Variant's options: 4 B H D times the exact count of visible
+        (query, key) pairs with a window; the same as `flops` without one (a soft cap or ALiBi
+        masks nothing, and `flops` keeps the papers' N^2 / 2 for the causal mask)."""
+        if not variant.has_window:
+            return self.flops
+        visible = visible_entries(self.seqlen, self.seqlen, self.causal, variant.window)
+        return 4.0 * self.batch * self.heads * self.headdim * visible
+
+
+def variant_fields(shape: Shape, variant, per_forward: float = 1.0) -> dict:
+    """A row's fields for a run with options (none without): the window it ran with, the share of the
+    N x N scores its mask lets through, and cuflash+opts's FLOPs per call."""
+    if not variant.enabled:
+        return {}
+    visible = visible_entries(shape.seqlen, shape.seqlen, shape.causal, variant.window)
+    return {"window": list(effective_window(variant.window, shape.causal)) if variant.has_window else None,
+            "visible": visible / shape.seqlen ** 2,
+            "opts_flops": per_forward * shape.variant_flops(variant)}
+
+
+def flops_by_library(shape: Shape, libs, per_forward: float = 1.0) -> dict:
+    """FLOPs per call of each library that takes options (a `variant`), counted under its options;
+    per_forward: FLOPs per forward FLOP (BWD_FLOPS_FACTOR for forward+backward)."""
+    return {lib.name: per_forward * shape.variant_flops(lib.variant) for lib in libs if hasattr(lib, "variant")}
 
 
 def build_shapes(dtypes, headdims, masks, seqlens) -> list[Shape]:

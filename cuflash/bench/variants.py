@@ -1,0 +1,94 @@
+"""Attention options the benchmark can switch on (--window, --softcap, --alibi), with flash-attn's semantics.
+
+Imports nothing heavier than NumPy, so the command line and CPU tests use it freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy
+
+NO_WINDOW = (-1, -1)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """--window's value: "LEFT,RIGHT", or "W" for (W, W); -1 leaves a side unbounded. ValueError if invalid."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        raise ValueError(f"expected W or LEFT,RIGHT, got {text!r}")
+    left, right = (int(p) for p in parts)
+    if min(left, right) < -1:
+        raise ValueError(f"window sides must be >= -1 (unbounded), got {text!r}")
+    if (left, right) == NO_WINDOW:
+        raise ValueError("a window needs a bound on at least one side")
+    return left, right
+
+
+def alibi_slopes(heads: int) -> numpy.ndarray:
+    """The standard ALiBi slopes 2^(-8 (h+1) / H), float32, shape (H,)."""
+    return (2.0 ** (-8.0 * numpy.arange(1, heads + 1) / heads)).astype(numpy.float32)
+
+
+def effective_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """The (left, right) window a call runs with: causal forces right = 0."""
+    return (window[0], 0) if causal else window
+
+
+def visible_entries(nq: int, nk: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> int:
+    """Exact count of the (query, key) pairs the mask lets through, for one head.
+
+    Query i sees key j iff (left < 0 or j >= i + nk - nq - left) and
+    (right < 0 or j <= i + nk - nq + right); causal forces right = 0.
+    """
+    left, right = effective_window(window, causal)
+    diagonal = numpy.arange(nq, dtype=numpy.int64) + (nk - nq)
+    first = numpy.maximum(diagonal - left, 0) if left >= 0 else numpy.zeros(nq, numpy.int64)
+    last = numpy.minimum(diagonal + right, nk - 1) if right >= 0 else numpy.full(nq, nk - 1, numpy.int64)
+    return int(numpy.maximum(last - first + 1, 0).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The options of one benchmark run: a sliding window, a logit soft cap, ALiBi biases."""
+
+    window: tuple[int, int] = NO_WINDOW
+    softcap: float = 0.0
+    alibi: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.has_window or self.softcap > 0 or self.alibi
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != NO_WINDOW
+
+    def describe(self) -> str:
+        """E.g. "window (4096, 0), softcap 30, alibi"."""
+        parts = [f"window ({self.window[0]}, {self.window[1]})"] if self.has_window else []
+        parts += [f"softcap {self.softcap:g}"] if self.softcap > 0 else []
+        return ", ".join(parts + (["alibi"] if self.alibi else []))
+
+    def kwargs(self, heads: int, causal: bool) -> dict:
+        """cuflash.attention's keywords for these options on `heads` query heads (slopes as NumPy);
+        only those that are set, so a plain Variant adds none."""
+        kwargs = {}
+        if self.has_window:
+            kwargs["window_size"] = effective_window(self.window, causal)
+        if self.softcap > 0:
+            kwargs["softcap"] = self.softcap
+        if self.alibi:
+            kwargs["alibi_slopes"] = alibi_slopes(heads)
+        return kwargs
+
+    def reference_kwargs(self, heads: int, keep: int) -> dict:
+        """naive_attention's (and its backward's) keywords for these options on the first `keep`
+        of `heads` query heads."""
+        return {"window": self.window, "softcap": self.softcap,
+                "alibi_slopes": alibi_slopes(heads)[:keep] if self.alibi else None}
+
+    def to_json(self) -> dict:
+        return {"window": list(self.window), "softcap": self.softcap, "alibi": self.alibi}
