@@ -1,11 +1,12 @@
-"""Benchmarks behind `python -m cuflash bench`: cuflash against naive CuPy and torch SDPA.
+"""Benchmarks behind `python -m cuflash bench`: cuflash against naive CuPy, torch SDPA and JAX's cuDNN attention.
 
 The top layer: imported by the command line only, never by the runtime
 package (`import cuflash` loads none of it). It uses cuflash's public API,
 `cuflash.dispatch`'s heuristic_only and the timer in `cuflash.timing`.
 
 options   option spellings shared with the other commands (no heavy imports)
-shapes    the benchmark's problems: 16k tokens, hidden 2048
+shapes    the benchmark's problems: 16k tokens, hidden 2048; their FLOPs
+variants  the attention options (--window, --softcap, --alibi) and the visible-entry count
 inputs    random inputs and dtypes
 libs      the timed implementations behind one interface
 naive     unfused attention in CuPy (the naive baseline and fallback reference)

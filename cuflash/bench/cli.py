@@ -31,6 +31,22 @@ cuflash-det calls must give bitwise identical gradients.
 
 With ``--fp8``: cuflash.bench.fp8.
 
+With ``--window``, ``--softcap`` or ``--alibi`` (flash-attn's options, in any
+combination; cuflash.bench.variants) every shape times, forward or
+forward+backward:
+
+* ``cuflash+opts`` (and ``cuflash-det+opts`` with ``--backward``): cuflash
+  with the options, checked against the float32 CuPy reference with them
+  (torch has none of them);
+* ``cuflash``: the plain kernel on the same shape (full or causal), the
+  baseline where no peer takes an option;
+* ``jax-cudnn``: ``jax.nn.dot_product_attention`` on cuDNN with
+  ``local_window_size``, when JAX is installed and the option is a window
+  with right = 0 (causal, or LEFT,0) and nothing else.
+
+A windowed call's FLOPs count only the (query, key) pairs its mask lets
+through, exactly. There is no memory section in such a run.
+
 The result is a table of TFLOP/s on stdout (progress goes to stderr), an
 optional JSON file with every raw number, and a table of the peak extra
 memory of one call. The exit status is non-zero if cuflash failed or
@@ -44,6 +60,7 @@ import sys
 
 from .options import dtype_option, list_option, seqlen_option
 from .shapes import DTYPES, HEADDIMS, HIDDEN, QUICK_SEQLENS, SEQLENS
+from .variants import NO_WINDOW, Variant, parse_window
 
 
 def parse_args(argv):
@@ -81,6 +98,17 @@ def parse_args(argv):
                         help="add a cuflash-tuned column (autotuned configs; shapes missing from the "
                              "tuning cache are tuned first); the cuflash column then uses the heuristic "
                              "table only (forward only: ignored with --backward)")
+    parser.add_argument("--window", metavar="LEFT,RIGHT",
+                        help="sliding window: query i sees keys i-LEFT..i+RIGHT; one number W means W,W; "
+                             "-1 leaves a side unbounded (write --window=-1,0); causal shapes run with "
+                             "RIGHT = 0. Times cuflash with the window next to plain cuflash and "
+                             "jax-cudnn (JAX's cuDNN attention: RIGHT = 0 only)")
+    parser.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                        help="soft cap of the scaled scores, s -> C tanh(s / C), e.g. 30; times "
+                             "cuflash with it next to plain cuflash (no peer has it)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="ALiBi biases with the standard slopes 2^(-8(h+1)/H); times cuflash with "
+                             "them next to plain cuflash (no peer has them)")
     parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
     args = parser.parse_args(argv)
 
@@ -96,7 +124,22 @@ def parse_args(argv):
     for d in args.headdims:
         if d <= 0 or HIDDEN % d:
             parser.error(f"--headdim {d} does not divide the hidden size {HIDDEN}")
+    args.variant = _variant(parser, args)
     return args
+
+
+def _variant(parser, args) -> Variant:
+    """The options of --window, --softcap and --alibi; a usage error where they are invalid or cannot combine."""
+    try:
+        window = NO_WINDOW if args.window is None else parse_window(args.window)
+    except ValueError as exc:
+        parser.error(f"--window: {exc}")
+    if not args.softcap >= 0:
+        parser.error("--softcap must be positive (or 0: none)")
+    variant = Variant(window, args.softcap, args.alibi)
+    if variant.enabled and (args.fp8 or args.tuned):
+        parser.error("--window, --softcap and --alibi do not combine with --fp8 or --tuned")
+    return variant
 
 
 def main(argv=None) -> int:

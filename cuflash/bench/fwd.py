@@ -13,6 +13,7 @@ from .checks import compare
 from .inputs import cupy_dtype, random_qkv
 from .measure import input_sets, log, time_libraries
 from .naive import REFERENCE_HEADS, naive_attention
+from .shapes import flops_by_library, variant_fields
 
 # (atol, rtol): pass when |out - ref| <= atol + rtol * |ref| everywhere.
 # Two correct bf16 kernels can round a final output near 4 one bf16 ulp
@@ -21,7 +22,8 @@ TOLERANCE = {"float16": (2e-2, 0.0), "bfloat16": (2e-2, 2.0**-7)}
 
 
 def check_shape(shape, qkv, cuflash, reference) -> dict:
-    """Run cuflash once and compare it with the reference (torch-flash, else float32 naive CuPy)."""
+    """Run cuflash once and compare it with the reference (torch-flash, else float32 naive CuPy
+    with cuflash's options)."""
     atol, rtol = TOLERANCE[shape.dtype]
     try:
         with cuflash.context():
@@ -40,7 +42,8 @@ def check_shape(shape, qkv, cuflash, reference) -> dict:
             log(f"  {reference.name} reference unavailable ({describe(exc)}); using float32 CuPy")
     if ref is None:
         sub = tuple(x[:1, :, :REFERENCE_HEADS] for x in qkv)
-        ref = naive_attention(*sub, shape.causal, dtype=cupy.float32)
+        ref = naive_attention(*sub, shape.causal, dtype=cupy.float32,
+                              **cuflash.variant.reference_kwargs(shape.heads, REFERENCE_HEADS))
         out = out[:1, :, :REFERENCE_HEADS]
         name = "naive-cupy-fp32"
     result = compare(out, ref, atol, rtol)
@@ -49,16 +52,19 @@ def check_shape(shape, qkv, cuflash, reference) -> dict:
 
 
 def run_shape(shape, libs, reference, repeats, l2_bytes, tuned=None) -> dict:
-    """Check and time one shape; libs[0] is cuflash; `tuned`, one of `libs`, is checked too."""
+    """Check and time one shape; libs[0] is cuflash (cuflash+opts in a run with options, checked against
+    the float32 CuPy reference with them: pass reference None); `tuned`, one of `libs`, is checked too."""
     dtype = cupy_dtype(shape.dtype)
     set_bytes = 3 * dtype.itemsize * math.prod(shape.dims)  # q, k, v
     sets = input_sets(lambda seed: random_qkv(*shape.dims, dtype, seed), set_bytes, l2_bytes)
     row = dataclasses.asdict(shape)
     row.update(heads=shape.heads, batch=shape.batch, flops=shape.flops, input_sets=len(sets))
+    row.update(variant_fields(shape, libs[0].variant))
     row["check"] = check_shape(shape, sets[0], libs[0], reference)
     if tuned is not None:
         row["check_tuned"] = check_shape(shape, sets[0], tuned, reference)
-    row["libs"] = time_libraries(libs, shape.causal, sets, repeats, shape.flops)
+    row["libs"] = time_libraries(libs, shape.causal, sets, repeats, shape.flops,
+                                 lib_flops=flops_by_library(shape, libs))
     mine = [libs[0]] + ([tuned] if tuned is not None else [])
     row["ok"] = (all(bool(row.get(c, {"ok": True})["ok"]) for c in ("check", "check_tuned"))
                  and all("tflops" in row["libs"][lib.name] for lib in mine))

@@ -12,6 +12,7 @@ from .checks import compare_grads, same_bits
 from .inputs import cupy_dtype, random_dout, random_qkv
 from .measure import BWD_BUDGET_MS, input_sets, log, time_libraries
 from .naive import REFERENCE_HEADS, naive_attention_backward
+from .shapes import BWD_FLOPS_FACTOR, flops_by_library, variant_fields
 
 # Gradient check: max |grad - ref| <= GRAD_REL * max |ref| + GRAD_ATOL, per
 # gradient. Gradients are larger than outputs and grow with the sequence
@@ -28,8 +29,9 @@ def _grads(lib, inputs, causal):
 
 
 def check_shape_bwd(shape, inputs, cuflash, cuflash_det, reference) -> dict:
-    """Gradients of cuflash and cuflash-det against the reference, and the
-    bitwise reproducibility of cuflash-det. Returns check, check_det, determinism."""
+    """Gradients of cuflash and cuflash-det against the reference (torch-flash, else the float32 CuPy
+    backward with cuflash's options), and the bitwise reproducibility of cuflash-det. Returns check,
+    check_det, determinism."""
     result = {}
     grads = {}
     try:
@@ -58,7 +60,8 @@ def check_shape_bwd(shape, inputs, cuflash, cuflash_det, reference) -> dict:
             log(f"  {reference.name} reference unavailable ({describe(exc)}); using float32 CuPy")
     if ref is None:
         q, k, v, dout = (x[:1, :, :REFERENCE_HEADS] for x in inputs)
-        ref = naive_attention_backward(dout, q, k, v, shape.causal)
+        ref = naive_attention_backward(dout, q, k, v, shape.causal,
+                                       **cuflash.variant.reference_kwargs(shape.heads, REFERENCE_HEADS))
         grads = {key: tuple(g[:1, :, :REFERENCE_HEADS] for g in gs) for key, gs in grads.items()}
         name = "naive-cupy-fp32"
     for key, gs in grads.items():
@@ -68,7 +71,8 @@ def check_shape_bwd(shape, inputs, cuflash, cuflash_det, reference) -> dict:
 
 
 def run_shape_bwd(shape, libs, reference, repeats, l2_bytes) -> dict:
-    """Check and time one shape forward+backward; libs[0] is cuflash, libs[1] cuflash-det."""
+    """Check and time one shape forward+backward; libs[0] is cuflash, libs[1] cuflash-det (both +opts
+    in a run with options: pass reference None)."""
     dtype = cupy_dtype(shape.dtype)
     set_bytes = 4 * dtype.itemsize * math.prod(shape.dims)  # q, k, v, dout
     sets = input_sets(lambda seed: (*random_qkv(*shape.dims, dtype, seed), random_dout(*shape.dims, dtype, seed)),
@@ -76,8 +80,10 @@ def run_shape_bwd(shape, libs, reference, repeats, l2_bytes) -> dict:
     row = dataclasses.asdict(shape)
     row.update(heads=shape.heads, batch=shape.batch, flops=shape.bwd_flops, fwd_flops=shape.flops,
                input_sets=len(sets))
+    row.update(variant_fields(shape, libs[0].variant, BWD_FLOPS_FACTOR))
     row.update(check_shape_bwd(shape, sets[0], libs[0], libs[1], reference))
-    row["libs"] = time_libraries(libs, shape.causal, sets, repeats, shape.bwd_flops, BWD_BUDGET_MS)
+    row["libs"] = time_libraries(libs, shape.causal, sets, repeats, shape.bwd_flops, BWD_BUDGET_MS,
+                                 lib_flops=flops_by_library(shape, libs, BWD_FLOPS_FACTOR))
     row["ok"] = (all(row.get(c, {"ok": True})["ok"] for c in ("check", "check_det"))
                  and row.get("determinism") == "det ok"
                  and all("tflops" in row["libs"][lib.name] for lib in libs[:2]))

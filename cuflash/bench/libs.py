@@ -16,20 +16,29 @@ its result into the CuPy gradients (dq, dk, dv), each (B, N, H, D).
 
 Raising :class:`Skip` from ``prepare`` means "this library does not run this
 shape" and is shown as a dash, never as a failure.
+
+The cuflash wrappers take a :class:`~cuflash.bench.variants.Variant`, options
+passed on every call (``cuflash+opts``); ``JaxCudnn`` and ``JaxCudnnFwdBwd``,
+the peers for a sliding window, run only in such runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import os
+import time
 
 import cupy
 
 import cuflash
 from cuflash import dispatch
-from cuflash.timing import CUPY_EVENTS
+from cuflash.timing import CUPY_EVENTS, synchronize
 
 from .inputs import GiB
 from .naive import naive_attention
+from .variants import Variant, effective_window
 
 # The naive implementation materialises B*H*N*N scores; beyond this it is
 # either out of memory or so slow that it only stretches the run.
@@ -57,22 +66,34 @@ class TorchEvents:
         return start.elapsed_time(end)
 
 
+def _options(variant, q, causal) -> dict:
+    """cuflash's keywords for `variant` on q's heads, ALiBi slopes on q's device."""
+    options = variant.kwargs(q.shape[2], causal)
+    if "alibi_slopes" in options:
+        with q.device:
+            options["alibi_slopes"] = cupy.asarray(options["alibi_slopes"])
+    return options
+
+
 class Cuflash:
     """cuflash.attention. mode None: as users call it (tuning cache, else the
     heuristic table); "heuristic": the heuristic table only; "tuned": the
-    shape is tuned in `prepare` unless the cache holds it, then the cache."""
+    shape is tuned in `prepare` unless the cache holds it, then the cache.
+    variant: options passed on every call (the ``cuflash+opts`` column)."""
 
     events = CUPY_EVENTS
 
-    def __init__(self, mode=None):
+    def __init__(self, mode=None, variant=Variant()):
         self.mode = mode
-        self.name = "cuflash-tuned" if mode == "tuned" else "cuflash"
+        self.variant = variant
+        self.name = "cuflash-tuned" if mode == "tuned" else "cuflash+opts" if variant.enabled else "cuflash"
 
     def prepare(self, q, k, v, causal):
         attention = cuflash.attention
+        options = _options(self.variant, q, causal)
         if self.mode == "tuned":
             attention(q, k, v, causal=causal, tune=True)  # tuning happens here, not in the timed calls
-        return lambda: attention(q, k, v, causal=causal)
+        return lambda: attention(q, k, v, causal=causal, **options)
 
     def context(self):
         return dispatch.heuristic_only() if self.mode == "heuristic" else contextlib.nullcontext()
@@ -111,20 +132,22 @@ class NaiveCupy:
 
 
 class CuflashFwdBwd:
-    """cuflash.attention (return_lse=True) then cuflash.attention_backward."""
+    """cuflash.attention (return_lse=True) then cuflash.attention_backward, both with `variant`'s options."""
 
     events = CUPY_EVENTS
 
-    def __init__(self, deterministic=False):
+    def __init__(self, deterministic=False, variant=Variant()):
         self.deterministic = bool(deterministic)
-        self.name = "cuflash-det" if deterministic else "cuflash"
+        self.variant = variant
+        self.name = ("cuflash-det" if deterministic else "cuflash") + ("+opts" if variant.enabled else "")
 
     def prepare(self, q, k, v, dout, causal):
         attention, backward, deterministic = cuflash.attention, cuflash.attention_backward, self.deterministic
+        options = _options(self.variant, q, causal)
 
         def run():
-            out, lse = attention(q, k, v, causal=causal, return_lse=True)
-            return backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+            out, lse = attention(q, k, v, causal=causal, return_lse=True, **options)
+            return backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, **options)
 
         return run
 
@@ -204,6 +227,101 @@ class TorchSdpaFwdBwd(TorchSdpa):
     @staticmethod
     def to_cupy(grads):
         return tuple(cupy.from_dlpack(g.transpose(1, 2).contiguous()) for g in grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostMark:
+    seconds: float
+
+    def synchronize(self):
+        pass  # taken after a device synchronisation already
+
+
+class HostEvents:
+    """Host clock readings after a device synchronisation (cuflash.timing's Events for a library whose
+    streams are out of reach). The timed call must wait for its own work (JAX: block_until_ready)."""
+
+    @staticmethod
+    def record():
+        synchronize()
+        return _HostMark(time.perf_counter())
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return (end.seconds - start.seconds) * 1e3
+
+
+class JaxCudnn:
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ``local_window_size``: the peer for
+    sliding windows.
+
+    Through JAX, cuDNN takes a left window with the causal mask only (right = 0;
+    on these square shapes a non-causal (left, 0) window is that same mask), and
+    neither a soft cap nor ALiBi: other options are skipped. XLA launches on
+    streams of its own that CUDA events recorded here do not see, so calls are
+    timed on the host (HostEvents), which adds the launch latency to each call
+    (tens of microseconds: small next to calls of a millisecond or more).
+    The inputs are zero-copy DLPack views of the CuPy arrays, in JAX's own
+    (B, N, H, D) layout.
+    """
+
+    name = "jax-cudnn"
+    events = HostEvents()
+
+    def __init__(self, variant):
+        # Before JAX's first import: by default it takes 75% of the device memory.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        import jax
+
+        jax.devices("gpu")  # raises without a GPU backend
+        self.jax = jax
+        self.variant = variant
+
+    def _attention(self, causal):
+        variant = self.variant
+        if variant.softcap > 0 or variant.alibi:
+            raise Skip("jax.nn.dot_product_attention has no soft cap or ALiBi")
+        left, right = effective_window(variant.window, causal)
+        if left < 0 or right != 0:
+            raise Skip(f"cuDNN through JAX takes a left window with right = 0 only, not ({left}, {right})")
+        return functools.partial(self.jax.nn.dot_product_attention, implementation="cudnn",
+                                 is_causal=True, local_window_size=(left, 0))
+
+    def _views(self, *arrays):
+        return [self.jax.dlpack.from_dlpack(x) for x in arrays]
+
+    def prepare(self, q, k, v, causal):
+        attention = self.jax.jit(self._attention(causal))
+        args = self._views(q, k, v)
+        return lambda: attention(*args).block_until_ready()
+
+    @staticmethod
+    def context():
+        return contextlib.nullcontext()
+
+
+class JaxCudnnFwdBwd(JaxCudnn):
+    """JaxCudnn's forward and the gradients of q, k, v for an output gradient (``jax.vjp``), in one jitted call."""
+
+    def prepare(self, q, k, v, dout, causal):
+        jax, attention = self.jax, self._attention(causal)
+
+        def forward_backward(q, k, v, dout):
+            _, vjp = jax.vjp(attention, q, k, v)
+            return vjp(dout)
+
+        run = jax.jit(forward_backward)
+        args = self._views(q, k, v, dout)
+        return lambda: jax.block_until_ready(run(*args))
+
+
+def load_jax_libs(log, variant, backward=False) -> list:
+    """The JAX peer for `variant`'s window, or an empty list when JAX or its GPU backend is missing."""
+    try:
+        return [(JaxCudnnFwdBwd if backward else JaxCudnn)(variant)]
+    except Exception as exc:  # ImportError, a CPU-only jaxlib...
+        log(f"jax-cudnn: unavailable ({type(exc).__name__}: {exc})")
+        return []
 
 
 def load_torch_libs(log, backward=False) -> list:

@@ -11,7 +11,7 @@ import cuflash
 
 from . import fp8, fwd, fwd_bwd, memory, tables
 from .inputs import MiB
-from .libs import Cuflash, CuflashFwdBwd, NaiveCupy, load_torch_libs
+from .libs import Cuflash, CuflashFwdBwd, NaiveCupy, load_jax_libs, load_torch_libs
 from .measure import device_info, log, release_memory
 from .shapes import BWD_FLOPS_FACTOR, HIDDEN, SHORT_DTYPE, TOKENS, build_shapes
 
@@ -29,18 +29,10 @@ def run(args, argv: list) -> int:
         log("cuflash bench: --tuned applies to the forward benchmark only; ignored with --backward")
         args.tuned = False
     tuned = Cuflash("tuned") if args.tuned else None
-    if args.backward:
-        mine = [CuflashFwdBwd(deterministic=False), CuflashFwdBwd(deterministic=True)]
-    else:
-        mine = [Cuflash("heuristic" if args.tuned else None)] + ([tuned] if tuned else [])
-
-    # torch is loaded even with --no-peers: its flash backend is the reference.
-    torch_libs = load_torch_libs(log, backward=args.backward)
+    variant = args.variant
+    mine, timed, torch_libs = _variant_libraries(args) if variant.enabled else _libraries(args, tuned)
+    # With options there is no torch (it has none of them) and the float32 CuPy reference serves.
     reference = next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
-    if args.no_peers:
-        timed = mine
-    else:
-        timed = [*mine, *torch_libs] if args.backward else [*mine, NaiveCupy(), *torch_libs]
 
     report = {
         "mode": "fwd+bwd" if args.backward else "fwd",
@@ -58,12 +50,16 @@ def run(args, argv: list) -> int:
         "results": [],
         "memory": [],
     }
+    if variant.enabled:
+        report["options"] = variant.to_json()
+        report["versions"]["jax"] = next((lib.jax.__version__ for lib in timed if lib.name == "jax-cudnn"), None)
     if args.backward:
         report["flops_per_forward_flop"] = BWD_FLOPS_FACTOR
         report["grad_tolerance"] = {"rel": fwd_bwd.GRAD_REL, "atol": fwd_bwd.GRAD_ATOL}
     log(f"device: {device['name']} (sm_{device['compute_capability']}, "
         f"{device['sm_count']} SMs, L2 {device['l2_bytes'] / MiB:.0f} MiB); "
-        f"{report['mode']}; libraries: {', '.join(report['libraries'])}")
+        f"{report['mode']}{'; ' + variant.describe() if variant.enabled else ''}; "
+        f"libraries: {', '.join(report['libraries'])}")
 
     shapes = build_shapes(args.dtypes, args.headdims, args.masks, args.seqlens)
     for i, shape in enumerate(shapes, 1):
@@ -85,7 +81,7 @@ def run(args, argv: list) -> int:
             if "error" in r or "skipped" in r:
                 log(f"    {name}: {r.get('error') or 'skipped: ' + r['skipped']}")
 
-    if not args.no_memory:
+    if not args.no_memory and not variant.enabled:
         if args.backward:
             report["memory"] = memory.run_memory_bwd(mine if args.no_peers else [*mine, *torch_libs])
         else:
@@ -106,9 +102,36 @@ def run(args, argv: list) -> int:
     return 0
 
 
+def _libraries(args, tuned) -> tuple[list, list, list]:
+    """(mine, timed, torch peers) for a run without options."""
+    if args.backward:
+        mine = [CuflashFwdBwd(deterministic=False), CuflashFwdBwd(deterministic=True)]
+    else:
+        mine = [Cuflash("heuristic" if args.tuned else None)] + ([tuned] if tuned else [])
+    # torch is loaded even with --no-peers: its flash backend is the reference.
+    torch_libs = load_torch_libs(log, backward=args.backward)
+    if args.no_peers:
+        return mine, mine, torch_libs
+    return mine, [*mine, *torch_libs] if args.backward else [*mine, NaiveCupy(), *torch_libs], torch_libs
+
+
+def _variant_libraries(args) -> tuple[list, list, list]:
+    """(mine, timed, torch peers: none) for a run with options: cuflash with them (cuflash-det too with
+    --backward), plain cuflash, and the JAX peer for a window."""
+    variant = args.variant
+    if args.backward:
+        mine = [CuflashFwdBwd(False, variant), CuflashFwdBwd(True, variant), CuflashFwdBwd()]
+    else:
+        mine = [Cuflash(variant=variant), Cuflash()]
+    peers = load_jax_libs(log, variant, args.backward) if variant.has_window and not args.no_peers else []
+    return mine, [*mine, *peers], []
+
+
 def _print_tables(args, device, report) -> None:
     dash = tables.DASH
-    if args.backward:
+    if args.variant.enabled:
+        _print_variant_table(args, device, report)
+    elif args.backward:
         print(f"\nForward+backward TFLOP/s on {device['name']}: median of up to {args.repeats} calls "
               f"(one forward with lse + one backward; FLOPs = {BWD_FLOPS_FACTOR} x forward); "
               f"batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
@@ -132,3 +155,15 @@ def _print_tables(args, device, report) -> None:
         print(f"\nPeak extra device memory of one forward call, MiB "
               f"(fp16, batch 1, {heads} heads, hdim {headdim}, non-causal; 'inputs' is q+k+v):")
         print(tables.memory_table(report["memory"]))
+
+
+def _print_variant_table(args, device, report) -> None:
+    mode = (f"Forward+backward (FLOPs = {BWD_FLOPS_FACTOR} x forward; det: deterministic=True)"
+            if args.backward else "Forward")
+    print(f"\n{mode} TFLOP/s on {device['name']} with {args.variant.describe()}: median of up to "
+          f"{args.repeats} calls; batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
+          f"cuflash: the plain kernel (no options); windowed calls count only the visible (query, key) "
+          f"pairs ('visible' of N x N, exact); opts/plain and opts/jax: TFLOP/s ratios; jax-cudnn: "
+          f"jax.nn.dot_product_attention on cuDNN, timed on the host around each call.  "
+          f"'!' mismatch with the float32 CuPy reference, 'ERR' failed, '{tables.DASH}' not run.")
+    print(tables.variant_speed_table(report["results"], args.backward))

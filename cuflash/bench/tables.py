@@ -94,20 +94,46 @@ def bwd_verdict(row: dict) -> str:
     return "; ".join(parts)
 
 
+def _det_cell(r, det) -> str:
+    """cuflash-det's figure, marked for a mismatch and for results that are not bitwise reproducible."""
+    text = _mark(cell(det), r.get("check_det", {"ok": True}))
+    if r.get("determinism") not in (None, "det ok") and text != "ERR":
+        text += " NONDET"
+    return text
+
+
 def bwd_speed_table(results) -> str:
     headers = ["dtype", "hdim", "causal", "seqlen", *BWD_LIBS, "cuflash/flash", "cuflash/cudnn", "det cost"]
     rows = []
     for r in results:
         libs = r["libs"]
         mine, det = libs.get("cuflash"), libs.get("cuflash-det")
-        det_cell = _mark(cell(det), r.get("check_det", {"ok": True}))
-        if r.get("determinism") not in (None, "det ok") and det_cell != "ERR":
-            det_cell += " NONDET"
+        det_cell = _det_cell(r, det)
         cost = f"{det['ms'] / mine['ms']:.2f}" if mine and det and "ms" in mine and "ms" in det else DASH
         rows.append([
             *_shape_cells(r), _mark(cell(mine), r.get("check", {"ok": True})), det_cell,
             *(cell(libs.get(name), error=DASH) for name in BWD_LIBS[2:]),
             ratio(mine, libs.get("torch-flash")), ratio(mine, libs.get("torch-cudnn")), cost,
+        ])
+    return table(rows, headers, 4)
+
+
+def variant_speed_table(results, backward=False) -> str:
+    """A run with options: cuflash with them (and cuflash-det with --backward) next to plain cuflash and
+    jax-cudnn; opts/plain and opts/jax are TFLOP/s ratios."""
+    headers = ["dtype", "hdim", "causal", "seqlen", "window", "visible", "cuflash", "cuflash+opts",
+               *(["cuflash-det+opts"] if backward else []), "opts/plain", "jax-cudnn", "opts/jax"]
+    rows = []
+    for r in results:
+        libs = r["libs"]
+        mine = libs.get("cuflash+opts")
+        window = DASH if r["window"] is None else ",".join(map(str, r["window"]))
+        rows.append([
+            *_shape_cells(r), window, f"{100 * r['visible']:.1f}%", cell(libs.get("cuflash")),
+            _mark(cell(mine), r.get("check", {"ok": True})),
+            *([_det_cell(r, libs.get("cuflash-det+opts"))] if backward else []),
+            ratio(mine, libs.get("cuflash")), cell(libs.get("jax-cudnn"), error=DASH),
+            ratio(mine, libs.get("jax-cudnn")),
         ])
     return table(rows, headers, 4)
 
