@@ -14,6 +14,7 @@
 //                          (deterministic mode; recomputes S and dP).
 #pragma once
 #include "common.cuh"
+#include "score_mods.cuh"
 #include "sm80_mma.cuh"
 
 namespace cuflash {
@@ -161,7 +162,7 @@ struct BwdDkdvTraits {
 };
 
 template <int D, int BR, int QC, int WARPS, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N,
-          bool EVEN_D, bool ATOMIC_DQ>
+          bool EVEN_D, bool ATOMIC_DQ, int MODS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     bwd_dkdv_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
@@ -169,7 +170,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     int group, int nq_pad, long long q_sb, long long q_sn, long long q_sh, long long k_sb,
                     long long k_sn, long long k_sh, long long v_sb, long long v_sn, long long v_sh, long long do_sb,
                     long long do_sn, long long do_sh, long long dk_sb, long long dk_sn, long long dk_sh,
-                    long long dv_sb, long long dv_sn, long long dv_sh, float scale_log2, float scale) {
+                    long long dv_sb, long long dv_sn, long long dv_sh, float scale_log2, float scale,
+                    const ScoreModArgs mod_args) {
     using T = BwdDkdvTraits<D, BR, QC, WARPS, STAGES, ATOMIC_DQ>;
     constexpr int BC = T::BC, THREADS = T::THREADS;
     constexpr int NT_C = QC / 8;   // n8 tiles of a chunk of S^T (columns = queries)
@@ -190,9 +192,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int nheads_kv = gridDim.y, nheads = nheads_kv * group;
     const int n0 = n_block * BC;
-    const int diag = nk - nq;
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    Mods mods(mod_args, nq, nk);
 
-    const QueryBlockSteps<BR, CAUSAL> steps(n_block, n0, nq, nk, group);
+    const QueryBlockSteps<BR> steps(mods, n_block, n0, BC, group);
     const int n_iter = steps.count;
 
     float acc_dk[NT_D][4], acc_dv[NT_D][4];
@@ -245,6 +248,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         const u32 do_smem = smem_addr(sdO + st * T::QB_ELEMS);
         const float* lse2_s = sLse2 + st * BR;
         const float* delta_s = sDelta + st * BR;
+        mods.set_head(mod_args, b, h);
 
         // The block's queries in chunks of QC: only one chunk's scores live in
         // registers next to the dK and dV accumulators. A real loop, so that
@@ -256,22 +260,22 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             zero(acc_s);
             gemm_ss_nt<BF16, KS_D, NT_C>(acc_s, smem_addr(sK), kv_a_off, warp_key0, q_smem, q_b_off, qc);
 
-            // P^T = 2^(S^T * c - lse2[query]); masked pairs get P = 0
+            // P^T = 2^(score^T * c - lse2[query]) (score_mods.cuh); masked pairs get P = 0
             const int mc = m0 + qc;
-            const bool masked = (CAUSAL && mc + diag < n0 + BC - 1) || (!EVEN_N && (mc + QC > nq || n0 + BC > nk));
+            const bool masked =
+                !mods.block_visible(mc, QC, n0, BC) || (!EVEN_N && (mc + QC > nq || n0 + BC > nk));
+            float score_grad[Mods::SOFTCAP ? NT_C : 1][4];  // d score / d (scaled) S under softcap
 #pragma unroll
             for (int j = 0; j < NT_C; ++j) {
                 const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc + j * 8 + 2 * (lane & 3));
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-                    if (masked) {
-                        const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
-                        const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
-                        bool keep = key < nk && query < nq;
-                        if constexpr (CAUSAL) keep = keep && key <= query + diag;
-                        if (!keep) p = 0.f;
-                    }
+                    const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
+                    const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
+                    const float u = mods.transform(acc_s[j][e]);
+                    if constexpr (Mods::SOFTCAP) score_grad[j][e] = mods.score_grad(u);
+                    float p = exp2_approx(fmaf(mods.bias(u, query, key), scale_log2, -((e & 1) ? l2.y : l2.x)));
+                    if (masked && !(key < nk && query < nq && mods.visible(query, key))) p = 0.f;
                     acc_s[j][e] = p;
                 }
             }
@@ -297,6 +301,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     const float2 p = unpack2<BF16>(p_frag[j / 2][2 * (j % 2) + r]);
                     acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);
                     acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dl.y);
+                    if constexpr (Mods::SOFTCAP) {
+                        acc_dp[j][2 * r] *= score_grad[j][2 * r];
+                        acc_dp[j][2 * r + 1] *= score_grad[j][2 * r + 1];
+                    }
                 }
             }
             u32 ds_frag[KS_C][4];
@@ -378,14 +386,15 @@ struct BwdDqTraits {
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
-template <int D, int WARPS, int BC, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D>
+template <int D, int WARPS, int BC, int STAGES, int MIN_BLOCKS, bool BF16, bool CAUSAL, bool EVEN_N, bool EVEN_D,
+          int MODS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   const u16* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
                   u16* __restrict__ dq, int nq, int nk, int d, int group, int nq_pad, long long q_sb, long long q_sn,
                   long long q_sh, long long k_sb, long long k_sn, long long k_sh, long long v_sb, long long v_sn,
                   long long v_sh, long long do_sb, long long do_sn, long long do_sh, long long dq_sb,
-                  long long dq_sn, long long dq_sh, float scale_log2, float scale) {
+                  long long dq_sn, long long dq_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
     using T = BwdDqTraits<D, WARPS, BC, STAGES>;
     constexpr int BR = T::BR, THREADS = T::THREADS;
     constexpr int NT_K = BC / 8, KS_K = BC / 16, KS_D = D / 16, NT_D = D / 8;
@@ -400,21 +409,19 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
     const int m0 = m_block * BR;
-    const int diag = nk - nq;
     const int warp_row0 = warp * 16;
     u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
 
-    const int n_blocks = (nk + BC - 1) / BC;
-    int n_end = n_blocks;
-    if constexpr (CAUSAL) {
-        const int last_key = m0 + BR - 1 + diag;
-        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
-    }
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    Mods mods(mod_args, nq, nk);
+    mods.set_head(mod_args, b, h);
+    const KeyBlocks blocks = mods.template key_blocks<BC>(m0, BR);
+    const int n_begin = blocks.begin, n_end = blocks.end;
 
     const u16* k_head = k + b * k_sb + hk * k_sh;
     const u16* v_head = v + b * v_sb + hk * v_sh;
-    auto load_kv = [&](int n) {
-        const int st = n % STAGES, kn0 = n * BC;
+    auto load_kv = [&](int n) {  // the ring's step n: key block n_begin + n
+        const int st = n % STAGES, kn0 = (n_begin + n) * BC;
         load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK + st * T::KV_ELEMS, k_head + kn0 * k_sn, k_sn, nk - kn0,
                                                           d, tid);
         load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sV + st * T::KV_ELEMS, v_head + kn0 * v_sn, v_sn, nk - kn0,
@@ -425,7 +432,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                                                       d, tid);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_end) load_kv(s);
+        if (s < n_end - n_begin) load_kv(s);
         cp_async_commit();
     }
 
@@ -440,31 +447,30 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     float acc_dq[NT_D][4];
     zero(acc_dq);
 
-    for (int n = 0; n < n_end; ++n) {
-        const int st = n % STAGES, kn0 = n * BC;
+    for (int n = 0; n < n_end - n_begin; ++n) {
+        const int st = n % STAGES, kn0 = (n_begin + n) * BC;
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        if (n + STAGES - 1 < n_end) load_kv(n + STAGES - 1);
+        if (n + STAGES - 1 < n_end - n_begin) load_kv(n + STAGES - 1);
         cp_async_commit();
         const u32 k_smem = smem_addr(sK + st * T::KV_ELEMS), v_smem = smem_addr(sV + st * T::KV_ELEMS);
 
-        // S = Q K^T, P = 2^(S * c - lse2[row]), masked pairs P = 0
+        // S = Q K^T, P = 2^(score * c - lse2[row]) (score_mods.cuh), masked pairs P = 0
         float acc_s[NT_K][4];
         zero(acc_s);
         gemm_ss_nt<BF16, KS_D, NT_K>(acc_s, smem_addr(sQ), a_off, warp_row0, k_smem, b_off, 0);
-        const bool masked = (CAUSAL && kn0 + BC - 1 > m0 + diag) || (!EVEN_N && (kn0 + BC > nk || m0 + BR > nq));
+        const bool masked = !mods.block_visible(m0, BR, kn0, BC) || (!EVEN_N && (kn0 + BC > nk || m0 + BR > nq));
+        float score_grad[Mods::SOFTCAP ? NT_K : 1][4];  // d score / d (scaled) S under softcap
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float p = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse2_r[e >> 1]));
-                if (masked) {
-                    const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                    const int key = kn0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                    bool keep = key < nk && row < nq;
-                    if constexpr (CAUSAL) keep = keep && key <= row + diag;
-                    if (!keep) p = 0.f;
-                }
+                const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                const int key = kn0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                const float u = mods.transform(acc_s[j][e]);
+                if constexpr (Mods::SOFTCAP) score_grad[j][e] = mods.score_grad(u);
+                float p = exp2_approx(fmaf(mods.bias(u, row, key), scale_log2, -lse2_r[e >> 1]));
+                if (masked && !(key < nk && row < nq && mods.visible(row, key))) p = 0.f;
                 acc_s[j][e] = p;
             }
 
@@ -475,7 +481,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - delta_r[e >> 1]);
+            for (int e = 0; e < 4; ++e) {
+                acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - delta_r[e >> 1]);
+                if constexpr (Mods::SOFTCAP) acc_dp[j][e] *= score_grad[j][e];
+            }
 
         // dQ += dS K   (times scale at the end)
         u32 ds_frag[KS_K][4];

@@ -32,6 +32,7 @@
 #pragma once
 #include "common.cuh"
 #include "named_barriers.cuh"
+#include "score_mods.cuh"
 #include "sm90_tiles.cuh"
 #include "wgmma.cuh"
 
@@ -108,14 +109,14 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
     }
 }
 
-template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ>
+template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
 __global__ void __launch_bounds__(384, 1)
     bwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
                     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
                     u16* __restrict__ dk, u16* __restrict__ dv, int nq, int nk, int d, int group, int nq_pad,
                     long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb, long long dv_sn,
-                    long long dv_sh, float scale_log2, float scale) {
+                    long long dv_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
     using T = BwdSm90Traits<D, BM, STAGES, ATOMIC_DQ>;
     constexpr int BN = T::BN;
     constexpr int NT_S = BM / 8, NT_D = D / 8, NT_DQ = T::DQ_N / 8;
@@ -139,9 +140,10 @@ __global__ void __launch_bounds__(384, 1)
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int nheads = gridDim.y * group;
     const int n0 = n_block * BN;
-    const int diag = nk - nq;
 
-    const QueryBlockSteps<BM, CAUSAL> steps(n_block, n0, nq, nk, group);
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    Mods mods(mod_args, nq, nk);
+    const QueryBlockSteps<BM> steps(mods, n_block, n0, BN, group);
     const int n_iter = steps.count;
 
     if (tid == 0) {
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int t = 0; t < n_iter; ++t) {
         const int st = t % STAGES;
         const int h = hk * group + steps.head(t), m0 = steps.query_block(t) * BM;
+        mods.set_head(mod_args, b, h);
         mbar_wait(full(st), (t / STAGES) & 1);
 
         // S^T and dP^T, then P^T while dP^T is still computed.
@@ -243,36 +246,41 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_commit();
         wgmma_wait<1>();
 
-        // P^T = 2^(S^T c - lse2[query]); keys past nk (zero rows of K) and,
-        // under the causal mask, keys after the query get P = 0. Queries past
-        // nq have lse2 = +inf, hence P = 0.
+        // P^T = 2^(score^T c - lse2[query]) (score_mods.cuh); keys past nk
+        // (zero rows of K) and keys outside the causal mask or window get
+        // P = 0. Queries past nq have lse2 = +inf, hence P = 0.
         const float* lse2_s = rows + st * BM;
         const float* delta_s = rows + (STAGES + st) * BM;
-        const bool masked = (CAUSAL && n0 + BN - 1 > m0 + diag) || (!EVEN_N && n0 + BN > nk);
+        const bool masked = !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk);
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float p = exp2_approx(fmaf(acc_s[j * 4 + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-                if (masked) {
-                    const int key = key_lane0 + 8 * (e >> 1);
-                    const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                    bool keep = EVEN_N || key < nk;
-                    if constexpr (CAUSAL) keep = keep && key <= query + diag;
-                    if (!keep) p = 0.f;
-                }
+                const int key = key_lane0 + 8 * (e >> 1);
+                const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                const float u = mods.transform(acc_s[j * 4 + e]);
+                float p = exp2_approx(fmaf(mods.bias(u, query, key), scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if (masked && !mods.visible(query, key)) p = 0.f;
                 acc_s[j * 4 + e] = p;
             }
         }
         wgmma_wait<0>();
-        // dS^T = P^T o (dP^T - Delta[query])
+        // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
             const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
+            for (int e = 0; e < 4; ++e) {
                 acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
+                if constexpr (Mods::SOFTCAP) {
+                    const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
+                    const int key = key_lane0 + 8 * (e >> 1);
+                    const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                    acc_dp[j * 4 + e] *=
+                        mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, query, key);
+                }
+            }
         }
         AFragments<DTYPE, BM> p_frag, ds_frag;
         p_frag.pack(acc_s);
@@ -385,13 +393,13 @@ struct BwdSm90DqTraits {
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
-template <int D, int BN, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N>
+template <int D, int BN, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, int MODS>
 __global__ void __launch_bounds__(384, 1)
     bwd_sm90_dq_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                        const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
                        const float* __restrict__ lse2, const float* __restrict__ delta, u16* __restrict__ dq, int nq,
                        int nk, int d, int group, int nq_pad, long long dq_sb, long long dq_sn, long long dq_sh,
-                       float scale_log2, float scale) {
+                       float scale_log2, float scale, const ScoreModArgs mod_args) {
     using T = BwdSm90DqTraits<D, BN, STAGES>;
     constexpr int BM = T::BM;
     constexpr int NT_S = BN / 8, NT_D = D / 8;
@@ -413,14 +421,12 @@ __global__ void __launch_bounds__(384, 1)
     // Causal: the longest query blocks first.
     const int m_block = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
-    const int m0 = m_block * BM, diag = nk - nq;
-    // Key blocks [0, n_end) hold keys some row of the block sees.
-    const int n_blocks = (nk + BN - 1) / BN;
-    int n_end = n_blocks;
-    if constexpr (CAUSAL) {
-        const int last_key = m0 + BM - 1 + diag;
-        n_end = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
-    }
+    const int m0 = m_block * BM;
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    Mods mods(mod_args, nq, nk);
+    // Key blocks [n_begin, n_begin + n_end) hold keys some row of the block sees.
+    const KeyBlocks blocks = mods.template key_blocks<BN>(m0, BM);
+    const int n_begin = blocks.begin, n_end = blocks.end - blocks.begin;
     u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
 
     if (tid == 0) {
@@ -450,8 +456,8 @@ __global__ void __launch_bounds__(384, 1)
             if (use > 0) mbar_wait(empty_kv(st), (use - 1) & 1);
             mbar_arrive_expect_tx(full_kv(st), 2 * T::KV_BYTES);
             for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, i * BN, hk, b, full_kv(st));
-                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, i * BN, hk, b, full_kv(st));
+                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, (n_begin + i) * BN, hk, b, full_kv(st));
+                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, (n_begin + i) * BN, hk, b, full_kv(st));
             }
         }
         return;
@@ -461,6 +467,7 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_inc<T::CONSUMER_REGS>();
     const int c = wg - 1;
     const int warp_row0 = 64 * c + 16 * (warp & 3);  // this warp's 16 rows of the block
+    mods.set_head(mod_args, b, h);
     float acc_dq[NT_D * 4];
 #pragma unroll
     for (int i = 0; i < NT_D * 4; ++i) acc_dq[i] = 0.f;
@@ -475,7 +482,7 @@ __global__ void __launch_bounds__(384, 1)
             delta_r[r] = rows[BM + warp_row0 + (lane >> 2) + 8 * r];
         }
         for (int i = 0; i < n_end; ++i) {
-            const int st = i % STAGES, n0 = i * BN;
+            const int st = i % STAGES, n0 = (n_begin + i) * BN;
             mbar_wait(full_kv(st), (i / STAGES) & 1);
             float acc_s[NT_S * 4], acc_dp[NT_S * 4];
             wgmma_fence();
@@ -491,29 +498,33 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_commit();
             wgmma_wait<1>();
 
-            // P = 2^(S c - lse2[row]); keys past nk (zero rows of K) and, under
-            // the causal mask, keys after the row get P = 0.
-            const bool masked = (CAUSAL && n0 + BN - 1 > m0 + diag) || (!EVEN_N && n0 + BN > nk);
+            // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk (zero
+            // rows of K) and keys outside the causal mask or window get P = 0.
+            const bool masked = !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk);
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float p = exp2_approx(fmaf(acc_s[j * 4 + e], scale_log2, -lse2_r[e >> 1]));
-                    if (masked) {
-                        const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                        const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                        bool keep = EVEN_N || key < nk;
-                        if constexpr (CAUSAL) keep = keep && key <= row + diag;
-                        if (!keep) p = 0.f;
-                    }
+                    const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                    const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                    const float u = mods.transform(acc_s[j * 4 + e]);
+                    float p = exp2_approx(fmaf(mods.bias(u, row, key), scale_log2, -lse2_r[e >> 1]));
+                    if (masked && !mods.visible(row, key)) p = 0.f;
                     acc_s[j * 4 + e] = p;
                 }
             wgmma_wait<0>();
-            // dS = P o (dP - Delta[row]), as the A fragments of dQ += dS K
+            // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - delta_r[e >> 1]);
+                for (int e = 0; e < 4; ++e) {
+                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - delta_r[e >> 1]);
+                    if constexpr (Mods::SOFTCAP) {
+                        const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
+                        const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                        acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], row, key);
+                    }
+                }
             AFragments<DTYPE, BN> ds_frag;
             ds_frag.pack(acc_dp);
             wgmma_fence();

@@ -218,54 +218,6 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, long long
     }
 }
 
-// ---------------------------------------------------------------- forward blocks
-// Key blocks a block of BR query rows starting at m0 visits: [0, end), of
-// which [unmasked, end) need the causal and/or sequence-end mask. Causal is
-// aligned bottom-right: query i sees keys j <= i + nk - nq.
-struct KeyBlocks {
-    int end, unmasked;
-};
-template <int BR, int BC, bool CAUSAL, bool EVEN_N>
-__device__ __forceinline__ KeyBlocks forward_key_blocks(int m0, int nq, int nk) {
-    const int diag = nk - nq;
-    const int n_blocks = (nk + BC - 1) / BC;
-    KeyBlocks kb{n_blocks, n_blocks};
-    if constexpr (CAUSAL) {
-        const int last_key = m0 + BR - 1 + diag;  // last key seen by the block's last row
-        kb.end = last_key < 0 ? 0 : min(n_blocks, last_key / BC + 1);
-        const int first_limit = m0 + diag + 1;  // keys [0, first_limit) are seen by every row
-        kb.unmasked = first_limit <= 0 ? 0 : min(kb.end, first_limit / BC);
-    }
-    if constexpr (!EVEN_N) kb.unmasked = min(kb.unmasked, nk / BC);
-    return kb;
-}
-
-// ---------------------------------------------------------------- backward blocks
-// The steps of a dK/dV CTA over the query blocks of BM rows that see its key
-// block (keys from n0): query blocks [m_begin, m_blocks) of each of the
-// `group` query heads sharing the kv head; step t takes head t / per_head.
-// Each key block starts at a different query block (rotated by its index),
-// so the CTAs of one head do not add into the same dQ rows at the same time.
-template <int BM, bool CAUSAL>
-struct QueryBlockSteps {
-    int m_begin, per_head, rotation;
-    int count;  // steps in all
-
-    __device__ __forceinline__ QueryBlockSteps(int n_block, int n0, int nq, int nk, int group) {
-        const int diag = nk - nq;  // causal: query i sees key j iff j <= i + diag
-        const int m_blocks = (nq + BM - 1) / BM;
-        m_begin = CAUSAL ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BM) : 0;
-        per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
-        count = group * per_head;
-        rotation = per_head > 0 ? n_block % per_head : 0;
-    }
-    __device__ __forceinline__ int head(int t) const { return t / per_head; }  // within the group
-    __device__ __forceinline__ int query_block(int t) const {
-        const int i = t % per_head + rotation;
-        return m_begin + (i >= per_head ? i - per_head : i);
-    }
-};
-
 // Output of query rows that see no key: O = 0, lse = -inf.
 template <int BR, int D, int THREADS>
 __device__ __forceinline__ void write_empty_rows(u16* o_tile, long long o_sn, float* lse_rows, int rows_valid,

@@ -10,6 +10,7 @@
 #pragma once
 #include "common.cuh"
 #include "sm80_mma.cuh"
+#include "score_mods.cuh"
 #include "softmax_sm80.cuh"
 
 namespace cuflash {
@@ -47,13 +48,13 @@ struct FwdTraits {
 };
 
 template <int D, int BC, int WARPS, int MT, int STAGES, int MIN_BLOCKS, bool Q_IN_REGS, bool BF16, bool CAUSAL,
-          bool EVEN_N, bool EVEN_D>
+          bool EVEN_N, bool EVEN_D, int MODS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ o, float* __restrict__ lse, int nq, int nk, int d, int group,
                long long q_sb, long long q_sn, long long q_sh, long long k_sb, long long k_sn, long long k_sh,
                long long v_sb, long long v_sn, long long v_sh, long long o_sb, long long o_sn, long long o_sh,
-               float scale_log2) {
+               float scale_log2, const ScoreModArgs mod_args) {
     using T = FwdTraits<D, BC, WARPS, MT, STAGES, MIN_BLOCKS, Q_IN_REGS, BF16>;
     constexpr int BR = T::BR;
     constexpr int THREADS = T::THREADS;
@@ -78,16 +79,17 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     u16* o_tile = o + b * o_sb + h * o_sh + m0 * o_sn;
     float* lse_rows = lse + ((long long)b * nheads + h) * nq + m0;
 
-    const int diag = nk - nq;
-    const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(m0, nq, nk);
-    const int n_end = blocks.end, n_unmasked = blocks.unmasked;
+    ScoreMods<MODS, CAUSAL, EVEN_N> mods(mod_args, nq, nk);
+    mods.set_head(mod_args, b, h);
+    const KeyBlocks blocks = mods.template key_blocks<BC>(m0, BR);
+    const int n_end = blocks.end - blocks.begin;  // steps, one key block each
     if (n_end == 0) {  // no row of this block sees a key
         write_empty_rows<BR, D, THREADS>(o_tile, o_sn, lse_rows, rows_valid, d, tid);
         return;
     }
 
     // Key block visited at step t (descending, so masked blocks come first).
-    auto block_of = [&](int t) { return n_end - 1 - t; };
+    auto block_of = [&](int t) { return blocks.end - 1 - t; };
     auto load_k = [&](int t) {
         const int n0 = block_of(t) * BC;
         load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK + (t % STAGES) * T::KV_ELEMS, k_head + n0 * k_sn,
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             mma_k_step_nt<BF16>(acc_s, q_at, k_smem, k_off, 0, ks);
         }
 
-        if constexpr (MASK) {  // keys past nk, or (causal) past i + nk - nq, score -inf
+        if constexpr (MASK || decltype(mods)::ANY) {  // scores in the kernel's units, -inf where masked
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -180,9 +182,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     for (int e = 0; e < 4; ++e) {
                         const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + 8 * (e >> 1);
                         const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                        bool keep = EVEN_N || col < nk;
-                        if constexpr (CAUSAL) keep = keep && col <= row + diag;
-                        if (!keep) acc_s[mt][j][e] = neg_inf();
+                        acc_s[mt][j][e] = mods.template score<MASK>(acc_s[mt][j][e], row, col);
                     }
         }
 
@@ -205,9 +205,14 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         gemm_rs_nn<BF16>(acc_o, p_frag, smem_addr(sV + stage * T::KV_ELEMS), v_off, 0);
     };
 
+    // Descending blocks: masked ones past the right bound, whole ones, masked
+    // ones before a window's left bound.
+    const int n_whole_end = blocks.end - blocks.full_begin;
     int t = 0;
-    for (; t < n_end - n_unmasked; ++t) step(t, BoolConst<true>{});
-    for (; t < n_end; ++t) step(t, BoolConst<false>{});
+    for (; t < blocks.end - blocks.full_end; ++t) step(t, BoolConst<true>{});
+    for (; t < n_whole_end; ++t) step(t, BoolConst<false>{});
+    if constexpr (decltype(mods)::WINDOW)
+        for (; t < n_end; ++t) step(t, BoolConst<true>{});
     cp_async_wait<0>();
 
     // Epilogue: O /= l, lse = (m * c + log2 l) * ln 2; O goes through the

@@ -29,11 +29,12 @@
 #include "fwd_sm90_producer.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_traits.cuh"
+#include "score_mods.cuh"
 #include "sm90_tiles.cuh"
 
 namespace cuflash {
 
-template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG, bool STAGE_O>
+template <int D, int BC, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool PINGPONG, bool STAGE_O, int MODS>
 __global__ void __launch_bounds__(384, 1)
     fwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_o,
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(384, 1)
                     float* __restrict__ ws_lse, int* __restrict__ tail_done, int full_tiles, int tail_items,
                     int nq, int nk, int d,
                     int group, int nheads, int nheads_kv, int num_tiles, long long o_sb, long long o_sn, long long o_sh,
-                    float scale_log2) {
+                    float scale_log2, const ScoreModArgs mod_args) {
     // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
     // kept it live across the key loop and, at head dim 256, in local memory.
     using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O>;
@@ -56,10 +57,11 @@ __global__ void __launch_bounds__(384, 1)
     // nothing from 8 max chains (-3% to +2%), nor from 4 sum chains.
     constexpr bool FP8_128 = FP8 && D == 128;
     constexpr int MAX_CHAINS = FP8_128 ? 8 : 4, SUM_CHAINS = FP8_128 ? 8 : 1;
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
     // The last wave split along the keys (tail_split.cuh): not under a causal
-    // mask, whose tiles differ in length, nor at head dim 256, whose consumers
-    // spill with the split's epilogue (the host passes tail_items = 0 there).
-    constexpr bool TAIL_SPLIT = !CAUSAL && D < 256;
+    // mask or a window, whose tiles differ in length, nor at head dim 256, whose
+    // consumers spill with the split's epilogue (the host passes tail_items = 0 there).
+    constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && D < 256;
     constexpr bool SOFTMAX_TURNS = FP8_128 && !CAUSAL && !PINGPONG;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(384, 1)
     const SegmentSlot segment{reinterpret_cast<volatile int*>(smem_raw + T::OFF_SEGMENT)};
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int diag = nk - nq;
+    Mods mods(mod_args, nq, nk);
 
     if (tid == 0) {
         mbar_init(sm.full_q(), 1);
@@ -85,8 +87,8 @@ __global__ void __launch_bounds__(384, 1)
     if (wg == 0) {
         setmaxnreg_dec<T::PRODUCER_REGS>();
         if (tid != 0) return;
-        fwd_sm90_produce<T, CAUSAL, EVEN_N, TAIL_SPLIT>(sm, segment, map_q, map_k, map_v, tile_counter, full_tiles,
-                                                        tail_items, nq, nk, group, nheads, num_tiles);
+        fwd_sm90_produce<T, CAUSAL, TAIL_SPLIT>(sm, segment, map_q, map_k, map_v, tile_counter, full_tiles,
+                                                tail_items, mods, group, nheads, num_tiles);
         return;
     }
 
@@ -111,10 +113,10 @@ __global__ void __launch_bounds__(384, 1)
         const int t = segment.tile();
         if (t >= num_tiles) break;
         // Key blocks [lo, hi) of tile t; slot >= 0: a split tile's segment.
-        // Without a causal mask the masked blocks are the last (a partial one).
+        // Without a causal mask or a window the masked blocks are the last (a partial one).
         const Tile tile = tile_at<BR, CAUSAL>(t, (nq + BR - 1) / BR, nheads);
-        const KeyBlocks blocks = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq, nk);
-        const int lo = TAIL_SPLIT ? segment.lo() : 0, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
+        const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
+        const int lo = TAIL_SPLIT ? segment.lo() : blocks.begin, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
         const int slot = TAIL_SPLIT ? segment.slot() : -1;
         const int hk = tile.h / group;
         stash_shared(words.addr + TileWords::M0, tile.m0);  // every lane stores the same values
@@ -125,17 +127,24 @@ __global__ void __launch_bounds__(384, 1)
         stash_shared(words.addr + TileWords::SLOT, slot);
         stash_shared(words.addr + TileWords::N_BLOCKS, hi - lo);
         const int n_blocks = hi - lo;
-        const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.unmasked)) : blocks.end - blocks.unmasked;
-        if (hi == 0) {  // no row of this tile sees a key
+        // Steps [0, n_masked) and (window) [n_whole_end, n_blocks) take masked blocks.
+        const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.full_end)) : blocks.end - blocks.full_end;
+        const int n_whole_end = hi - blocks.full_begin;
+        if (n_blocks == 0) {  // no row of this tile sees a key
             warp_arrive(sm.empty_q(), lane);
             write_empty_rows<64, D, 128>(out.o_tile(tile) + c * 64 * o_sn, o_sn, out.lse_rows(tile) + c * 64,
                                          nq - tile.m0 - c * 64, d, tid - 128 * wg);
             continue;
         }
         float qk_scale_log2 = scale_log2;
-        if constexpr (FP8) {
+        mods.set_head(mod_args, tile.b, tile.h);
+        if constexpr (FP8) {  // the descales scale the raw scores: under softcap, inside the tanh
             const int kv_index = tile.b * nheads_kv + hk;
-            qk_scale_log2 *= descale_q[kv_index] * descale_k[kv_index];
+            const float descale_qk = descale_q[kv_index] * descale_k[kv_index];
+            if constexpr (Mods::SOFTCAP)
+                mods.tanh_scale = mod_args.tanh_scale * descale_qk;
+            else
+                qk_scale_log2 *= descale_qk;
         }
 
         SoftmaxAccumulators<D> acc;
@@ -191,20 +200,7 @@ __global__ void __launch_bounds__(384, 1)
                 warp_arrive(sm.empty_k(st), lane);
                 if (i == n_blocks - 1) warp_arrive(sm.empty_q(), lane);
             };
-            // Scores of keys past nk, or (causal) past query i + diag, become -inf.
-            auto apply_mask = [&](float (&acc_s)[NT_S * 4], int i) {
-                const int n0 = (hi - 1 - i) * BC;
-#pragma unroll
-                for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                        const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                        bool keep = EVEN_N || col < nk;
-                        if constexpr (CAUSAL) keep = keep && col <= row + diag;
-                        if (!keep) acc_s[j * 4 + e] = neg_inf();
-                    }
-            };
+            const int row0 = m0 + warp_row0;
             auto softmax = [&](float (&acc_s)[NT_S * 4]) {
                 turns.begin_softmax();
                 online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
@@ -223,7 +219,10 @@ __global__ void __launch_bounds__(384, 1)
                 turns.end_gemms();
                 wgmma_wait<0>();
                 after_s(0, st);
-                if (n_masked > 0) apply_mask(acc_s, 0);
+                if (n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
+                    apply_score_mods<true, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
+                else
+                    apply_score_mods<false, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
                 softmax(acc_s);
                 p_frag.pack(acc_s);
             }
@@ -247,7 +246,7 @@ __global__ void __launch_bounds__(384, 1)
                 turns.end_gemms();
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
-                if constexpr (decltype(masked)::value) apply_mask(acc_s, i);
+                apply_score_mods<decltype(masked)::value, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane);
                 softmax(acc_s);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it
@@ -261,7 +260,9 @@ __global__ void __launch_bounds__(384, 1)
             };
             int i = 1;
             for (; i < n_masked; ++i) step(i, BoolConst<true>{});
-            for (; i < n_blocks; ++i) step(i, BoolConst<false>{});
+            for (; i < (Mods::WINDOW ? n_whole_end : n_blocks); ++i) step(i, BoolConst<false>{});
+            if constexpr (Mods::WINDOW)
+                for (; i < n_blocks; ++i) step(i, BoolConst<true>{});
 
             // Last P V.
             {

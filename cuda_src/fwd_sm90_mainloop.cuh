@@ -17,10 +17,31 @@
 #pragma once
 #include "fwd_sm90_traits.cuh"
 #include "named_barriers.cuh"
+#include "score_mods.cuh"
 #include "softmax_sm90.cuh"
 #include "wgmma.cuh"
 
 namespace cuflash {
+
+// A warp's 16 rows (from row0) x NT_S * 8 keys (from n0) of raw scores, in
+// the wgmma accumulator layout, into the kernel's score units
+// (score_mods.cuh); where MASK, -inf past nk and outside the causal mask or
+// window. A function rather than a lambda of the key loop: NVRTC's front end
+// crashed on the lambda.
+template <bool MASK, int NT_S, class Mods>
+__device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const Mods& mods, int row0, int n0,
+                                                 int lane) {
+    if constexpr (MASK || Mods::ANY) {
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+                const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                acc_s[j * 4 + e] = mods.template score<MASK>(acc_s[j * 4 + e], row, col);
+            }
+    }
+}
 
 // A consumer's position in the K/V ring (key blocks consumed) and the parity
 // of the work tiles it has taken. Two registers keep the position

@@ -8,13 +8,14 @@
 #pragma once
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_traits.cuh"
+#include "score_mods.cuh"
 
 namespace cuflash {
 
-template <class T, bool CAUSAL, bool EVEN_N, bool TAIL_SPLIT>
+template <class T, bool CAUSAL, bool TAIL_SPLIT, class Mods>
 __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const SegmentSlot& segment,
                                                  const TmaDesc& map_q, const TmaDesc& map_k, const TmaDesc& map_v,
-                                                 int* tile_counter, int full_tiles, int tail_items, int nq, int nk,
+                                                 int* tile_counter, int full_tiles, int tail_items, Mods mods,
                                                  int group, int nheads, int num_tiles) {
     constexpr int BR = T::BR, BC = T::BC, D = T::D, STAGES = T::STAGES;
     tma_prefetch_desc(map_q);
@@ -36,16 +37,23 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
         // The lengths made opaque per tile: ptxas otherwise hoists the
         // tile arithmetic's invariants out of this loop, and at head dim
         // 256 (24 producer registers) kept them in local memory.
-        const int nq_t = opaque(nq), nk_t = opaque(nk);
+        mods.nq = opaque(mods.nq);
+        mods.nk = opaque(mods.nk);
+        mods.diag = mods.nk - mods.nq;
+        const int nq_t = mods.nq, nk_t = mods.nk;
         Segment seg{item, 0, 0, -1, false};  // a whole tile; hi below
         if (TAIL_SPLIT && item >= full_tiles)
             seg = tail_segment(item, part, full_tiles, num_tiles - full_tiles, tail_items, (nk_t + BC - 1) / BC);
         const Tile tile = tile_at<BR, CAUSAL>(seg.tile, (nq_t + BR - 1) / BR, nheads);
         const int hk = tile.h / group;
-        if (seg.slot < 0) seg.hi = forward_key_blocks<BR, BC, CAUSAL, EVEN_N>(tile.m0, nq_t, nk_t).end;
+        if (seg.slot < 0) {
+            const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
+            seg.lo = blocks.begin;
+            seg.hi = blocks.end;
+        }
         segment.publish(seg);
         stash_shared(next_word, seg.more ? next + 1 : -1);
-        if (seg.hi == 0) {  // the consumers write its empty rows
+        if (seg.hi == seg.lo) {  // the consumers write its empty rows
             mbar_arrive(sm.full_q());
         } else {
             // Q, K and 16-bit V: one box per 128-byte panel of the row

@@ -10,25 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import dispatch, launch, tuner, validate
+from . import dispatch, launch, score_mods, tuner, validate
 from .arrays import aligned_copy, is_aligned
 from .device import compute_capability, cupy, max_smem_per_block
-from .forward import attention, autotune_requested
+from .forward import attention, autotune_requested, option_key
 from .plans import PlanCache, layout, ndarray_type, optional_layout
 
 
-def _problem(q, k, causal, deterministic, dtype_name: str, device_id: int) -> dispatch.BwdProblem:
-    return dispatch.BwdProblem(dtype_name, q.shape[3], bool(causal), q.shape[1], k.shape[1],
+def _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name: str,
+             device_id: int) -> dispatch.BwdProblem:
+    """The backward problem of validated arrays, after checking the score options."""
+    window = validate.window_size(window_size, bool(causal))
+    cap = validate.softcap(softcap)
+    slopes_stride = validate.alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1])
+    return dispatch.BwdProblem(dtype_name, q.shape[3], causal, q.shape[1], k.shape[1],
                                q.shape[2] // k.shape[2], bool(deterministic), max_smem_per_block(device_id),
-                               compute_capability(device_id))
+                               compute_capability(device_id), mods)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-                       dq=None, dk=None, dv=None, workspace=None, tune=False):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
+                       workspace=None, tune=False):
     """Gradients (dq, dk, dv) of attention(q, k, v) given dout = dL/d(out).
 
     out and lse are the forward's results (`attention(..., return_lse=True)`),
-    with the same causal and softmax_scale. GQA: dk and dv sum over the query
+    with the same causal, window_size, softcap, alibi_slopes and softmax_scale. GQA: dk and dv sum over the query
     heads that share a kv head. deterministic=True computes dq in a separate
     pass without atomics, so repeated calls give identical bits.
     dq, dk, dv: optional output arrays (shapes and dtype of q, k, v).
@@ -39,10 +48,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     key = None
     if not tune:
-        key = _plan_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, workspace)
+        key = _plan_key(dout, q, k, v, out, lse, causal, (window_size, softcap, alibi_slopes), softmax_scale,
+                        deterministic, dq, dk, dv, workspace)
         plan = _plans.get(key) if key is not None else None
         if plan is not None:
-            return plan.call(dout, q, k, v, out, lse, dq, dk, dv, workspace)
+            return plan.call(dout, q, k, v, out, lse, dq, dk, dv, workspace, alibi_slopes)
     validate.require_cupy_array("dout", dout)
     dtype_name = validate.qkv(q, k, v)
     validate.like("dout", dout, q, "q")
@@ -55,6 +65,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise TypeError(f"workspace must come from cuflash.backward_workspace, got {type(workspace).__name__}")
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
     device_id = validate.cuda_device(q)
+    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id)
     if workspace is not None and workspace.device_id != device_id:
         raise ValueError(f"workspace is on device {workspace.device_id}, q on device {device_id}")
 
@@ -72,13 +83,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             return dq, dk, dv
         copies = tuple(not is_aligned(x) for x in (q, k, v, dout, out)) + (not lse.flags.c_contiguous,)
         q, k, v, dout, out, lse = _copied(copies, q, k, v, dout, out, lse)
-        problem = _problem(q, k, causal, deterministic, dtype_name, device_id)
-        autotune = autotune_requested(tune)
+        autotune = autotune_requested(tune) and not problem.mods.bits  # the tuner measures plain attention
         if autotune:
             tuner.tune_bwd_call(problem, batch, nheads, k.shape[2])
         cfg, _ = dispatch.bwd_config(problem)
         prepared = launch.prepare_bwd(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
-        prepared.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace)
+        prepared.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace, alibi_slopes)
     if key is not None and not autotune:
         _plans.store(key, _Plan(prepared, copies, device_id))
     return dq, dk, dv
@@ -105,25 +115,28 @@ class _Plan:
     copies: tuple  # whether q, k, v, dout, out go to the kernels as aligned copies, lse as a contiguous one
     device_id: int
 
-    def call(self, dout, q, k, v, out, lse, dq, dk, dv, workspace):
+    def call(self, dout, q, k, v, out, lse, dq, dk, dv, workspace, slopes):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
-                return self.call(dout, q, k, v, out, lse, dq, dk, dv, workspace)
+                return self.call(dout, q, k, v, out, lse, dq, dk, dv, workspace, slopes)
         if dq is None or dk is None or dv is None:
             launch.require_not_capturing("attention_backward without dq=, dk= and dv=")
             dq = cp.empty(q.shape, q.dtype) if dq is None else dq
             dk = cp.empty(k.shape, k.dtype) if dk is None else dk
             dv = cp.empty(v.shape, v.dtype) if dv is None else dv
         q, k, v, dout, out, lse = _copied(self.copies, q, k, v, dout, out, lse)
-        self.launch.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace)
+        self.launch.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace, slopes)
         return dq, dk, dv
 
 
-def _plan_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, workspace):
-    """The plan key of a call with these arguments, or None where only the full path applies."""
+def _plan_key(dout, q, k, v, out, lse, causal, mods, softmax_scale, deterministic, dq, dk, dv, workspace):
+    """The plan key of a call with these arguments, or None where only the full path applies.
+    mods: (window_size, softcap, alibi_slopes) as given."""
     ndarray = ndarray_type()
-    if softmax_scale is not None and type(softmax_scale) is not float:
+    window_size, softcap, alibi_slopes = mods
+    options = option_key(window_size, softcap, softmax_scale)
+    if options is None:
         return None
     if workspace is not None and type(workspace) is not launch.BackwardWorkspace:
         return None
@@ -131,15 +144,16 @@ def _plan_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq,
         if type(x) is not ndarray:
             return None
     try:
-        grads = optional_layout(dq), optional_layout(dk), optional_layout(dv)
+        grads = optional_layout(dq), optional_layout(dk), optional_layout(dv), optional_layout(alibi_slopes)
     except LookupError:
         return None
     return (layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse), grads,
-            None if workspace is None else workspace.device_id, bool(causal), softmax_scale, bool(deterministic),
+            None if workspace is None else workspace.device_id, bool(causal), options, bool(deterministic),
             dispatch.cache_state())
 
 
-def backward_workspace(q, k, v, *, causal=False, deterministic=False):
+def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       deterministic=False):
     """Scratch memory for `attention_backward` calls with these shapes, dtype and options.
 
     Passing it (with dq, dk, dv) makes a backward call allocate nothing, which
@@ -148,23 +162,25 @@ def backward_workspace(q, k, v, *, causal=False, deterministic=False):
     """
     dtype_name = validate.qkv(q, k, v)
     device_id = validate.cuda_device(q)
-    problem = _problem(q, k, causal, deterministic, dtype_name, device_id)
+    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id)
     cfg, _ = dispatch.bwd_config(problem)
     floats = launch.BackwardWorkspace.floats_for(cfg, q.shape[0], q.shape[2], q.shape[1], problem.deterministic)
     return launch.BackwardWorkspace(floats, device_id)
 
 
-def attention_vjp(q, k, v, *, causal=False, softmax_scale=None):
+def attention_vjp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  softmax_scale=None):
     """out = attention(q, k, v) and a function dout -> (dq, dk, dv).
 
     Keeps only q, k, v, out and the logsumexp alive (O(N) extra memory): the
     glue for jax.custom_vjp, CuPy autodiff or a hand-written training loop.
     """
     validate.qkv(q, k, v)  # 16-bit only: no fp8 backward
-    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   softmax_scale=softmax_scale)
+    out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout, *, deterministic=False):
-        return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                  deterministic=deterministic)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
 
     return out, vjp

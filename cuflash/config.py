@@ -100,7 +100,7 @@ class FwdConfig:
             and self.smem_bytes() <= SM90_SMEM_LIMIT
         )
 
-    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
+    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, mods: int = 0) -> str:
         if dtype_name not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
         args = [
@@ -116,7 +116,7 @@ class FwdConfig:
             _cpp_bool(even_n),
             _cpp_bool(even_d),
         ]
-        return "cuflash::fwd_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return "cuflash::fwd_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
     def short_name(self) -> str:
         return (
@@ -202,13 +202,14 @@ class FwdSm90Config:
             and self.smem_bytes() <= SM90_SMEM_LIMIT
         )
 
-    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool = True) -> str:
+    def name_expression(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool = True,
+                        mods: int = 0) -> str:
         """The kernel for these inputs; even_d is not a template argument (TMA zero-fills columns past d)."""
         if dtype_name not in SM90_DTYPES or not self.supports(dtype_name):
             raise ValueError(f"unsupported dtype {dtype_name!r} for {self.short_name()}")
         args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
                 _cpp_bool(even_n), _cpp_bool(self.pingpong), _cpp_bool(self.stage_o)]
-        return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return "cuflash::fwd_sm90_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
     def short_name(self) -> str:
         return (f"sm90_d{self.headdim}_m{self.block_m}_n{self.block_n}_s{self.stages}"
@@ -351,26 +352,27 @@ class BwdConfig:
         smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
         return dq_cols % 16 == 0 and smem <= SM90_SMEM_LIMIT
 
-    def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool) -> str:
+    def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool,
+                  mods: int = 0) -> str:
         """The dK/dV kernel; the Hopper one has no even_d argument (TMA zero-fills columns past d)."""
         if self.hopper:
             args = [self.headdim, self.dkdv_block_m, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
                     _cpp_bool(even_n), _cpp_bool(atomic_dq)]
-            return "cuflash::bwd_sm90_kernel<" + ", ".join(str(a) for a in args) + ">"
+            return "cuflash::bwd_sm90_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
         args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),
                 _cpp_bool(atomic_dq)]
-        return "cuflash::bwd_dkdv_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return "cuflash::bwd_dkdv_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
-    def dq_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool) -> str:
+    def dq_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, mods: int = 0) -> str:
         """The deterministic dQ kernel; the Hopper one has no even_d argument."""
         if self.hopper:
             args = [self.headdim, self.dq_block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
                     _cpp_bool(even_n)]
-            return "cuflash::bwd_sm90_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
+            return "cuflash::bwd_sm90_dq_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
         args = [self.headdim, self.dq_warps, self.dq_block_n, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d)]
-        return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
+        return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
     @staticmethod
     def preprocess_name(dtype_name: str) -> str:

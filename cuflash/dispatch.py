@@ -13,6 +13,7 @@ import dataclasses
 from typing import Protocol
 
 from .config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, FwdConfig, FwdSm90Config, kernel_headdim
+from .score_mods import NONE, ScoreMods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class FwdProblem:
     group: int  # query heads per kv head
     max_smem: int = SM90_SMEM_LIMIT  # the device's opt-in shared memory per block
     arch: int = 80  # compute capability as major * 10 + minor
+    mods: ScoreMods = NONE  # window, softcap, ALiBi
 
     @property
     def kernel_headdim(self) -> int:
@@ -192,8 +194,10 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
+    # The fast d128 tiles spill with the score options (up to 424 bytes, window); the general ones do not.
     even = (
-        problem.headdim == fast.headdim
+        not problem.mods.bits
+        and problem.headdim == fast.headdim
         and problem.seqlen_q % fast.block_m == 0
         and problem.seqlen_k % fast.block_n == 0
     )
@@ -207,8 +211,9 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
 
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
-    """The forward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled:
+    """The forward config to run and where it came from ("cache" or "heuristic"). The tuning cache
+    holds plain attention; problems with score options take the heuristic."""
+    if _tuned is not None and _cache_enabled and not problem.mods.bits:
         cfg = _tuned.fwd(problem)
         if cfg is not None:
             return cfg, "cache"
@@ -285,6 +290,7 @@ class BwdProblem:
     deterministic: bool
     max_smem: int = SM90_SMEM_LIMIT  # the device's opt-in shared memory per block
     arch: int = 80  # compute capability as major * 10 + minor
+    mods: ScoreMods = NONE  # window, softcap, ALiBi
 
     @property
     def kernel_headdim(self) -> int:
@@ -320,8 +326,8 @@ def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
 
 
 def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
-    """The backward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled:
+    """The backward config to run and where it came from ("cache" or "heuristic"); as fwd_config."""
+    if _tuned is not None and _cache_enabled and not problem.mods.bits:
         cfg = _tuned.bwd(problem)
         if cfg is not None:
             return cfg, "cache"

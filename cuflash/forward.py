@@ -17,7 +17,7 @@ import os
 
 import numpy
 
-from . import dispatch, fp8, launch, tuner, validate
+from . import dispatch, fp8, launch, score_mods, tuner, validate
 from .arrays import ALIGN_BYTES, aligned_copy, is_aligned, out_dtype
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
@@ -31,8 +31,8 @@ def autotune_requested(tune: bool) -> bool:
     return tune or os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0")
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None, tune=False,
-              q_descale=None, k_descale=None, v_descale=None):
+def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
+              return_lse=False, out=None, lse=None, tune=False, q_descale=None, k_descale=None, v_descale=None):
     """Exact attention softmax(q k^T * softmax_scale) v, FlashAttention style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
@@ -44,6 +44,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     (ones when None); out is bfloat16.
     causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned);
     a row that sees no key gets output 0 and lse -inf.
+    window_size: (left, right), -1 unbounded: query i sees keys j with
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+    (with causal, right = 0). Key blocks outside every row's window are skipped.
+    softcap: > 0 replaces each scaled score s by softcap * tanh(s / softcap).
+    alibi_slopes: float32 (nheads,) or (batch, nheads): adds -slope * |i + seqlen_k - seqlen_q - j|
+    to the (softcapped) scaled score. fp8 takes window_size and softcap, not alibi_slopes.
     softmax_scale: defaults to 1 / sqrt(headdim).
     out, lse: optional arrays to write (q's shape, the output dtype, 16-byte
     aligned; float32 (batch, nheads, seqlen_q), C-contiguous). With both given
@@ -56,22 +62,29 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     key = None
     descales = (q_descale, k_descale, v_descale)
     if not tune:
-        key = _plan_key(q, k, v, causal, softmax_scale, out, lse, descales)
+        key = _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale, out, lse, descales)
         plan = _plans.get(key) if key is not None else None
         if plan is not None:
-            return plan.call(q, k, v, out, lse, return_lse, descales)
+            return plan.call(q, k, v, out, lse, return_lse, descales, alibi_slopes)
     dtype_name = validate.qkv(q, k, v, allow_fp8=True)
     is_fp8 = dtype_name == FP8_DTYPE_NAME
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
+    window = validate.window_size(window_size, bool(causal))
+    cap = validate.softcap(softcap)
+    slopes_stride = validate.alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+    if is_fp8 and alibi_slopes is not None:
+        raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
         validate.output("out", out, q, "q", result_dtype)
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True)
-    causal = bool(causal)
     device_id = validate.cuda_device(q, fp8=is_fp8)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, seqlen_k)
     descale = fp8.validate_descales(q_descale, k_descale, v_descale, batch, nheads_kv, is_fp8, q.device)
     cp = cupy()
     with q.device:
@@ -87,13 +100,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         copies = tuple(not is_aligned(x) for x in (q, k, v))
         q_, k_, v_ = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), copies))
         problem = dispatch.FwdProblem(dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv,
-                                      max_smem_per_block(device_id), compute_capability(device_id))
-        autotune = autotune_requested(tune)
+                                      max_smem_per_block(device_id), compute_capability(device_id), mods)
+        autotune = autotune_requested(tune) and not mods.bits  # the tuner measures plain attention
         if not is_fp8 and autotune:
             tuner.tune_call(problem, batch, nheads, nheads_kv)
         cfg, _ = dispatch.fwd_config(problem)
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out, lse, scale, device_id)
-        prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale)
+        prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes)
     if key is not None and not autotune:  # under autotuning every call may tune
         _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, lse.shape, lse.size, descale))
     return (out, lse) if return_lse else out
@@ -116,11 +129,11 @@ class _Plan:
     # fp8: the first call's descales; a later call's given ones replace them (ones stand for None)
     descale: tuple | None
 
-    def call(self, q, k, v, out, lse, return_lse: bool, descales: tuple):
+    def call(self, q, k, v, out, lse, return_lse: bool, descales: tuple, slopes):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
-                return self.call(q, k, v, out, lse, return_lse, descales)
+                return self.call(q, k, v, out, lse, return_lse, descales, slopes)
         stream = cp.cuda.get_current_stream()
         kernel_lse = lse
         if out is None or lse is None:
@@ -139,7 +152,7 @@ class _Plan:
         descale = self.descale
         if descale is not None:
             descale = tuple(given if given is not None else first for given, first in zip(descales, descale))
-        self.launch.run(q, k, v, out, kernel_lse, stream.ptr, descale)
+        self.launch.run(q, k, v, out, kernel_lse, stream.ptr, descale, slopes)
         return (out, lse) if return_lse else out
 
 
@@ -162,15 +175,17 @@ def _outputs(out_shape, out_dtype, lse_shape, out, lse):
     return out, lse
 
 
-def _plan_key(q, k, v, causal, softmax_scale, out, lse, descales):
+def _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale, out, lse, descales):
     """The plan key of a call with these arguments, or None where only the full path applies."""
     ndarray = ndarray_type()
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
-    if softmax_scale is not None and type(softmax_scale) is not float:
+    options = option_key(window_size, softcap, softmax_scale)
+    if options is None:
         return None
     try:
-        outputs = optional_layout(out), optional_layout(lse), *(optional_layout(x) for x in descales)
+        outputs = (optional_layout(out), optional_layout(lse), optional_layout(alibi_slopes),
+                   *(optional_layout(x) for x in descales))
     except LookupError:
         return None
     if any(x is not None and not x.flags.c_contiguous for x in descales):  # copied on the full path
@@ -178,4 +193,16 @@ def _plan_key(q, k, v, causal, softmax_scale, out, lse, descales):
     qd, kd, vd = q.data, k.data, v.data
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
             qd.device_id, kd.device_id, vd.device_id, qd.ptr % ALIGN_BYTES, kd.ptr % ALIGN_BYTES,
-            vd.ptr % ALIGN_BYTES, outputs, bool(causal), softmax_scale, dispatch.cache_state())
+            vd.ptr % ALIGN_BYTES, outputs, bool(causal), options, dispatch.cache_state())
+
+
+def option_key(window_size, softcap, softmax_scale):
+    """The scalar options as a plan key's part, or None for spellings only the full path reads (a list,
+    a numpy scalar): (-1, -1), 0.0 and None are the defaults."""
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        return None
+    if type(window_size) is not tuple or any(type(x) is not int for x in window_size):
+        return None
+    if type(softcap) is not float and type(softcap) is not int:
+        return None
+    return window_size, softcap, softmax_scale

@@ -8,7 +8,7 @@ Hopper forward's 26 arguments, which converts every argument on every call.
 
 Argument kinds: a CuPy array (its device address, 8 bytes), a numpy scalar
 (int32, int64, float32: its bytes), a tensor map (a 16-word uint64 array from
-cuflash.tma: 128 bytes, passed by value).
+cuflash.tma: 128 bytes, passed by value), a struct (its bytes as uint64 words).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class KernelArgs:
         else:  # a CuPy array
             self.buffer[w] = value.data.ptr
 
-    def set_address(self, i: int, address: int) -> None:
-        self.buffer[self.words[i]] = address
+    def set_address(self, i: int, address: int, word: int = 0) -> None:
+        """Argument i's address, or the one at 8-byte word `word` of a struct argument."""
+        self.buffer[self.words[i] + word] = address
 
 
 def _raw_bytes(value) -> bytes:

@@ -15,7 +15,6 @@ captures a CUDA graph: a buffer that would have to grow raises instead.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy
@@ -25,9 +24,9 @@ from .arrays import aligned_copy, elem_strides
 from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
+from .score_mods import ALIBI_SLOPES_WORD
 
 # Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
-LOG2E = math.log2(math.e)
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
 # Query rows per CTA of the backward's row-wise kernels (preprocess, dQ convert): one warp a row.
@@ -124,24 +123,27 @@ class FwdSm80Launch:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k = k.shape[1]
         even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-        name = cfg.name_expression(problem.dtype_name, problem.causal, even_n, headdim == cfg.headdim)
+        mods = problem.mods
+        name = cfg.name_expression(problem.dtype_name, problem.causal, even_n, headdim == cfg.headdim, mods.bits)
         self.kernel = kernel(cfg.family, name, cfg.smem_bytes(), device_id)
         self.grid = (-(-seqlen_q // cfg.block_m), nheads, batch)
         self.threads = cfg.threads
         self.args = KernelArgs([q, k, v, out, lse, numpy.int32(seqlen_q), numpy.int32(seqlen_k),
                                 numpy.int32(headdim), numpy.int32(problem.group), *_strides(q, k, v, out),
-                                numpy.float32(scale * LOG2E)])
+                                numpy.float32(mods.score_log2(scale)), mods.kernel_args(seqlen_q, seqlen_k, scale)])
         self.last_addresses = None
         self.lock = threading.Lock()
 
-    def run(self, q, k, v, out, lse, stream: int, descale=None) -> None:
+    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None) -> None:
         addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        slopes_address = 0 if slopes is None else slopes.data.ptr
         with self.lock:
             args = self.args
-            if addresses != self.last_addresses:  # else the packed arguments stand as they are
+            if addresses + (slopes_address,) != self.last_addresses:  # else the packed arguments stand as they are
                 for slot, address in enumerate(addresses):
                     args.set_address(slot, address)
-                self.last_addresses = addresses
+                args.set_address(len(args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)  # ScoreModArgs: last
+                self.last_addresses = addresses + (slopes_address,)
             self.kernel.launch(self.grid, self.threads, args, stream)
 
 
@@ -161,13 +163,14 @@ class FwdSm90Launch:
         self.copies = tuple(not tma.usable(x) for x in (q, k, v))
         even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         smem = cfg.smem_bytes(problem.dtype_name)
-        self.kernel = kernel(cfg.family, cfg.name_expression(problem.dtype_name, problem.causal, even_n), smem,
-                             device_id)
+        mods = problem.mods
+        self.kernel = kernel(cfg.family, cfg.name_expression(problem.dtype_name, problem.causal, even_n,
+                                                             mods=mods.bits), smem, device_id)
         self.device_id = device_id
         num_tiles = -(-seqlen_q // cfg.block_m) * nheads * batch
         ctas = sm_count(device_id) if cfg.persistent else num_tiles
         split = tail_split.TailSplit(num_tiles, 0)
-        if cfg.persistent and not problem.causal and cfg.headdim < 256:  # TAIL_SPLIT in fwd_sm90.cuh
+        if cfg.persistent and not problem.causal and mods.window is None and cfg.headdim < 256:  # TAIL_SPLIT
             split = tail_split.plan(num_tiles, ctas, -(-seqlen_k // cfg.block_n))
         self.grid = (min(split.full_tiles + split.items, ctas), 1, 1)
         self.split_tiles = split.split_tiles(num_tiles) if split.items else 0
@@ -178,7 +181,8 @@ class FwdSm90Launch:
                                 numpy.int32(split.full_tiles), numpy.int32(split.items), numpy.int32(seqlen_q),
                                 numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
                                 numpy.int32(nheads), numpy.int32(k.shape[2]), numpy.int32(num_tiles),
-                                *_strides(out), numpy.float32(scale * LOG2E)])
+                                *_strides(out), numpy.float32(mods.score_log2(scale)),
+                                mods.kernel_args(seqlen_q, seqlen_k, scale)])
         self.last_addresses = None
         self.lock = threading.Lock()
 
@@ -193,7 +197,7 @@ class FwdSm90Launch:
         map_o = tma.seq_major_map(out, cfg.block_m // 2) if cfg.stage_o else map_q  # map_q: not read
         return map_q, tma.seq_major_map(k, cfg.block_n), map_v, map_o
 
-    def run(self, q, k, v, out, lse, stream: int, descale=None) -> None:
+    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None) -> None:
         if self.copies != (False, False, False):
             q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), self.copies))
         if self.fp8:
@@ -202,13 +206,15 @@ class FwdSm90Launch:
         # kernel has run: safe because CuPy's memory pool hands a freed block
         # out again only in stream order (to later work on this stream).
         addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream,
-                     None if descale is None else tuple(x.data.ptr for x in descale))
+                     None if descale is None else tuple(x.data.ptr for x in descale),
+                     0 if slopes is None else slopes.data.ptr)
         with self.lock:
             args = self.args
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(args, q, k, v, out, lse, stream, descale)
+                args.set_address(len(args.words) - 1, addresses[-1], ALIBI_SLOPES_WORD)  # ScoreModArgs: last
                 self.last_addresses = addresses
             self.kernel.launch(self.grid, self.threads, args, stream)
 
@@ -282,7 +288,10 @@ class BwdLaunch:
         self.copies = tuple(cfg.hopper and not tma.usable(x) for x in (q, k, v, dout))
         ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
                 numpy.int32(nq_pad))
-        scales = (numpy.float32(scale * LOG2E), numpy.float32(scale))
+        mods = problem.mods
+        # the exponent factor, the gradients' scale, and the score options (every kernel's last three arguments)
+        scales = (numpy.float32(mods.score_log2(scale)), numpy.float32(scale),
+                  mods.kernel_args(seqlen_q, seqlen_k, scale))
         even_d = headdim == cfg.headdim
         # lse2, delta, dq_accum: placeholders until run() points them at the workspace.
         scratch = lse
@@ -294,7 +303,8 @@ class BwdLaunch:
                                     numpy.int32(headdim), *_strides(out, dout)])
 
         even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
-        self.dkdv = kernel(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq),
+        self.dkdv = kernel(cfg.kernel_family,
+                           cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq, mods.bits),
                            cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
         self.dkdv_grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
         if cfg.hopper:
@@ -314,7 +324,7 @@ class BwdLaunch:
             self.last_args = KernelArgs([scratch, dq, *sizes, *_strides(dq), numpy.float32(scale)])
         else:
             even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
-            self.last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d),
+            self.last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d, mods.bits),
                                cfg.dq_smem_bytes(), device_id)
             self.last_grid = (-(-seqlen_q // cfg.dq_block_m), nheads, batch)
             self.last_threads = cfg.dq_threads
@@ -331,7 +341,8 @@ class BwdLaunch:
         return (tma.seq_major_map(q, block_m), tma.seq_major_map(k, block_n), tma.seq_major_map(v, block_n),
                 tma.seq_major_map(dout, block_m))
 
-    def run(self, q, k, v, dout, out, lse, dq, dk, dv, stream: int, workspace: BackwardWorkspace | None) -> None:
+    def run(self, q, k, v, dout, out, lse, dq, dk, dv, stream: int, workspace: BackwardWorkspace | None,
+            slopes=None) -> None:
         cfg = self.cfg
         if workspace is None:
             require_not_capturing("attention_backward without workspace=")
@@ -343,12 +354,16 @@ class BwdLaunch:
         delta = lse2 + 4 * self.rows
         dq_accum = delta + 4 * self.rows
         q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
-        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2,)
+        slopes_address = 0 if slopes is None else slopes.data.ptr
+        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, slopes_address)
         with self.lock:
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum)
+                self.dkdv_args.set_address(len(self.dkdv_args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)
+                if not self.atomic_dq:
+                    self.last_args.set_address(len(self.last_args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)
                 self.last_addresses = addresses
             self.pre.launch(self.pre_grid, 32 * ROWS_PER_CTA, self.pre_args, stream)
             if self.atomic_dq:

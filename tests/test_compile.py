@@ -32,7 +32,7 @@ def test_compile_report_parses_ptxas():
 
 
 def test_compile_report_flags_errors():
-    report = cf_compile.compile_report("fwd_sm80", "cuflash::fwd_kernel<48, 64, 4, 1, 2, 1, true, false, false, true, true>", "sm_80")
+    report = cf_compile.compile_report("fwd_sm80", "cuflash::fwd_kernel<48, 64, 4, 1, 2, 1, true, false, false, true, true, 0>", "sm_80")
     assert not report.ok and "head dim" in report.log
 
 

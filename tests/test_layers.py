@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cuflash"
 # Lowest first. A module may import modules of its own layer or of a lower one.
 # A new module gets a row here (the test fails until it has one).
 LAYERS = {
-    "compile": ["config", "compile", "device", "arrays", "fp8", "tma", "tail_split", "kernel_call", "timing",
+    "compile": ["config", "compile", "device", "arrays", "fp8", "tma", "tail_split", "kernel_call", "timing", "score_mods",
                 "reference"],
     "launch": ["launch"],
     "dispatch": ["dispatch"],

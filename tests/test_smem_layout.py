@@ -42,7 +42,7 @@ def _traits_and_layout(cfg, name: str):
         return cfg.traits(dtype), cfg.smem_layout(dtype)
     if kernel in ("bwd_dkdv_kernel", "bwd_sm90_kernel"):
         assert isinstance(cfg, BwdConfig)
-        atomic_dq = args[-1] == "true"
+        atomic_dq = args[-2] == "true"  # before MODS
         return cfg.dkdv_traits(atomic_dq), cfg.dkdv_smem_layout(atomic_dq)
     if kernel in ("bwd_dq_kernel", "bwd_sm90_dq_kernel"):
         assert isinstance(cfg, BwdConfig)

@@ -1,0 +1,93 @@
+"""The score options beyond softmax(Q K^T * scale): sliding window, softcap, ALiBi.
+
+`ScoreMods` is what a call asked for, normalised, as dispatch and launch read
+it: the kernels' MODS template bits and their `ScoreModArgs` parameter
+(cuda_src/score_mods.cuh, where the semantics and the kernels' score units are
+written down). `normalise` turns the entry points' arguments into one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy
+
+from .compile import cpp_int_constant
+
+# The MODS bits, read from their one home in the kernel sources.
+MOD_WINDOW = cpp_int_constant("score_mods.cuh", "MOD_WINDOW")
+MOD_SOFTCAP = cpp_int_constant("score_mods.cuh", "MOD_SOFTCAP")
+MOD_ALIBI = cpp_int_constant("score_mods.cuh", "MOD_ALIBI")
+
+LOG2E = math.log2(math.e)
+
+# ScoreModArgs field for field (C++ layout: 8-byte aligned pointer and stride).
+KERNEL_ARGS_DTYPE = numpy.dtype([
+    ("window_left", "<i4"), ("window_right", "<i4"), ("tanh_scale", "<f4"), ("inv_score_log2", "<f4"),
+    ("alibi_unit", "<f4"), ("alibi_slopes", "<u8"), ("alibi_batch_stride", "<i8"),
+], align=True)
+# The 8-byte word of the packed struct that holds the slopes' address (rewritten per call).
+ALIBI_SLOPES_WORD = KERNEL_ARGS_DTYPE.fields["alibi_slopes"][1] // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """window: (left, right) key offsets from a query's diagonal, -1 unbounded, None without a
+    window (a causal mask is the call's `causal`, with right = 0); softcap: 0 = off; alibi: slopes
+    given, their batch stride in elements (0 for shape (nheads,))."""
+
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    alibi: bool = False
+    alibi_batch_stride: int = 0
+
+    @property
+    def bits(self) -> int:
+        """The kernels' MODS template argument."""
+        return ((MOD_WINDOW if self.window is not None else 0) | (MOD_SOFTCAP if self.softcap else 0)
+                | (MOD_ALIBI if self.alibi else 0))
+
+    def score_log2(self, scale: float) -> float:
+        """c, the kernels' exponent factor: P = 2^(u c - m c) for a score u in the kernels' units."""
+        return (self.softcap if self.softcap else scale) * LOG2E
+
+    def kernel_args(self, seqlen_q: int, seqlen_k: int, scale: float) -> numpy.ndarray:
+        """ScoreModArgs as 8-byte words (the slopes' address left 0: launch points it per call)."""
+        args = numpy.zeros((), KERNEL_ARGS_DTYPE)
+        unbounded = seqlen_q + seqlen_k
+        left, right = self.window if self.window is not None else (-1, -1)
+        args["window_left"] = left if left >= 0 else unbounded
+        args["window_right"] = right if right >= 0 else unbounded
+        c = self.score_log2(scale)
+        if self.softcap:
+            args["tanh_scale"] = scale / self.softcap
+            args["inv_score_log2"] = 1.0 / c
+        args["alibi_unit"] = LOG2E / c
+        args["alibi_batch_stride"] = self.alibi_batch_stride
+        return numpy.frombuffer(args.tobytes(), numpy.uint64).copy()
+
+
+NONE = ScoreMods()
+
+
+def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
+              seqlen_q: int, seqlen_k: int) -> tuple[bool, ScoreMods]:
+    """(causal, ScoreMods) for validated options at these lengths.
+
+    A bound that every (query, key) pair passes is dropped (left >= seqlen_k - 1,
+    right >= seqlen_q - 1), so such a window runs the plain kernel; a window
+    whose right bound is 0 and left unbounded is the causal mask.
+    """
+    left, right = window
+    if causal:
+        right = 0
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    if right == 0:
+        causal = True
+    window = None if left < 0 and (right < 0 or causal) else (left, right)
+    alibi = alibi_batch_stride is not None
+    return causal, ScoreMods(window, float(softcap), alibi, alibi_batch_stride or 0)
