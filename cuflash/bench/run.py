@@ -65,7 +65,7 @@ def run(args, argv: list) -> int:
     for i, shape in enumerate(shapes, 1):
         if args.backward:
             row = fwd_bwd.run_shape_bwd(shape, timed, reference, args.repeats, device["l2_bytes"])
-            verdict = tables.bwd_verdict(row)
+            verdict = tables.bwd_verdict(row, [lib.name for lib in mine[:2]])
         else:
             row = fwd.run_shape(shape, timed, reference, args.repeats, device["l2_bytes"], tuned)
             verdict = "; ".join(tables.verdict(row[c]) + ("" if c == "check" else " (tuned)")

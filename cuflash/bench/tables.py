@@ -83,13 +83,14 @@ def _grad_verdict(check: dict) -> str:
             + f" (max err/tol {check['max_err_over_tol']:.2f}{detail} vs {check['reference']})")
 
 
-def bwd_verdict(row: dict) -> str:
-    """A forward+backward row's checks as text: both gradients' and the determinism check's."""
+def bwd_verdict(row: dict, names=("cuflash", "cuflash-det")) -> str:
+    """A forward+backward row's checks as text: both gradients' (of the libraries `names`) and the
+    determinism check's."""
     parts = []
     if "check" in row:
-        parts.append("cuflash " + _grad_verdict(row["check"]))
+        parts.append(f"{names[0]} " + _grad_verdict(row["check"]))
     if "check_det" in row:
-        parts.append("cuflash-det " + _grad_verdict(row["check_det"]))
+        parts.append(f"{names[1]} " + _grad_verdict(row["check_det"]))
     parts.append(row.get("determinism", "determinism not checked"))
     return "; ".join(parts)
 
