@@ -126,7 +126,7 @@ struct ScoreMods {
         if constexpr (!EVEN_N) kb.full_end = min(kb.full_end, nk / BC);
         kb.full_begin = max(kb.full_begin, kb.begin);
         kb.full_end = max(min(kb.full_end, kb.end), kb.full_begin);
-        if (kb.full_begin >= kb.full_end) kb.full_begin = kb.full_end = kb.end;  // every block masked
+        if (kb.full_begin >= kb.full_end) kb.full_begin = kb.full_end = kb.begin;  // every block masked
         return kb;
     }
 

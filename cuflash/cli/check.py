@@ -23,6 +23,7 @@ from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL
+from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
@@ -33,6 +34,11 @@ SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # and the targets where that holds (all where not listed).
 SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
+# Score options compiled for every table config, in two length variants (dtype and head-dim
+# evenness do not change what the options add). fp8 takes no ALiBi.
+MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
+FP8_MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_WINDOW | MOD_SOFTCAP)
+MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 
 
 def shipped_specialisations():
@@ -79,12 +85,36 @@ def shipped_specialisations():
     for cfg, dtype_name in sm90:
         for causal, even_n in itertools.product((False, True), (True, False)):
             add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
+    for cfg, dtype_name in sm90:
+        for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
+            for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
+                add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
+    _add_score_option_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name in DTYPE_NAMES:  # row-wise helpers: no dynamic shared memory
         add(any_bwd, BwdConfig.preprocess_name(dtype_name), 0)
         add(any_bwd, BwdConfig.convert_dq_name(dtype_name), 0)
     return list(specs.values())
+
+
+def _add_score_option_variants(add) -> None:
+    """The 16-bit kernels dispatch runs with score options: the general sm_80 forward tiles, the
+    backward tables (sm_80 and Hopper)."""
+    for (_, general), causal, (dtype_name, even_n), mods in itertools.product(
+            HEURISTIC_FWD.values(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+        add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
+    for cfg, causal, (dtype_name, even_n), mods in itertools.product(
+            HEURISTIC_BWD.values(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+        add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
+        add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
+    for (cfg, deterministic), causal, (dtype_name, even_n), mods in itertools.product(
+            hopper_bwd_plans(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+        add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
+            cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
+        if deterministic:
+            add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes(),
+                family=cfg.kernel_family)
 
 
 def fast_path(family: str, headdim: int, arch: str) -> bool:
