@@ -270,12 +270,20 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc + j * 8 + 2 * (lane & 3));
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
-                    const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
-                    const float u = mods.transform(acc_s[j][e]);
+                    float u = mods.transform(acc_s[j][e]);
                     if constexpr (Mods::SOFTCAP) score_grad[j][e] = mods.score_grad(u);
-                    float p = exp2_approx(fmaf(mods.bias(u, query, key), scale_log2, -((e & 1) ? l2.y : l2.x)));
-                    if (masked && !(key < nk && query < nq && mods.visible(query, key))) p = 0.f;
+                    if constexpr (Mods::ALIBI) {
+                        const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
+                        u = mods.bias(u, mc + j * 8 + 2 * (lane & 3) + (e & 1), key);
+                    }
+                    float p = exp2_approx(fmaf(u, scale_log2, -((e & 1) ? l2.y : l2.x)));
+                    if (masked) {
+                        const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
+                        const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
+                        bool keep = key < nk && query < nq;
+                        if constexpr (Mods::RIGHT_BOUND || Mods::WINDOW) keep = keep && mods.visible(query, key);
+                        if (!keep) p = 0.f;
+                    }
                     acc_s[j][e] = p;
                 }
             }

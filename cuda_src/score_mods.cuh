@@ -137,7 +137,7 @@ struct ScoreMods {
         int begin = 0, end = m_blocks;
         if constexpr (RIGHT_BOUND) {  // rows i >= n0 - diag - right see key n0
             const int first_row = n0 - diag - right;
-            begin = first_row <= 0 ? 0 : min(m_blocks, first_row / BM);
+            begin = first_row <= 0 ? 0 : first_row / BM;  // past m_blocks: an empty range below
         }
         if constexpr (WINDOW) {  // rows i <= n0 + cols - 1 - diag + left see the last key
             const int last_row = n0 + cols - 1 - diag + left;
@@ -168,9 +168,15 @@ struct QueryBlockSteps {
 
     template <class Mods>
     __device__ __forceinline__ QueryBlockSteps(const Mods& mods, int n_block, int n0, int bn, int group) {
-        const int2 range = mods.template query_blocks<BM>(n0, bn);
-        m_begin = range.x;
-        per_head = range.y - range.x;
+        if constexpr (Mods::WINDOW) {
+            const int2 range = mods.template query_blocks<BM>(n0, bn);
+            m_begin = range.x;
+            per_head = range.y - range.x;
+        } else {  // the plain and causal kernels' arithmetic as it was: with the window's, they spilled
+            const int m_blocks = (mods.nq + BM - 1) / BM, diag = mods.nk - mods.nq;
+            m_begin = Mods::RIGHT_BOUND ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BM) : 0;
+            per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
+        }
         count = group * per_head;
         rotation = per_head > 0 ? n_block % per_head : 0;
     }
