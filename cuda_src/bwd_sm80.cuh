@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                     if constexpr (Mods::SOFTCAP) score_grad[j][e] = mods.score_grad(u);
                     if constexpr (Mods::ALIBI) {
                         const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
-                        u = mods.bias(u, mc + j * 8 + 2 * (lane & 3) + (e & 1), key);
+                        u = mods.bias(u, mods.distance(mc + j * 8 + 2 * (lane & 3) + (e & 1), key));
                     }
                     float p = exp2_approx(fmaf(u, scale_log2, -((e & 1) ? l2.y : l2.x)));
                     if (masked) {
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 const int key = kn0 + j * 8 + 2 * (lane & 3) + (e & 1);
                 const float u = mods.transform(acc_s[j][e]);
                 if constexpr (Mods::SOFTCAP) score_grad[j][e] = mods.score_grad(u);
-                float p = exp2_approx(fmaf(mods.bias(u, row, key), scale_log2, -lse2_r[e >> 1]));
+                float p = exp2_approx(fmaf(mods.bias(u, mods.distance(row, key)), scale_log2, -lse2_r[e >> 1]));
                 if (masked && !(key < nk && row < nq && mods.visible(row, key))) p = 0.f;
                 acc_s[j][e] = p;
             }

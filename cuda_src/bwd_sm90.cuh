@@ -259,8 +259,10 @@ __global__ void __launch_bounds__(384, 1)
             for (int e = 0; e < 4; ++e) {
                 const int key = key_lane0 + 8 * (e >> 1);
                 const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                const float dist =
+                    mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
                 const float u = mods.transform(acc_s[j * 4 + e]);
-                float p = exp2_approx(fmaf(mods.bias(u, query, key), scale_log2, -((e & 1) ? l2.y : l2.x)));
+                float p = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -((e & 1) ? l2.y : l2.x)));
                 if (masked && !mods.visible(query, key)) p = 0.f;
                 acc_s[j * 4 + e] = p;
             }
@@ -275,10 +277,9 @@ __global__ void __launch_bounds__(384, 1)
                 acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
                 if constexpr (Mods::SOFTCAP) {
                     const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
-                    const int key = key_lane0 + 8 * (e >> 1);
-                    const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                    acc_dp[j * 4 + e] *=
-                        mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, query, key);
+                    const float dist =
+                        mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
+                    acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, dist);
                 }
             }
         }
@@ -507,8 +508,10 @@ __global__ void __launch_bounds__(384, 1)
                 for (int e = 0; e < 4; ++e) {
                     const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
                     const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                    const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
+                                       (float)(8 * (e >> 1) - 8 * j - (e & 1));
                     const float u = mods.transform(acc_s[j * 4 + e]);
-                    float p = exp2_approx(fmaf(mods.bias(u, row, key), scale_log2, -lse2_r[e >> 1]));
+                    float p = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
                     if (masked && !mods.visible(row, key)) p = 0.f;
                     acc_s[j * 4 + e] = p;
                 }
@@ -520,9 +523,9 @@ __global__ void __launch_bounds__(384, 1)
                 for (int e = 0; e < 4; ++e) {
                     acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - delta_r[e >> 1]);
                     if constexpr (Mods::SOFTCAP) {
-                        const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                        const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                        acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], row, key);
+                        const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
+                                           (float)(8 * (e >> 1) - 8 * j - (e & 1));
+                        acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], dist);
                     }
                 }
             AFragments<DTYPE, BN> ds_frag;

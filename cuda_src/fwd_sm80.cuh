@@ -180,9 +180,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 for (int j = 0; j < T::NTILES_S; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + 8 * (e >> 1);
-                        const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                        acc_s[mt][j][e] = mods.template score<MASK>(acc_s[mt][j][e], row, col);
+                        const int row_lane = m0 + warp_row0 + (lane >> 2), col_lane = n0 + 2 * (lane & 3);
+                        const int dr = mt * 16 + 8 * (e >> 1), dc = j * 8 + (e & 1);
+                        const float dist = mods.distance(row_lane, col_lane) + (float)(dr - dc);
+                        acc_s[mt][j][e] =
+                            mods.template score<MASK>(acc_s[mt][j][e], row_lane + dr, col_lane + dc, dist);
                     }
         }
 

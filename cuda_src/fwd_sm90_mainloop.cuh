@@ -32,13 +32,15 @@ template <bool MASK, int NT_S, class Mods>
 __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const Mods& mods, int row0, int n0,
                                                  int lane) {
     if constexpr (MASK || Mods::ANY) {
+        const int row_lane = row0 + (lane >> 2), col_lane = n0 + 2 * (lane & 3);
+        const float dist_lane = mods.distance(row_lane, col_lane);
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int row = row0 + (lane >> 2) + 8 * (e >> 1);
-                const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                acc_s[j * 4 + e] = mods.template score<MASK>(acc_s[j * 4 + e], row, col);
+                const int dr = 8 * (e >> 1), dc = j * 8 + (e & 1);
+                acc_s[j * 4 + e] = mods.template score<MASK>(acc_s[j * 4 + e], row_lane + dr, col_lane + dc,
+                                                             dist_lane + (float)(dr - dc));
             }
     }
 }
