@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(384, 1)
         // Steps [0, n_masked) and (window) [n_whole_end, n_blocks) take masked blocks.
         const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.full_end)) : blocks.end - blocks.full_end;
         const int n_whole_end = hi - blocks.full_begin;
-        if (n_blocks == 0) {  // no row of this tile sees a key
+        if (hi == (TAIL_SPLIT ? 0 : lo)) {  // no row of this tile sees a key (a split segment has keys)
             warp_arrive(sm.empty_q(), lane);
             write_empty_rows<64, D, 128>(out.o_tile(tile) + c * 64 * o_sn, o_sn, out.lse_rows(tile) + c * 64,
                                          nq - tile.m0 - c * 64, d, tid - 128 * wg);

@@ -129,9 +129,11 @@ struct ScoreMods {
             kb.full_begin = whole <= 0 ? 0 : (whole + BC - 1) / BC;
         }
         if constexpr (!EVEN_N) kb.full_end = min(kb.full_end, nk / BC);
-        kb.full_begin = max(kb.full_begin, kb.begin);
-        kb.full_end = max(min(kb.full_end, kb.end), kb.full_begin);
-        if (kb.full_begin >= kb.full_end) kb.full_begin = kb.full_end = kb.begin;  // every block masked
+        if constexpr (WINDOW) {  // the two bounds' ranges may miss each other: then every block is masked
+            kb.full_begin = max(kb.full_begin, kb.begin);
+            kb.full_end = max(min(kb.full_end, kb.end), kb.full_begin);
+            if (kb.full_begin >= kb.full_end) kb.full_begin = kb.full_end = kb.begin;
+        }
         return kb;
     }
 
