@@ -5,7 +5,8 @@
 Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
 fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
 (atomic and deterministic dQ), plan (a repeated forward, then a backward:
-the launch-plan path). Each call runs twice, the second time on its launch
+the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
+and Hopper kernels, forward and backward, and fp8 with a window and softcap). Each call runs twice, the second time on its launch
 plan. Without arguments, all of them.
 """
 
@@ -26,12 +27,12 @@ def qkv(batch, nq, nk, nheads, nheads_kv, headdim, dtype="float16", seed=0):
     return [gen.standard_normal(s, dtype=cupy.float32).astype(cupy_dtype(dtype)) for s in shapes]
 
 
-def forward_and_backward(q, k, v, causal, deterministic=False, backward=True):
+def forward_and_backward(q, k, v, causal, deterministic=False, backward=True, **options):
     for _ in range(2):
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **options)
         if backward:
             cuflash.attention_backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal,
-                                       deterministic=deterministic)
+                                       deterministic=deterministic, **options)
 
 
 def fwd_sm80():
@@ -74,7 +75,22 @@ def plan():
     cuflash.attention_backward(cupy.ones_like(q), q, k, v, out, lse)
 
 
-FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan)}
+def score_mods():
+    slopes = cupy.asarray([0.5, 0.25, 0.125, 0.0625], dtype=cupy.float32)
+    options = (dict(window_size=(40, 7)), dict(window_size=(33, -1), causal=True),
+               dict(softcap=5.0, alibi_slopes=slopes), dict(window_size=(64, -1), softcap=3.0, alibi_slopes=slopes))
+    for headdim in (32, 64, 128):  # head dim 32: the sm_80 kernels
+        for deterministic, opts in zip((False, True, False, True), options):
+            opts = {"causal": False, **opts}
+            forward_and_backward(*qkv(2, 97, 130, 4, 2, headdim), deterministic=deterministic, **opts)
+            forward_and_backward(*qkv(1, 257, 17, 4, 4, headdim), deterministic=deterministic, **opts)
+    x = qkv(1, 97, 300, 2, 2, 128, "float16")
+    (q, qs), (k, ks), (v, vs) = (cuflash.fp8.quantize_e4m3(t.astype(cupy.float32)) for t in x)
+    for opts in (dict(window_size=(50, 0)), dict(softcap=4.0, window_size=(20, 20))):
+        cuflash.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs, **opts)
+
+
+FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods)}
 
 
 def main(names) -> None:
