@@ -218,6 +218,14 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, long long
     }
 }
 
+// A row's logsumexp (natural log) from its running max m and sum l, c the exponent factor:
+// (m c + log2 l) ln 2; -inf for a row that saw no key (l = 0), +inf for one whose largest
+// score is +inf, NaN for a row with a NaN score (l is NaN), as the float64 reference gives.
+__device__ __forceinline__ float row_lse_of(float m, float l, float c) {
+    if (l == 0.f) return neg_inf();
+    return m == pos_inf() ? pos_inf() : (m * c + log2_approx(l)) * LN2;
+}
+
 // Output of query rows that see no key: O = 0, lse = -inf.
 template <int BR, int D, int THREADS>
 __device__ __forceinline__ void write_empty_rows(u16* o_tile, long long o_sn, float* lse_rows, int rows_valid,

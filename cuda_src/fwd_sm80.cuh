@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int row = warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
             if ((lane & 3) == 0 && row < rows_valid)
-                lse_rows[row] = l > 0.f ? (row_max[mt][r] * scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+                lse_rows[row] = row_lse_of(row_max[mt][r], l, scale_log2);
 #pragma unroll
             for (int j = 0; j < T::NTILES_O; ++j) {
                 const int col = j * 8 + 2 * (lane & 3);

@@ -89,7 +89,7 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
         // division is accurate to 2 ulp; the IEEE one calls a slow-path
         // routine whose registers the epilogue at head dim 256 cannot spare.
         inv[r] = l > 0.f ? __fdividef(o_scale, l) : 0.f;
-        row_lse[r] = l > 0.f ? (acc.row_max[r] * qk_scale_log2 + log2_approx(l)) * LN2 : neg_inf();
+        row_lse[r] = row_lse_of(acc.row_max[r], l, qk_scale_log2);
     }
     if constexpr (TAIL_SPLIT) {
         const int out_slot = words.slot();

@@ -60,45 +60,52 @@ class StreamState:
     Buffers only grow, and a replaced one stays allocated: prepared launches
     and captured graphs keep its address, and launches on one stream run in
     order, so sharing is safe. Growth doubles, so what is kept is at most
-    twice the largest buffer.
+    twice the largest buffer. A stream's state lives as long as the process
+    (a program that makes many short-lived streams keeps each one's buffers).
     """
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self.counters = None
-        self.partials = None  # float32: partial outputs, then their logsumexps
-        self.discarded_lse = None  # float32: the lse of forward calls that do not return it
+        self.buffers: dict = {}  # name -> array: "counters", "partials", "discarded_lse"
         self.replaced: list = []
+        # Threads that share a stream (the null stream, say) grow its buffers one at a time:
+        # two growing at once would each allocate, and one's buffer would be freed while a
+        # prepared launch still points at it.
+        self._lock = threading.Lock()
 
-    def _grown(self, old, size: int, dtype, zeroed: bool, what: str):
+    def _grown(self, name: str, size: int, dtype, zeroed: bool, what: str):
+        old = self.buffers.get(name)
         if old is not None and old.size >= size:
             return old
-        require_not_capturing(what)
-        size = max(size, 2 * old.size) if old is not None else size
-        with cupy().cuda.Device(self.device_id):
-            new = cupy().zeros(size, dtype) if zeroed else cupy().empty(size, dtype)
-        if old is not None:
-            self.replaced.append(old)
-        return new
+        with self._lock:
+            old = self.buffers.get(name)
+            if old is not None and old.size >= size:
+                return old
+            require_not_capturing(what)
+            size = max(size, 2 * old.size) if old is not None else size
+            with cupy().cuda.Device(self.device_id):
+                new = cupy().zeros(size, dtype) if zeroed else cupy().empty(size, dtype)
+            if old is not None:
+                self.replaced.append(old)
+            self.buffers[name] = new
+            return new
 
     def counters_for(self, split_tiles: int) -> tuple[int, int]:
         """(ticket address, tail address) with room for `split_tiles` split tiles."""
         needed = 1 + 2 * max(split_tiles, sm_count(self.device_id))
-        self.counters = self._grown(self.counters, needed, numpy.int32, True, "the first Hopper forward on this stream")
-        ptr = self.counters.data.ptr
+        ptr = self._grown("counters", needed, numpy.int32, True, "the first Hopper forward on this stream").data.ptr
         return ptr, ptr + 4
 
     def discarded_lse_for(self, floats: int):
         """A float32 array of at least `floats` values the forward may write an unwanted lse into."""
-        self.discarded_lse = self._grown(self.discarded_lse, floats, numpy.float32, False,
-                                         "a forward that returns no lse, larger than this stream has run")
-        return self.discarded_lse
+        return self._grown("discarded_lse", floats, numpy.float32, False,
+                           "a forward that returns no lse, larger than this stream has run")
 
     def partials_for(self, floats: int) -> int:
-        """Address of at least `floats` float32 values for partial outputs."""
-        self.partials = self._grown(self.partials, floats, numpy.float32, False,
-                                    "a larger last-wave split than this stream has run")
-        return self.partials.data.ptr
+        """Address of at least `floats` float32 values for partial outputs (partial outputs, then
+        their logsumexps)."""
+        return self._grown("partials", floats, numpy.float32, False,
+                           "a larger last-wave split than this stream has run").data.ptr
 
 
 _stream_states: dict = {}
