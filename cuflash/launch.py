@@ -37,6 +37,13 @@ def _strides(*arrays) -> list:
     return [numpy.int64(s) for x in arrays for s in elem_strides(x)[:3]]
 
 
+def _contiguous_strides(shape) -> list:
+    """_strides of a C-contiguous array of this shape (an aligned copy's)."""
+    batch, seqlen, nheads, headdim = shape
+    return [numpy.int64(0 if n == 1 else s) for n, s in
+            zip(shape[:3], (seqlen * nheads * headdim, nheads * headdim, headdim))]
+
+
 def require_not_capturing(what: str) -> None:
     if stream_is_capturing():
         raise RuntimeError(f"cuflash: {what} would allocate device memory while the current stream captures a "
@@ -306,8 +313,10 @@ class BwdLaunch:
         # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
         self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name), 0, device_id)
         self.pre_grid = (-(-nq_pad // ROWS_PER_CTA), nheads, batch)
+        # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
+        dout_strides = _contiguous_strides(dout.shape) if self.copies[3] else _strides(dout)
         self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, numpy.int32(seqlen_q), numpy.int32(nq_pad),
-                                    numpy.int32(headdim), *_strides(out, dout)])
+                                    numpy.int32(headdim), *_strides(out), *dout_strides])
 
         even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
         self.dkdv = kernel(cfg.kernel_family,

@@ -190,6 +190,21 @@ def test_strided_inputs(rng, dtype, layout, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["reversed_heads", "broadcast_heads"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dout_the_tensor_maps_cannot_take(rng, layout, deterministic):
+    """A dout the Hopper kernels copy (negative or zero head stride): the preprocess must read the
+    same copy with the copy's strides."""
+    host, dev = make_inputs(rng, np.float16, 2, 193, 130, 4, 2, 64)
+    if layout == "reversed_heads":
+        dout_host, dout_dev = host[0][:, :, ::-1], dev[0][:, :, ::-1]
+    else:
+        dout_host = np.broadcast_to(host[0][:, :, :1], host[0].shape)
+        dout_dev = cupy.broadcast_to(dev[0][:, :, :1], dev[0].shape)
+    check_grads(backward((dout_dev, *dev[1:]), deterministic=deterministic), (dout_host, *host[1:]))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_layout", ["contiguous", "every_other_head"])
 @pytest.mark.parametrize("deterministic", [False, True])
