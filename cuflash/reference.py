@@ -27,6 +27,22 @@ Rows that see no key contribute nothing to them (their dq is 0).
 
 alibi_slopes: float32 values of shape (nheads,) or (batch, nheads), as a
 NumPy array, anything np.asarray takes, or a CuPy array.
+
+Dropout (flash-attn's semantics) is given as a keep mask: dropout_mask,
+boolean (batch, nheads, seqlen_q, seqlen_k), True where P[i, j] is kept, and
+dropout_p, the probability it was drawn with.  Then
+
+    out = ((P * mask) / (1 - dropout_p)) @ v
+
+while lse stays that of the softmax before dropout.  dropout_p > 0 without a
+mask is an error (the reference draws no random numbers).
+
+Variable-length batches (`attention_varlen`): q is (total_q, nheads,
+headdim) and k, v (total_k, nheads_kv, headdim), the sequences packed one
+after another; cu_seqlens_q and cu_seqlens_k (batch + 1,) hold their
+offsets.  Sequence b is attention of q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
+on its own keys, with every option applied per sequence (the causal and
+window diagonals bottom-right aligned in each).
 """
 
 import math
@@ -116,6 +132,28 @@ def _heads(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, al
     return mods, heads
 
 
+def _dropout_keep(dropout_mask, dropout_p, batch, nheads, seqlen_q, seqlen_k):
+    """(mask, 1 / (1 - dropout_p)) of a call, mask a (batch, nheads, seqlen_q, seqlen_k) bool
+    NumPy array; (None, 1.0) without dropout."""
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_mask is None:
+        if p > 0:
+            raise ValueError("dropout_p > 0 needs a dropout_mask (the reference draws no random numbers)")
+        return None, 1.0
+    if hasattr(dropout_mask, "get"):
+        dropout_mask = dropout_mask.get()
+    mask = np.asarray(dropout_mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"dropout_mask must be boolean (True: kept), got {mask.dtype}")
+    shape = (batch, nheads, seqlen_q, seqlen_k)
+    if mask.shape != shape:
+        raise ValueError(f"dropout_mask must have shape (batch, nheads, seqlen_q, seqlen_k) = {shape}, "
+                         f"got {mask.shape}")
+    return mask, 1.0 / (1.0 - p)
+
+
 def _softmax_rows(s):
     """Row softmax and log-sum-exp of s, which may hold -inf.
 
@@ -133,19 +171,22 @@ def _softmax_rows(s):
 
 
 def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              softmax_scale=None, return_lse=False):
+              softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
     """Exact attention in float64, with the options of the module docstring.
 
     Returns out (float64, shaped like q) and, with return_lse=True, also
-    lse (float64, (batch, nheads, seqlen_q)).
+    lse (float64, (batch, nheads, seqlen_q)), that of the undropped softmax.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf)
     mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, _ = mods.modify(mods.scale * (qh @ kh.T), b, h)
         p, lse[b, h] = _softmax_rows(s)
+        if keep is not None:
+            p = np.where(keep[b, h], p * rescale, 0.0)
         out[b, :, h] = p @ vh
     return (out, lse) if return_lse else out
 
@@ -157,7 +198,7 @@ def _rounder(dtype):
 
 
 def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                         softmax_scale=None, dtype):
+                         softmax_scale=None, dtype, dropout_mask=None, dropout_p=0.0):
     """Attention computed the naive way in a low-precision dtype.
 
     Mimics what a GPU framework does with a kernel per step in
@@ -166,7 +207,9 @@ def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap
     S and rounded, the ALiBi bias added in float32 and rounded, softmax in
     float32 rounded to dtype, P @ V with float32 accumulation rounded to
     dtype.  Its error against `attention` is the yardstick for the "at most
-    twice the naive error" accuracy rule.
+    twice the naive error" accuracy rule.  With a dropout_mask the rounded P
+    is multiplied by mask / (1 - dropout_p) in float32 and rounded again
+    before P @ V.
 
     Returns a float32 array (whose values are all representable in dtype).
     """
@@ -174,10 +217,14 @@ def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap
     q, k, v = rnd(q), rnd(k), rnd(v)
     out = np.zeros(q.shape, dtype=np.float32)
     mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, _ = mods.modify(rnd(rnd(qh * np.float32(mods.scale)) @ kh.T), b, h, rnd)
         p, _ = _softmax_rows(s)
-        out[b, :, h] = rnd(rnd(p) @ vh)
+        p = rnd(p)
+        if keep is not None:
+            p = rnd(np.where(keep[b, h], p * np.float32(rescale), np.float32(0)))
+        out[b, :, h] = rnd(p @ vh)
     return out
 
 
@@ -224,7 +271,7 @@ def attention_naive_fp8(q, k, v, *, causal=False, window_size=(-1, -1), softcap=
 
 
 def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       softmax_scale=None):
+                       softmax_scale=None, dropout_mask=None, dropout_p=0.0):
     """Gradients of attention in float64, from the closed form.
 
     For a loss L with dL/dout = dout, per batch and query head, with S the
@@ -238,6 +285,13 @@ def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), sof
         dQ = softmax_scale * dS K
         dK = softmax_scale * dS^T Q
 
+    With dropout (keep mask M, Z = M / (1 - dropout_p)) the function is
+    out = (P * Z) V, and
+
+        dV = (P * Z)^T dO
+        dP = (dO V^T) * Z
+        dS = P * (dP - rowsum(dO * out))   (rowsum(dO * out) = rowsum(dP * P))
+
     With grouped-query attention dK and dV of a kv head are summed over the
     query heads that read it.  Returns (dq, dk, dv), float64, shaped like
     (q, k, v).
@@ -250,22 +304,28 @@ def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), sof
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
     mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, tanh = mods.modify(mods.scale * (qh @ kh.T), b, h)
         p, _ = _softmax_rows(s)
         doh = dout[b, :, h]
         dp = doh @ vh.T
+        p_used = p
+        if keep is not None:
+            p_used = np.where(keep[b, h], p * rescale, 0.0)
+            dp = np.where(keep[b, h], dp * rescale, 0.0)
         ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)
         dq[b, :, h] = mods.scale * (ds @ kh)
         dk[b, :, h // group] += mods.scale * (ds.T @ qh)
-        dv[b, :, h // group] += p.T @ doh
+        dv[b, :, h // group] += p_used.T @ doh
     return dq, dk, dv
 
 
 def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                                  alibi_slopes=None, softmax_scale=None, dtype):
+                                  alibi_slopes=None, softmax_scale=None, dtype, dropout_mask=None,
+                                  dropout_p=0.0):
     """Gradients of attention computed the naive way in a low-precision dtype.
 
     What reverse-mode autodiff through `attention_naive_lowp` does in
@@ -275,9 +335,11 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
     (1 - tanh^2) in float32 and rounds, and the scaling of q is
     differentiated as its own step (dq = round(round(dS K) * scale),
     dk = round(dS^T round(q * scale))).  The kv gradients of a grouped-query
-    head group are summed in float32 and rounded once.  Its error against
-    `attention_backward` is the yardstick for the "at most twice the naive
-    error" accuracy rule.
+    head group are summed in float32 and rounded once.  With a dropout_mask
+    the dropped P (as in the forward) gives dV, and the rounded dO V^T is
+    multiplied by mask / (1 - dropout_p) in float32 and rounded before the
+    softmax backward.  Its error against `attention_backward` is the
+    yardstick for the "at most twice the naive error" accuracy rule.
 
     Returns (dq, dk, dv), float32 arrays whose values are all representable
     in dtype.
@@ -292,6 +354,7 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
     dv = np.zeros(v.shape, dtype=np.float32)
     mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     scale = np.float32(mods.scale)
+    keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         qs = rnd(qh * scale)
         s, tanh = mods.modify(rnd(qs @ kh.T), b, h, rnd)
@@ -299,10 +362,138 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
         p = rnd(p)
         doh = dout[b, :, h]
         dp = rnd(doh @ vh.T)
+        p_used = p
+        if keep is not None:
+            p_used = rnd(np.where(keep[b, h], p * np.float32(rescale), np.float32(0)))
+            dp = rnd(np.where(keep[b, h], dp * np.float32(rescale), np.float32(0)))
         ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
         if tanh is not None:
             ds = rnd(ds * (1 - tanh * tanh))
         dq[b, :, h] = rnd(rnd(ds @ kh) * scale)
         dk[b, :, h // group] += rnd(ds.T @ qs)
-        dv[b, :, h // group] += rnd(p.T @ doh)
+        dv[b, :, h // group] += rnd(p_used.T @ doh)
     return dq, rnd(dk), rnd(dv)
+
+
+# --- Variable-length batches -----------------------------------------------
+
+
+def _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_mask):
+    """Per sequence b: (rows of q, rows of k, per-sequence options) of a varlen call.
+
+    The options are alibi_slopes (nheads,) of sequence b, or None, and
+    dropout_mask (nheads, seqlen_q_b, seqlen_k_b) of sequence b wrapped to
+    batch 1, or None: a varlen dropout_mask is padded, (batch, nheads,
+    max_seqlen_q, max_seqlen_k) with any max_seqlen at least the longest
+    sequence, and sequence b reads its top-left corner.
+    """
+    cu_q, cu_k = (np.asarray(c.get() if hasattr(c, "get") else c) for c in (cu_seqlens_q, cu_seqlens_k))
+    for name, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
+        if cu.ndim != 1 or cu.shape[0] < 2 or not np.issubdtype(cu.dtype, np.integer):
+            raise ValueError(f"{name} must be an integer array of shape (batch + 1,), got {cu.dtype} {cu.shape}")
+        if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != x.shape[0]:
+            raise ValueError(f"{name} must start at 0, not decrease and end at {x.shape[0]}, got {cu.tolist()}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same shape, got {cu_q.shape} and {cu_k.shape}")
+    batch, nheads = cu_q.shape[0] - 1, q.shape[1]
+    slopes = _host_slopes(alibi_slopes, batch, nheads)
+    mask = None
+    if dropout_mask is not None:
+        mask = np.asarray(dropout_mask.get() if hasattr(dropout_mask, "get") else dropout_mask)
+        longest = (int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        if mask.ndim != 4 or mask.shape[:2] != (batch, nheads) or mask.shape[2] < longest[0] \
+                or mask.shape[3] < longest[1]:
+            raise ValueError(f"dropout_mask must have shape (batch, nheads, >= max seqlen_q, >= max seqlen_k) = "
+                             f"({batch}, {nheads}, >= {longest[0]}, >= {longest[1]}), got {mask.shape}")
+    for b in range(batch):
+        rows_q, rows_k = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        seq_mask = None
+        if mask is not None:
+            seq_mask = mask[b : b + 1, :, : rows_q.stop - rows_q.start, : rows_k.stop - rows_k.start]
+        yield rows_q, rows_k, dict(alibi_slopes=None if slopes is None else slopes[b], dropout_mask=seq_mask)
+
+
+def _check_varlen(q, k, v, dout=None):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dims (total, nheads, headdim), got shape {x.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+    if dout is not None and dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
+    """Exact attention of a variable-length batch in float64 (`attention` per sequence).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim);
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) offsets of the sequences, which
+    may be empty.  alibi_slopes: (nheads,) or (batch, nheads), row b for
+    sequence b.  dropout_mask: (batch, nheads, max_seqlen_q, max_seqlen_k),
+    sequence b using mask[b, :, :seqlen_q_b, :seqlen_k_b].
+
+    Returns out (float64, (total_q, nheads, headdim)) and, with
+    return_lse=True, also lse (float64, (nheads, total_q)), flash-attn's
+    varlen layout.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    _check_varlen(q, k, v)
+    out = np.zeros(q.shape, dtype=np.float64)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                     dropout_mask):
+        o, l = attention(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal, window_size=window_size,
+                         softcap=softcap, softmax_scale=softmax_scale, return_lse=True, dropout_p=dropout_p,
+                         **per_seq)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+    """Gradients (dq, dk, dv) of `attention_varlen` in float64 (`attention_backward` per sequence)."""
+    dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
+    _check_varlen(q, k, v, dout)
+    dq, dk, dv = (np.zeros(x.shape, dtype=np.float64) for x in (q, k, v))
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                     dropout_mask):
+        grads = attention_backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                   causal=causal, window_size=window_size, softcap=softcap,
+                                   softmax_scale=softmax_scale, dropout_p=dropout_p, **per_seq)
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
+def attention_varlen_naive_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1),
+                                softcap=0.0, alibi_slopes=None, softmax_scale=None, dtype, dropout_mask=None,
+                                dropout_p=0.0):
+    """`attention_naive_lowp` per sequence of a variable-length batch; float32 (total_q, nheads, headdim)."""
+    rnd = _rounder(dtype)
+    q, k, v = rnd(q), rnd(k), rnd(v)
+    _check_varlen(q, k, v)
+    out = np.zeros(q.shape, dtype=np.float32)
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                     dropout_mask):
+        out[rows_q] = attention_naive_lowp(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal,
+                                           window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
+                                           dtype=dtype, dropout_p=dropout_p, **per_seq)[0]
+    return out
+
+
+def attention_varlen_backward_naive_lowp(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
+                                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
+                                         dtype, dropout_mask=None, dropout_p=0.0):
+    """`attention_backward_naive_lowp` per sequence of a variable-length batch; float32 (dq, dk, dv)."""
+    rnd = _rounder(dtype)
+    dout, q, k, v = rnd(dout), rnd(q), rnd(k), rnd(v)
+    _check_varlen(q, k, v, dout)
+    dq, dk, dv = (np.zeros(x.shape, dtype=np.float32) for x in (q, k, v))
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                     dropout_mask):
+        grads = attention_backward_naive_lowp(dout[None, rows_q], q[None, rows_q], k[None, rows_k],
+                                              v[None, rows_k], causal=causal, window_size=window_size,
+                                              softcap=softcap, softmax_scale=softmax_scale, dtype=dtype,
+                                              dropout_p=dropout_p, **per_seq)
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
+    return dq, dk, dv

@@ -177,3 +177,76 @@ def cuda_device(q, *, fp8: bool = False) -> int:
         raise RuntimeError(f"cuflash: fp8 attention needs a Hopper GPU (compute capability 9.0); device "
                            f"{device_id} has {cc // 10}.{cc % 10}")
     return device_id
+
+
+def _is_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, numpy.integer))
+
+
+def cu_seqlens(name: str, x, total: int, batch: int | None = None) -> int:
+    """The batch size B of valid cumulative sequence lengths x (B + 1 offsets into a packed dim of `total` rows).
+
+    x: an int32 array of shape (B + 1,), B >= 1 (and B == batch when batch is
+    given), as a NumPy array or a CuPy array (contiguous, as kernels read
+    it).  On the host its values are checked too: x[0] == 0, non-decreasing,
+    x[-1] == total.  A CuPy array's values are not read here (that would
+    synchronise with the device): they are the caller's contract, or get
+    checked on the host where the caller has them there.
+    """
+    on_host = isinstance(x, numpy.ndarray)
+    if not on_host:
+        if not isinstance(x, device.cupy().ndarray):
+            raise TypeError(f"{name} must be an int32 numpy.ndarray or cupy.ndarray of shape (batch + 1,), "
+                            f"got {type(x).__module__}.{type(x).__name__}")
+    if x.dtype != numpy.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.ndim != 1 or x.shape[0] < 2:
+        raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {x.shape}")
+    count = x.shape[0] - 1
+    if batch is not None and count != batch:
+        raise ValueError(f"{name} must have shape (batch + 1,) = ({batch + 1},), got {x.shape}")
+    if not on_host:
+        if x.strides[0] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
+        return count
+    if x[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {int(x[0])}")
+    steps = numpy.diff(x.astype(numpy.int64))
+    if numpy.any(steps < 0):
+        at = int(numpy.argmax(steps < 0))
+        raise ValueError(f"{name} must be non-decreasing, got {int(x[at])} then {int(x[at + 1])} at index {at}")
+    if int(x[-1]) != total:
+        raise ValueError(f"{name} must end at the total length {total}, got {int(x[-1])}")
+    return count
+
+
+def max_seqlen(name: str, value, cu_host=None) -> int:
+    """A valid max_seqlen: a positive int, at least the longest sequence of host cu_seqlens cu_host if given."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    length = int(value)
+    if length <= 0:
+        raise ValueError(f"{name} must be a positive int, got {length}")
+    if cu_host is not None:
+        lengths = numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
+        longest = int(lengths.max()) if lengths.size else 0
+        if length < longest:
+            raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {length}")
+    return length
+
+
+def dropout(p, seed, offset) -> tuple[float, int, int]:
+    """(dropout_p, seed, offset) of a call: p a real in [0, 1), seed and offset ints in [0, 2**64)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float, numpy.floating, numpy.integer)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+    prob = float(p)
+    if not 0.0 <= prob < 1.0:  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1), got {p!r}")
+    values = []
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {int(value)}")
+        values.append(int(value))
+    return prob, values[0], values[1]
