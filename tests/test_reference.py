@@ -14,6 +14,10 @@ from cuflash.reference import (
     attention_backward_naive_lowp,
     attention_naive_fp8,
     attention_naive_lowp,
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_backward_naive_lowp,
+    attention_varlen_naive_lowp,
     causal_mask,
     visible_mask,
 )
@@ -476,3 +480,338 @@ def test_naive_fp8_options_close_to_float64(options):
     ref = attention(q, k, v, **options)
     naive = attention_naive_fp8(q, k, v, **options)
     assert 0 < np.abs(naive - ref).max() / np.abs(ref).max() < 5e-2
+
+
+# --- Dropout from a keep mask -------------------------------------------------
+
+
+def brute_force_dropout(q, k, v, causal, scale, mask, dropout_p, window_size=(-1, -1), softcap=0.0, slopes=None):
+    """out = sum over kept visible keys of P[i, j] / (1 - p) * v[j], one row at a time; lse undropped."""
+    batch, nq, nheads, _ = q.shape
+    nk, nheads_kv = k.shape[1], k.shape[2]
+    _, lse = brute_force(q, k, v, causal, scale, window_size, softcap, slopes)
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        for h in range(nheads):
+            hk = h // (nheads // nheads_kv)
+            for row in range(nq):
+                for col in range(nk):
+                    if not sees(row, col, nq, nk, causal, window_size) or not mask[b, h, row, col]:
+                        continue
+                    s = scale * np.dot(q[b, row, h], k[b, col, hk])
+                    if softcap > 0:
+                        s = softcap * math.tanh(s / softcap)
+                    if slopes is not None:
+                        s -= float(slopes[b][h]) * abs(row + nk - nq - col)
+                    out[b, row, h] += math.exp(s - lse[b, h, row]) / (1 - dropout_p) * v[b, col, hk]
+    return out, lse
+
+
+def random_mask(shape, keep=0.7, seed=0):
+    return np.random.default_rng(seed).random(shape) < keep
+
+
+def test_dropout_hand_computed():
+    # One query, two keys with equal scores: P = (1/2, 1/2); keep only key 1, p = 0.5.
+    q = np.zeros((1, 1, 1, 2))
+    k = np.zeros((1, 2, 1, 2))
+    v = np.array([3.0, 5.0]).reshape(1, 2, 1, 1) * np.ones((1, 2, 1, 2))
+    mask = np.array([False, True]).reshape(1, 1, 1, 2)
+    out, lse = attention(q, k, v, return_lse=True, dropout_mask=mask, dropout_p=0.5)
+    np.testing.assert_allclose(out[0, 0, 0], [5.0, 5.0])  # (1/2) / (1 - 1/2) * 5
+    np.testing.assert_allclose(lse[0, 0, 0], math.log(2))  # undropped
+    out = attention(q, k, v, dropout_mask=~mask, dropout_p=0.75)
+    np.testing.assert_allclose(out[0, 0, 0], [6.0, 6.0])  # (1/2) / (1/4) * 3
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("nq,nk", [(5, 7), (7, 3)])
+def test_dropout_matches_brute_force(options, nq, nk):
+    q, k, v = random_qkv(2, nq, nk, 4, 2, 8, seed=nq * 10 + nk)
+    mask = random_mask((2, 4, nq, nk), seed=nq)
+    scale, p = 0.6, 0.3
+    out, lse = attention(q, k, v, softmax_scale=scale, return_lse=True, dropout_mask=mask, dropout_p=p, **options)
+    want_out, want_lse = brute_force_dropout(
+        q, k, v, options.get("causal", False), scale, mask, p, options.get("window_size", (-1, -1)),
+        options.get("softcap", 0.0), slopes_2d(options, 2, 4))
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_all_kept():
+    q, k, v = random_qkv(2, 5, 6, 2, 1, 8)
+    dout = np.random.default_rng(3).standard_normal(q.shape)
+    ones = np.ones((2, 2, 5, 6), bool)
+    plain, plain_lse = attention(q, k, v, causal=True, return_lse=True)
+    out, lse = attention(q, k, v, causal=True, return_lse=True, dropout_mask=ones, dropout_p=0.0)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(lse, plain_lse)
+    out = attention(q, k, v, causal=True, return_lse=False, dropout_mask=ones, dropout_p=0.5)
+    np.testing.assert_allclose(out, 2 * plain, rtol=1e-14)
+    for a, b in zip(attention_backward(dout, q, k, v, causal=True, dropout_mask=ones),
+                    attention_backward(dout, q, k, v, causal=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+
+
+def test_dropout_nothing_kept():
+    q, k, v = random_qkv(1, 4, 5, 2, 2, 8)
+    none = np.zeros((1, 2, 4, 5), bool)
+    out, lse = attention(q, k, v, return_lse=True, dropout_mask=none, dropout_p=0.2)
+    assert np.all(out == 0)
+    np.testing.assert_allclose(lse, attention(q, k, v, return_lse=True)[1])
+    for g in attention_backward(np.ones(q.shape), q, k, v, dropout_mask=none, dropout_p=0.2):
+        assert np.all(g == 0)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), *OPTIONS[3:]])
+@pytest.mark.parametrize("nq,nk", [(4, 5), (6, 3)])
+def test_dropout_backward_matches_finite_differences(options, nq, nk):
+    # The function of q, k, v with the mask held fixed; GQA, 4 query heads on 2 kv heads.
+    q, k, v = random_qkv(2, nq, nk, 4, 2, 4, seed=nq * 10 + nk)
+    g = np.random.default_rng(1).standard_normal(q.shape)
+    drop = dict(dropout_mask=random_mask((2, 4, nq, nk), keep=0.6, seed=nk), dropout_p=0.4)
+
+    def loss(q, k, v):
+        return float(np.sum(attention(q, k, v, softmax_scale=0.7, **drop, **options) * g))
+
+    want = finite_difference_grads(loss, [q.copy(), k.copy(), v.copy()])
+    got = attention_backward(g, q, k, v, softmax_scale=0.7, **drop, **options)
+    for name, a, b, x in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert a.shape == x.shape and a.dtype == np.float64, name
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+
+def test_dropout_backward_rowsum_identity():
+    # rowsum(dO * out) of the dropped out equals rowsum(dP * P) with the dropped dP.
+    q, k, v = random_qkv(1, 5, 6, 1, 1, 8, seed=5)
+    mask = random_mask((1, 1, 5, 6), seed=5)
+    dout = np.random.default_rng(6).standard_normal(q.shape)
+    out, lse = attention(q, k, v, return_lse=True, dropout_mask=mask, dropout_p=0.25)
+    s = (q[0, :, 0] @ k[0, :, 0].T) / math.sqrt(8)
+    p = np.exp(s - lse[0, 0][:, None])
+    dp = (dout[0, :, 0] @ v[0, :, 0].T) * mask[0, 0] / 0.75
+    np.testing.assert_allclose((dp * p).sum(-1), (dout * out)[0, :, 0].sum(-1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,max_rel_err", [(np.float16, 2e-2), (ml_dtypes.bfloat16, 1e-1)])
+def test_dropout_naive_lowp_close_to_float64(dtype, max_rel_err):
+    q, k, v = (x.astype(dtype) for x in random_qkv(2, 48, 64, 4, 2, 64))
+    dout = np.random.default_rng(6).standard_normal(q.shape).astype(dtype)
+    drop = dict(dropout_mask=random_mask((2, 4, 48, 64), keep=0.8), dropout_p=0.2, causal=True)
+    ref = attention(q, k, v, **drop)
+    naive = attention_naive_lowp(q, k, v, dtype=dtype, **drop)
+    assert naive.dtype == np.float32
+    err = np.abs(naive - ref).max() / np.abs(ref).max()
+    assert 0 < err < max_rel_err
+    assert np.array_equal(naive, naive.astype(dtype).astype(np.float32))
+    for got, want in zip(attention_backward_naive_lowp(dout, q, k, v, dtype=dtype, **drop),
+                         attention_backward(dout, q, k, v, **drop)):
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert 0 < err < max_rel_err
+        assert np.array_equal(got, got.astype(dtype).astype(np.float32))
+
+
+def test_dropout_naive_lowp_without_mask_unchanged():
+    q, k, v = random_qkv(1, 6, 7, 2, 1, 16)
+    ones = np.ones((1, 2, 6, 7), bool)
+    np.testing.assert_array_equal(attention_naive_lowp(q, k, v, dtype=np.float16),
+                                  attention_naive_lowp(q, k, v, dtype=np.float16, dropout_mask=ones))
+    for a, b in zip(attention_backward_naive_lowp(q, q, k, v, dtype=np.float16),
+                    attention_backward_naive_lowp(q, q, k, v, dtype=np.float16, dropout_mask=ones)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fn", [attention, attention_backward, attention_naive_lowp, attention_backward_naive_lowp])
+def test_dropout_bad_arguments(fn):
+    q, k, v = random_qkv(1, 3, 4, 2, 2, 8)
+    extra = dict(dtype=np.float16) if "lowp" in fn.__name__ else {}
+    call = (lambda **kw: fn(q, q, k, v, **extra, **kw)) if "backward" in fn.__name__ else \
+        (lambda **kw: fn(q, k, v, **extra, **kw))
+    with pytest.raises(ValueError, match="dropout_mask"):
+        call(dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_mask"):
+        call(dropout_mask=np.ones((1, 2, 4, 3), bool), dropout_p=0.1)
+    with pytest.raises(TypeError, match="dropout_mask"):
+        call(dropout_mask=np.ones((1, 2, 3, 4)), dropout_p=0.1)
+    for p in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="dropout_p"):
+            call(dropout_mask=np.ones((1, 2, 3, 4), bool), dropout_p=p)
+
+
+# --- Variable-length batches --------------------------------------------------
+
+
+def random_varlen(lens_q, lens_k, nheads, nheads_kv, headdim, seed=0):
+    rng = np.random.default_rng(seed)
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((int(cu_q[-1]), nheads, headdim))
+    k = rng.standard_normal((int(cu_k[-1]), nheads_kv, headdim))
+    v = rng.standard_normal((int(cu_k[-1]), nheads_kv, headdim))
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_LENGTHS = [
+    ([5, 3, 7], [6, 3, 2]),
+    ([4, 0, 2, 1], [3, 5, 0, 4]),  # empty query sequence; empty key sequence (its rows see nothing)
+    ([0, 0], [0, 0]),
+    ([1], [9]),
+]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), *OPTIONS])
+@pytest.mark.parametrize("lens_q,lens_k", VARLEN_LENGTHS)
+def test_varlen_matches_brute_force_per_sequence(options, lens_q, lens_k):
+    q, k, v, cu_q, cu_k = random_varlen(lens_q, lens_k, 4, 2, 8, seed=len(lens_q))
+    batch, scale = len(lens_q), 0.6
+    slopes = options.get("alibi_slopes")
+    if slopes is not None and slopes.ndim == 2:  # one row per sequence
+        options = dict(options, alibi_slopes=np.resize(slopes, (batch, 4)).astype(np.float32))
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, softmax_scale=scale, return_lse=True, **options)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    assert out.dtype == lse.dtype == np.float64
+    slopes = slopes_2d(options, batch, 4)
+    for b in range(batch):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        want_out, want_lse = brute_force(
+            q[None, rq], k[None, rk], v[None, rk], options.get("causal", False), scale,
+            options.get("window_size", (-1, -1)), options.get("softcap", 0.0),
+            None if slopes is None else slopes[b : b + 1])
+        np.testing.assert_allclose(out[rq], want_out[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse[:, rq], want_lse[0], rtol=1e-12, atol=1e-12)
+    assert np.array_equal(attention_varlen(q, k, v, cu_q, cu_k, softmax_scale=scale, **options), out)
+
+
+def test_varlen_equal_lengths_is_batched_attention():
+    q, k, v = random_qkv(3, 5, 7, 4, 2, 16)
+    cu_q = np.arange(0, 16, 5, dtype=np.int32)
+    cu_k = np.arange(0, 22, 7, dtype=np.int32)
+    options = dict(causal=True, alibi_slopes=np.random.default_rng(0).random((3, 4)).astype(np.float32))
+    out, lse = attention(q, k, v, return_lse=True, **options)
+    vout, vlse = attention_varlen(q.reshape(15, 4, 16), k.reshape(21, 2, 16), v.reshape(21, 2, 16), cu_q, cu_k,
+                                  return_lse=True, **options)
+    np.testing.assert_allclose(vout, out.reshape(15, 4, 16), rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(vlse, lse.transpose(1, 0, 2).reshape(4, 15), rtol=1e-14)
+    dout = np.random.default_rng(1).standard_normal(q.shape)
+    grads = attention_backward(dout, q, k, v, **options)
+    vgrads = attention_varlen_backward(dout.reshape(15, 4, 16), q.reshape(15, 4, 16), k.reshape(21, 2, 16),
+                                       v.reshape(21, 2, 16), cu_q, cu_k, **options)
+    for a, b in zip(vgrads, grads):
+        np.testing.assert_allclose(a, b.reshape(a.shape), rtol=1e-13, atol=1e-14)
+
+
+def test_varlen_hand_computed():
+    # Two sequences of one query each: the first sees keys {0, 1}, the second key {2} only.
+    q = np.zeros((2, 1, 1))
+    k = np.zeros((3, 1, 1))
+    v = np.array([1.0, 3.0, 10.0]).reshape(3, 1, 1)
+    cu_q, cu_k = np.array([0, 1, 2], np.int32), np.array([0, 2, 3], np.int32)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    np.testing.assert_allclose(out[:, 0, 0], [2.0, 10.0])
+    np.testing.assert_allclose(lse[0], [math.log(2), 0.0])
+
+
+def test_varlen_empty_key_sequence():
+    q, k, v, cu_q, cu_k = random_varlen([3, 2], [0, 4], 2, 1, 8)
+    dout = np.ones(q.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+        grads = attention_varlen_backward(dout, q, k, v, cu_q, cu_k)
+        naive = attention_varlen_naive_lowp(q, k, v, cu_q, cu_k, dtype=np.float16)
+    assert np.all(out[:3] == 0) and np.all(lse[:, :3] == -np.inf) and np.all(np.isfinite(lse[:, 3:]))
+    assert np.all(naive[:3] == 0) and np.all(grads[0][:3] == 0)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(1, 0), softcap=0.9),
+                                     dict(alibi_slopes=np.array([[0.3, 0.6], [0.1, 1.0], [0.5, 0.0]], np.float32))])
+def test_varlen_backward_matches_finite_differences(options):
+    q, k, v, cu_q, cu_k = random_varlen([3, 0, 4], [4, 2, 2], 2, 1, 4, seed=7)
+    g = np.random.default_rng(8).standard_normal(q.shape)
+
+    def loss(q, k, v):
+        return float(np.sum(attention_varlen(q, k, v, cu_q, cu_k, **options) * g))
+
+    want = finite_difference_grads(loss, [q.copy(), k.copy(), v.copy()])
+    got = attention_varlen_backward(g, q, k, v, cu_q, cu_k, **options)
+    for name, a, b, x in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert a.shape == x.shape and a.dtype == np.float64, name
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+
+def test_varlen_dropout_uses_padded_mask_corners():
+    lens_q, lens_k = [3, 0, 5], [4, 2, 3]
+    q, k, v, cu_q, cu_k = random_varlen(lens_q, lens_k, 2, 2, 8, seed=9)
+    mask = random_mask((3, 2, 6, 5), seed=9)  # padded beyond the longest lengths (5, 4)
+    g = np.random.default_rng(10).standard_normal(q.shape)
+    drop = dict(dropout_mask=mask, dropout_p=0.3, causal=True)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **drop)
+    grads = attention_varlen_backward(g, q, k, v, cu_q, cu_k, **drop)
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq = dict(dropout_mask=mask[b : b + 1, :, :nq, :nk], dropout_p=0.3, causal=True)
+        o, l = attention(q[None, rq], k[None, rk], v[None, rk], return_lse=True, **seq)
+        np.testing.assert_array_equal(out[rq], o[0])
+        np.testing.assert_array_equal(lse[:, rq], l[0])
+        want = attention_backward(g[None, rq], q[None, rq], k[None, rk], v[None, rk], **seq)
+        for got, w, rows in zip(grads, want, (rq, rk, rk)):
+            np.testing.assert_array_equal(got[rows], w[0])
+
+    def loss(q, k, v):
+        return float(np.sum(attention_varlen(q, k, v, cu_q, cu_k, **drop) * g))
+
+    want = finite_difference_grads(loss, [q.copy(), k.copy(), v.copy()])
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype,max_rel_err", [(np.float16, 2e-2), (ml_dtypes.bfloat16, 1e-1)])
+def test_varlen_naive_lowp_per_sequence(dtype, max_rel_err):
+    lens_q, lens_k = [40, 0, 17, 64], [33, 8, 0, 64]
+    q, k, v, cu_q, cu_k = random_varlen(lens_q, lens_k, 4, 2, 64, seed=11)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    dout = np.random.default_rng(12).standard_normal(q.shape).astype(dtype)
+    options = dict(causal=True, softcap=2.0, dropout_mask=random_mask((4, 4, 64, 64), keep=0.9), dropout_p=0.1)
+    naive = attention_varlen_naive_lowp(q, k, v, cu_q, cu_k, dtype=dtype, **options)
+    naive_grads = attention_varlen_backward_naive_lowp(dout, q, k, v, cu_q, cu_k, dtype=dtype, **options)
+    assert naive.dtype == np.float32 and naive.shape == q.shape
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq = dict(options, dropout_mask=options["dropout_mask"][b : b + 1, :, :nq, :nk])
+        want = attention_naive_lowp(q[None, rq], k[None, rk], v[None, rk], dtype=dtype, **seq)
+        np.testing.assert_array_equal(naive[rq], want[0])
+        want = attention_backward_naive_lowp(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype=dtype,
+                                             **seq)
+        for got, w, rows in zip(naive_grads, want, (rq, rk, rk)):
+            np.testing.assert_array_equal(got[rows], w[0])
+    ref = attention_varlen(q, k, v, cu_q, cu_k, **options)
+    assert 0 < np.abs(naive - ref).max() / np.abs(ref).max() < max_rel_err
+    for got, want in zip(naive_grads, attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)):
+        assert 0 < np.abs(got - want).max() / np.abs(want).max() < max_rel_err
+
+
+@pytest.mark.parametrize("cu_q,cu_k,match", [
+    ([1, 3], [0, 4], "cu_seqlens_q"),
+    ([0, 3], [0, 5], "cu_seqlens_k"),
+    ([0, 2, 1, 3], [0, 1, 2, 4], "cu_seqlens_q"),
+    ([0], [0], "cu_seqlens_q"),
+    ([0, 3], [0, 1, 4], "cu_seqlens_q and cu_seqlens_k"),
+])
+def test_varlen_bad_cu_seqlens(cu_q, cu_k, match):
+    q, k, v, _, _ = random_varlen([3], [4], 2, 2, 8)
+    with pytest.raises(ValueError, match=match):
+        attention_varlen(q, k, v, np.array(cu_q, np.int32), np.array(cu_k, np.int32))
+
+
+def test_varlen_bad_shapes():
+    q, k, v, cu_q, cu_k = random_varlen([3, 2], [4, 1], 2, 2, 8)
+    with pytest.raises(ValueError, match=r"\bq\b"):
+        attention_varlen(q[None], k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match=r"\bv\b"):
+        attention_varlen(q, k, v[:, :1], cu_q, cu_k)
+    with pytest.raises(ValueError, match="dout"):
+        attention_varlen_backward(q[:4], q, k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="dropout_mask"):
+        attention_varlen(q, k, v, cu_q, cu_k, dropout_mask=np.ones((2, 2, 2, 4), bool), dropout_p=0.1)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=np.ones((3, 2), np.float32))
