@@ -331,3 +331,109 @@ def test_alibi_slopes_strided_heads():
     slopes = cupy.ones((B, 2 * H), cupy.float32)[:, ::2]
     with pytest.raises(ValueError, match=mentions("alibi_slopes")):
         validate.alibi_slopes(slopes, B, H)
+
+
+# --- cu_seqlens, max_seqlen and dropout arguments --------------------------
+
+
+def test_cu_seqlens_host_valid():
+    assert validate.cu_seqlens("cu_seqlens_q", np.array([0, 3, 3, 7], np.int32), 7) == 3
+    assert validate.cu_seqlens("cu_seqlens_k", np.array([0, 0], np.int32), 0, batch=1) == 1
+    assert validate.cu_seqlens("cu_seqlens_k", np.array([0, 5], np.int32)[::1], 5) == 1
+
+
+@pytest.mark.parametrize("x,total,batch,error,what", [
+    (np.array([0, 3, 7], np.int64), 7, None, TypeError, "int32"),
+    (np.array([0, 3, 7], np.uint32), 7, None, TypeError, "int32"),
+    (np.array([0.0, 3.0, 7.0], np.float32), 7, None, TypeError, "int32"),
+    (np.array([0], np.int32), 0, None, ValueError, "batch >= 1"),
+    (np.zeros((2, 2), np.int32), 0, None, ValueError, "shape"),
+    (np.array(0, np.int32), 0, None, ValueError, "shape"),
+    (np.array([0, 3, 7], np.int32), 7, 3, ValueError, r"\(4,\)"),
+    (np.array([1, 3, 7], np.int32), 7, None, ValueError, "start at 0"),
+    (np.array([0, 3, 2, 7], np.int32), 7, None, ValueError, "non-decreasing"),
+    (np.array([0, 3, 7], np.int32), 8, None, ValueError, "total length 8"),
+    (np.array([0, 3, 7], np.int32), 6, None, ValueError, "total length 6"),
+])
+def test_cu_seqlens_host_invalid(x, total, batch, error, what):
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        with pytest.raises(error, match=mentions(name)) as info:
+            validate.cu_seqlens(name, x, total, batch)
+        assert info.match(what)
+
+
+@pytest.mark.parametrize("x", [[0, 3, 7], (0, 3, 7), None, 7])
+def test_cu_seqlens_not_an_array(x):
+    with pytest.raises(TypeError, match=mentions("cu_seqlens_q")):
+        validate.cu_seqlens("cu_seqlens_q", x, 7)
+
+
+@pytest.mark.gpu
+def test_cu_seqlens_device_checks_dtype_and_shape_only():
+    # Values on the device are the caller's contract: not read, so not checked here.
+    assert validate.cu_seqlens("cu_seqlens_q", cupy.array([5, 3, 1], cupy.int32), 7) == 2
+    assert validate.cu_seqlens("cu_seqlens_q", cupy.array([0, 3, 7], cupy.int32), 7, batch=2) == 2
+    with pytest.raises(TypeError, match=mentions("cu_seqlens_q")):
+        validate.cu_seqlens("cu_seqlens_q", cupy.array([0, 3, 7], cupy.int64), 7)
+    with pytest.raises(ValueError, match=mentions("cu_seqlens_k")):
+        validate.cu_seqlens("cu_seqlens_k", cupy.array([0], cupy.int32), 0)
+    with pytest.raises(ValueError, match=mentions("cu_seqlens_k")):
+        validate.cu_seqlens("cu_seqlens_k", cupy.array([0, 3, 7], cupy.int32), 7, batch=3)
+    with pytest.raises(ValueError, match=mentions("cu_seqlens_k")):
+        validate.cu_seqlens("cu_seqlens_k", cupy.zeros((2, 3), cupy.int32), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        validate.cu_seqlens("cu_seqlens_k", cupy.arange(8, dtype=cupy.int32)[::2], 6)
+
+
+def test_max_seqlen_valid():
+    assert validate.max_seqlen("max_seqlen_q", 7) == 7
+    assert validate.max_seqlen("max_seqlen_q", np.int64(4)) == 4
+    assert type(validate.max_seqlen("max_seqlen_q", np.int32(4))) is int
+    cu = np.array([0, 3, 3, 7], np.int32)
+    assert validate.max_seqlen("max_seqlen_k", 4, cu) == 4
+    assert validate.max_seqlen("max_seqlen_k", 100, cu) == 100
+    assert validate.max_seqlen("max_seqlen_k", 1, np.array([0, 0, 0], np.int32)) == 1
+
+
+@pytest.mark.parametrize("value,error", [
+    (0, ValueError), (-3, ValueError), (True, TypeError), (4.0, TypeError), ("4", TypeError), (None, TypeError),
+])
+def test_max_seqlen_invalid(value, error):
+    with pytest.raises(error, match=mentions("max_seqlen_q")):
+        validate.max_seqlen("max_seqlen_q", value)
+
+
+def test_max_seqlen_below_longest_sequence():
+    with pytest.raises(ValueError, match=mentions("max_seqlen_k")) as info:
+        validate.max_seqlen("max_seqlen_k", 3, np.array([0, 3, 3, 7], np.int32))
+    assert info.match(r"longest sequence \(4\)")
+
+
+def test_dropout_valid():
+    assert validate.dropout(0.0, 0, 0) == (0.0, 0, 0)
+    assert validate.dropout(0, 1, 2) == (0.0, 1, 2)
+    p, seed, offset = validate.dropout(np.float32(0.25), np.uint64(2**64 - 1), np.int64(12))
+    assert (p, seed, offset) == (0.25, 2**64 - 1, 12)
+    assert type(p) is float and type(seed) is int and type(offset) is int
+    assert validate.dropout(math.nextafter(1.0, 0.0), 0, 0)[0] < 1.0
+
+
+@pytest.mark.parametrize("p,error", [
+    (1.0, ValueError), (1, ValueError), (-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    (True, TypeError), (False, TypeError), ("0.1", TypeError), (None, TypeError), (np.array([0.1]), TypeError),
+])
+def test_dropout_p_invalid(p, error):
+    with pytest.raises(error, match=mentions("dropout_p")):
+        validate.dropout(p, 0, 0)
+
+
+@pytest.mark.parametrize("arg", ["seed", "offset"])
+@pytest.mark.parametrize("value,error", [
+    (-1, ValueError), (2**64, ValueError), (np.int64(-5), ValueError),
+    (True, TypeError), (1.0, TypeError), ("3", TypeError), (None, TypeError),
+])
+def test_dropout_seed_offset_invalid(arg, value, error):
+    args = dict(seed=0, offset=0)
+    args[arg] = value
+    with pytest.raises(error, match=mentions(arg)):
+        validate.dropout(0.1, args["seed"], args["offset"])
