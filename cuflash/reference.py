@@ -378,7 +378,7 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
 # --- Variable-length batches -----------------------------------------------
 
 
-def _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_mask):
+def _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_mask):
     """Per sequence b: (rows of q, rows of k, per-sequence options) of a varlen call.
 
     The options are alibi_slopes (nheads,) of sequence b, or None, and
@@ -441,7 +441,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     _check_varlen(q, k, v)
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                      dropout_mask):
         o, l = attention(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal, window_size=window_size,
                          softcap=softcap, softmax_scale=softmax_scale, return_lse=True, dropout_p=dropout_p,
@@ -456,7 +456,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, caus
     dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
     _check_varlen(q, k, v, dout)
     dq, dk, dv = (np.zeros(x.shape, dtype=np.float64) for x in (q, k, v))
-    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                      dropout_mask):
         grads = attention_backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
                                    causal=causal, window_size=window_size, softcap=softcap,
@@ -473,7 +473,7 @@ def attention_varlen_naive_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=F
     q, k, v = rnd(q), rnd(k), rnd(v)
     _check_varlen(q, k, v)
     out = np.zeros(q.shape, dtype=np.float32)
-    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                      dropout_mask):
         out[rows_q] = attention_naive_lowp(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal,
                                            window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
@@ -489,7 +489,7 @@ def attention_varlen_backward_naive_lowp(dout, q, k, v, cu_seqlens_q, cu_seqlens
     dout, q, k, v = rnd(dout), rnd(q), rnd(k), rnd(v)
     _check_varlen(q, k, v, dout)
     dq, dk, dv = (np.zeros(x.shape, dtype=np.float32) for x in (q, k, v))
-    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                      dropout_mask):
         grads = attention_backward_naive_lowp(dout[None, rows_q], q[None, rows_q], k[None, rows_k],
                                               v[None, rows_k], causal=causal, window_size=window_size,
