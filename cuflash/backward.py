@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import dispatch, launch, score_mods, tuner, validate
+from . import dispatch, launch, tuner, validate
 from .arrays import aligned_copy, is_aligned
 from .device import compute_capability, cupy, max_smem_per_block
-from .forward import attention, autotune_requested, option_key
-from .plans import PlanCache, layout, ndarray_type, optional_layout
+from .forward import attention, autotune_requested
+from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
 
 
 def _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name: str,
              device_id: int) -> dispatch.BwdProblem:
     """The backward problem of validated arrays, after checking the score options."""
-    window = validate.window_size(window_size, bool(causal))
-    cap = validate.softcap(softcap)
-    slopes_stride = validate.alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
-    if alibi_slopes is not None and alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
-    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1])
+    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes)
     return dispatch.BwdProblem(dtype_name, q.shape[3], causal, q.shape[1], k.shape[1],
                                q.shape[2] // k.shape[2], bool(deterministic), max_smem_per_block(device_id),
                                compute_capability(device_id), mods)

@@ -17,11 +17,11 @@ import os
 
 import numpy
 
-from . import dispatch, fp8, launch, score_mods, tuner, validate
+from . import dispatch, fp8, launch, tuner, validate
 from .arrays import ALIGN_BYTES, aligned_copy, is_aligned, out_dtype
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
-from .plans import PlanCache, ndarray_type, optional_layout
+from .plans import PlanCache, ndarray_type, option_key, optional_layout
 
 # Environment variable that turns autotuning on for every call.
 AUTOTUNE_ENV = "CUFLASH_AUTOTUNE"
@@ -69,13 +69,9 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     dtype_name = validate.qkv(q, k, v, allow_fp8=True)
     is_fp8 = dtype_name == FP8_DTYPE_NAME
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
-    window = validate.window_size(window_size, bool(causal))
-    cap = validate.softcap(softcap)
-    slopes_stride = validate.alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
     if is_fp8 and alibi_slopes is not None:
         raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
-    if alibi_slopes is not None and alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes)
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
         validate.output("out", out, q, "q", result_dtype)
@@ -84,7 +80,6 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     device_id = validate.cuda_device(q, fp8=is_fp8)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, seqlen_k)
     descale = fp8.validate_descales(q_descale, k_descale, v_descale, batch, nheads_kv, is_fp8, q.device)
     cp = cupy()
     with q.device:
@@ -195,14 +190,3 @@ def _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale
             qd.device_id, kd.device_id, vd.device_id, qd.ptr % ALIGN_BYTES, kd.ptr % ALIGN_BYTES,
             vd.ptr % ALIGN_BYTES, outputs, bool(causal), options, dispatch.cache_state())
 
-
-def option_key(window_size, softcap, softmax_scale):
-    """The scalar options as a plan key's part, or None for spellings only the full path reads (a list,
-    a numpy scalar): (-1, -1), 0.0 and None are the defaults."""
-    if softmax_scale is not None and type(softmax_scale) is not float:
-        return None
-    if type(window_size) is not tuple or any(type(x) is not int for x in window_size):
-        return None
-    if type(softcap) is not float and type(softcap) is not int:
-        return None
-    return window_size, softcap, softmax_scale

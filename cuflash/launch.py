@@ -44,6 +44,16 @@ def _contiguous_strides(shape) -> list:
             zip(shape[:3], (seqlen * nheads * headdim, nheads * headdim, headdim))]
 
 
+def _address(x) -> int:
+    """An optional array argument's device address (0 where absent)."""
+    return 0 if x is None else x.data.ptr
+
+
+def _point_slopes(args: KernelArgs, address: int) -> None:
+    """The ALiBi slopes' address into the ScoreModArgs argument, every kernel's last."""
+    args.set_address(-1, address, ALIBI_SLOPES_WORD)
+
+
 def require_not_capturing(what: str) -> None:
     if stream_is_capturing():
         raise RuntimeError(f"cuflash: {what} would allocate device memory while the current stream captures a "
@@ -149,15 +159,14 @@ class FwdSm80Launch:
         self.lock = threading.Lock()
 
     def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None) -> None:
-        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
-        slopes_address = 0 if slopes is None else slopes.data.ptr
+        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, _address(slopes))
         with self.lock:
             args = self.args
-            if addresses + (slopes_address,) != self.last_addresses:  # else the packed arguments stand as they are
-                for slot, address in enumerate(addresses):
+            if addresses != self.last_addresses:  # else the packed arguments stand as they are
+                for slot, address in enumerate(addresses[:-1]):
                     args.set_address(slot, address)
-                args.set_address(len(args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)  # ScoreModArgs: last
-                self.last_addresses = addresses + (slopes_address,)
+                _point_slopes(args, addresses[-1])
+                self.last_addresses = addresses
             self.kernel.launch(self.grid, self.threads, args, stream)
 
 
@@ -221,14 +230,14 @@ class FwdSm90Launch:
         # out again only in stream order (to later work on this stream).
         addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream,
                      None if descale is None else tuple(x.data.ptr for x in descale),
-                     0 if slopes is None else slopes.data.ptr)
+                     _address(slopes))
         with self.lock:
             args = self.args
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(args, q, k, v, out, lse, stream, descale)
-                args.set_address(len(args.words) - 1, addresses[-1], ALIBI_SLOPES_WORD)  # ScoreModArgs: last
+                _point_slopes(args, addresses[-1])
                 self.last_addresses = addresses
             self.kernel.launch(self.grid, self.threads, args, stream)
 
@@ -370,16 +379,16 @@ class BwdLaunch:
         delta = lse2 + 4 * self.rows
         dq_accum = delta + 4 * self.rows
         q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
-        slopes_address = 0 if slopes is None else slopes.data.ptr
+        slopes_address = _address(slopes)
         addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, slopes_address)
         with self.lock:
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum)
-                self.dkdv_args.set_address(len(self.dkdv_args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)
+                _point_slopes(self.dkdv_args, slopes_address)
                 if not self.atomic_dq:
-                    self.last_args.set_address(len(self.last_args.words) - 1, slopes_address, ALIBI_SLOPES_WORD)
+                    _point_slopes(self.last_args, slopes_address)
                 self.last_addresses = addresses
             self.pre.launch(self.pre_grid, 32 * ROWS_PER_CTA, self.pre_args, stream)
             if self.atomic_dq:

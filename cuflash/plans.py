@@ -55,6 +55,18 @@ def layout(x) -> tuple:
     return x.shape, x.strides, x.dtype, data.device_id, data.ptr % ALIGN_BYTES
 
 
+def option_key(window_size, softcap, softmax_scale):
+    """The scalar options as a plan key's part, or None for spellings only the full path reads (a list,
+    a numpy scalar): (-1, -1), 0.0 and None are the defaults."""
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        return None
+    if type(window_size) is not tuple or any(type(x) is not int for x in window_size):
+        return None
+    if type(softcap) is not float and type(softcap) is not int:
+        return None
+    return window_size, softcap, softmax_scale
+
+
 def optional_layout(x):
     """layout(x) for an optional array argument; None when absent; raises LookupError where the
     argument is not a CuPy array (such calls take the full path)."""

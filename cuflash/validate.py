@@ -11,7 +11,7 @@ import math
 
 import numpy
 
-from . import device
+from . import device, score_mods
 from .arrays import dtype_name, is_aligned, last_dim_contiguous
 from .config import FP8_DTYPE_NAME
 
@@ -87,6 +87,17 @@ def alibi_slopes(x, batch: int, nheads: int) -> int | None:
     if nheads > 1 and x.strides[-1] != x.itemsize:
         raise ValueError(f"alibi_slopes must be contiguous in its last dim (nheads), got strides {x.strides}")
     return 0 if x.ndim == 1 else x.strides[0] // x.itemsize
+
+
+def score_options(q, k, causal, window, cap, slopes) -> tuple[bool, score_mods.ScoreMods]:
+    """(causal, ScoreMods) of a call on validated q and k with these window_size, softcap and
+    alibi_slopes arguments: each checked, then normalised (cuflash.score_mods.normalise)."""
+    window = window_size(window, bool(causal))
+    cap = softcap(cap)
+    slopes_stride = alibi_slopes(slopes, q.shape[0], q.shape[2])
+    if slopes is not None and slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {slopes.device.id}, q on device {q.device.id}")
+    return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1])
 
 
 def qkv(q, k, v, allow_fp8: bool = False) -> str:
