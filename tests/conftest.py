@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cuflash import backward, forward, tune_cache
+from cuflash import backward, dispatch, forward, tune_cache
 
 
 @functools.cache
@@ -47,6 +47,19 @@ def fresh_plans():
     tests change dispatch's tables (monkeypatch) for the same shapes."""
     for plans in (forward._plans, backward._plans):
         plans.clear()
+
+
+@pytest.fixture(params=[pytest.param("hopper", marks=pytest.mark.hopper), "sm80"])
+def kernel(request, monkeypatch):
+    """The kernel family under test on a Hopper GPU, the tuning cache out of the choice: "hopper" (the
+    default tables), "sm80" (dispatch's Hopper tables emptied). A test that parametrizes `kernel`
+    itself overrides this fixture."""
+    if request.param == "sm80":
+        monkeypatch.setattr(dispatch, "HEURISTIC_SM90", {})
+        monkeypatch.setattr(dispatch, "SM90_SHORT_KEYS", {})
+        monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
+    with dispatch.heuristic_only():
+        yield request.param
 
 
 @pytest.fixture

@@ -36,3 +36,28 @@ def randn(rng, shape, dtype):
 def mentions(arg):
     """Regex matching the argument's name as a word in an error message."""
     return rf"\b{arg}\b"
+
+
+def _host_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
+    return (
+        randn(rng, (batch, nq, nheads, headdim), dtype),
+        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
+        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
+    )
+
+
+def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
+    """Host (q, k, v) drawn with `randn` and device copies of them."""
+    import cupy
+
+    host = _host_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim)
+    return host, tuple(cupy.asarray(x) for x in host)
+
+
+def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
+    """Host (dout, q, k, v) drawn with `randn` and device copies of them."""
+    import cupy
+
+    dout = randn(rng, (batch, nq, nheads, headdim), dtype)
+    host = (dout, *_host_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim))
+    return host, tuple(cupy.asarray(x) for x in host)

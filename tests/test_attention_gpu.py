@@ -17,19 +17,10 @@ import pytest
 import cuflash
 from cuflash.reference import attention as reference
 from cuflash.reference import attention_naive_lowp
-from tests.numerics import ATOL, DTYPES, assert_close_2x, randn
+from tests.numerics import assert_close_2x, ATOL, DTYPES, make_qkv, randn
 
 pytestmark = pytest.mark.gpu
 
-
-def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
-    """Host (q, k, v) and device copies of them."""
-    host = (
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-    )
-    return host, tuple(cupy.asarray(x) for x in host)
 
 
 def expected(q, k, v, **kwargs):

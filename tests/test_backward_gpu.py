@@ -35,7 +35,7 @@ from cuflash import dispatch
 from cuflash.config import SM90_SMEM_LIMIT, BwdConfig
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_backward_naive_lowp
-from tests.numerics import DTYPES, assert_close_2x, mentions, randn
+from tests.numerics import assert_close_2x, DTYPES, make_inputs, mentions, randn
 
 ABS_FLOOR = 1e-5
 
@@ -49,16 +49,6 @@ try:
 except ImportError:
     jax = None
 
-
-def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
-    """Host (dout, q, k, v) and device copies of them."""
-    host = (
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-    )
-    return host, tuple(cupy.asarray(x) for x in host)
 
 
 def backward(dev, *, causal=False, softmax_scale=None, out=None, **kwargs):

@@ -23,7 +23,7 @@ import pytest
 
 import cuflash
 from cuflash import compile as cf_compile
-from cuflash import dispatch, forward, kernel_call, launch, plans, reference
+from cuflash import forward, kernel_call, launch, plans, reference
 from tests.numerics import ATOL, DTYPES, assert_close_2x, randn
 
 pytestmark = pytest.mark.gpu
@@ -305,20 +305,6 @@ def test_repeated_calls_do_not_synchronise(rng, monkeypatch):
 
 
 # --- Non-finite inputs --------------------------------------------------------
-
-KERNELS = [pytest.param("hopper", marks=pytest.mark.hopper), "sm80"]
-
-
-@pytest.fixture(params=KERNELS)
-def kernel(request, monkeypatch):
-    """The kernel family under test: "sm80" empties dispatch's Hopper tables."""
-    if request.param == "sm80":
-        monkeypatch.setattr(dispatch, "HEURISTIC_SM90", {})
-        monkeypatch.setattr(dispatch, "SM90_SHORT_KEYS", {})
-        monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
-    with dispatch.heuristic_only():
-        yield request.param
-
 
 ROW, HEAD = 150, 1  # q's poisoned row, in the second query block, and its head (kv head 0)
 KEY, KV_HEAD = 200, 1  # k's poisoned key (the rows before it do not see it) and its kv head

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import dispatch, reference
-from tests.numerics import ATOL, DTYPES, assert_close_2x, mentions, randn
+from cuflash import reference
+from tests.numerics import assert_close_2x, ATOL, DTYPES, make_inputs, make_qkv, mentions, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -35,20 +35,6 @@ OPTIONS = {
 }
 SOME = ["window_causal", "softcap_alibi", "all"]
 
-KERNELS = [pytest.param("hopper", marks=pytest.mark.hopper), "sm80"]
-
-
-@pytest.fixture(params=KERNELS)
-def kernel(request, monkeypatch):
-    """The kernel family under test: "sm80" empties dispatch's Hopper tables."""
-    if request.param == "sm80":
-        monkeypatch.setattr(dispatch, "HEURISTIC_SM90", {})
-        monkeypatch.setattr(dispatch, "SM90_SHORT_KEYS", {})
-        monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
-    with dispatch.heuristic_only():
-        yield request.param
-
-
 def materialise(name, rng, batch, nheads):
     """(host kwargs, device kwargs) of the named options, with random ALiBi slopes where asked."""
     options = dict(OPTIONS[name])
@@ -58,15 +44,6 @@ def materialise(name, rng, batch, nheads):
     slopes = rng.uniform(0.01, 0.3, shape).astype(np.float32)
     return {**options, "alibi_slopes": slopes}, {**options, "alibi_slopes": cupy.asarray(slopes)}
 
-
-def make_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
-    """Host (q, k, v) and device copies of them."""
-    host = (
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-    )
-    return host, tuple(cupy.asarray(x) for x in host)
 
 
 def bits(x):
@@ -246,16 +223,6 @@ def test_fp8_forward_options(rng, options, nq, nk, headdim):
 # atol as in test_backward_gpu.py: one ulp of the largest reference gradient
 # plus a floor for gradients that are exactly 0 in exact arithmetic.
 
-
-def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
-    """Host (dout, q, k, v) and device copies of them."""
-    host = (
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nq, nheads, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-        randn(rng, (batch, nk, nheads_kv, headdim), dtype),
-    )
-    return host, tuple(cupy.asarray(x) for x in host)
 
 
 def backward(dev, dev_kw, deterministic=False, **grads):
