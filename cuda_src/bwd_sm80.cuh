@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                         const int key = n0 + warp_key0 + (lane >> 2) + 8 * (e >> 1);
                         const int query = mc + j * 8 + 2 * (lane & 3) + (e & 1);
                         bool keep = key < nk && query < nq;
-                        if constexpr (Mods::RIGHT_BOUND || Mods::WINDOW) keep = keep && mods.visible(query, key);
+                        if constexpr (Mods::RIGHT_BOUND) keep = keep && mods.visible(query, key);
                         if (!keep) p = 0.f;
                     }
                     acc_s[j][e] = p;

@@ -211,9 +211,8 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
 
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
-    """The forward config to run and where it came from ("cache" or "heuristic"). The tuning cache
-    holds plain attention; problems with score options take the heuristic."""
-    if _tuned is not None and _cache_enabled and not problem.mods.bits:
+    """The forward config to run and where it came from ("cache" or "heuristic")."""
+    if _tuned is not None and _cache_enabled:
         cfg = _tuned.fwd(problem)
         if cfg is not None:
             return cfg, "cache"
@@ -327,8 +326,8 @@ def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
 
 
 def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
-    """The backward config to run and where it came from ("cache" or "heuristic"); as fwd_config."""
-    if _tuned is not None and _cache_enabled and not problem.mods.bits:
+    """The backward config to run and where it came from ("cache" or "heuristic")."""
+    if _tuned is not None and _cache_enabled:
         cfg = _tuned.bwd(problem)
         if cfg is not None:
             return cfg, "cache"

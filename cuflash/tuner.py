@@ -418,15 +418,16 @@ def tune_bwd_call(problem: BwdProblem, batch: int, nheads: int, nheads_kv: int) 
 # ---------------------------------------------------------------- dispatch's view of the cache
 
 class CacheLookup:
-    """The tuning cache as dispatch reads it (dispatch.TunedLookup); `install` hands it over."""
+    """The tuning cache as dispatch reads it (dispatch.TunedLookup); `install` hands it over. The cache
+    holds plain attention: problems with score options (window, softcap, ALiBi) find nothing."""
 
     @staticmethod
     def fwd(problem: FwdProblem):
-        return FWD.cached(problem)[1]
+        return None if problem.mods.bits else FWD.cached(problem)[1]
 
     @staticmethod
     def bwd(problem: BwdProblem):
-        return BWD.cached(problem)[1]
+        return None if problem.mods.bits else BWD.cached(problem)[1]
 
     @staticmethod
     def state() -> tuple:
