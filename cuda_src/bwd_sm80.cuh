@@ -15,6 +15,7 @@
 #pragma once
 #include "common.cuh"
 #include "score_mods.cuh"
+#include "seq_span.cuh"
 #include "sm80_mma.cuh"
 
 namespace cuflash {
@@ -35,32 +36,35 @@ __device__ __forceinline__ float to_float(u16 x) {
 //   delta[row] = sum_d dO[row, d] * O[row, d]
 //   lse2[row]  = lse[row] * log2(e), or +inf where the row saw no key (so that
 //                2^(S * c - lse2) = 0 there), and for padding rows past nq.
-template <bool BF16>
+// nq_pad: rows per head of lse2 and delta (seq_span.cuh); varlen: the grid
+// covers the longest sequence's padded rows.
+template <bool BF16, bool VARLEN>
 __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __restrict__ dout,
                                       const float* __restrict__ lse, float* __restrict__ lse2,
                                       float* __restrict__ delta, int nq, int nq_pad, int d, long long o_sb,
                                       long long o_sn, long long o_sh, long long do_sb, long long do_sn,
-                                      long long do_sh) {
+                                      long long do_sh, const ScoreModArgs mod_args) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
-    if (row >= nq_pad) return;
-    const long long idx = ((long long)b * nheads + h) * nq_pad + row;
-    if (row >= nq) {
+    const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
+    if (row >= (VARLEN ? (seq.nq + BWD_ROW_PAD - 1) / BWD_ROW_PAD * BWD_ROW_PAD : nq_pad)) return;
+    const long long idx = seq.padded_row0<VARLEN>(b, h, nheads, nq_pad) + row;
+    if (row >= seq.nq) {
         if (lane == 0) {
             lse2[idx] = pos_inf();
             delta[idx] = 0.f;
         }
         return;
     }
-    const u16* o_row = o + b * o_sb + h * o_sh + row * o_sn;
-    const u16* do_row = dout + b * do_sb + h * do_sh + row * do_sn;
+    const u16* o_row = o + b * o_sb + h * o_sh + (seq.q0 + row) * o_sn;
+    const u16* do_row = dout + b * do_sb + h * do_sh + (seq.q0 + row) * do_sn;
     float sum = 0.f;
     for (int c = lane; c < d; c += 32) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
-        const float l = lse[((long long)b * nheads + h) * nq + row];
+        const float l = lse[seq.lse_row0<VARLEN>(mod_args, b, h, nheads) + row];
         lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;
         delta[idx] = sum;
     }
@@ -78,16 +82,17 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 }
 
 // One warp per query row: dq[row, :d] = scale * dq_accum[row, :d] in the input dtype.
-template <bool BF16>
+template <bool BF16, bool VARLEN>
 __global__ void bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int nq, int nq_pad,
                                       int d, int d_pad, long long dq_sb, long long dq_sn, long long dq_sh,
-                                      float scale) {
+                                      float scale, const ScoreModArgs mod_args) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
-    if (row >= nq) return;
-    const float* src = dq_accum + (((long long)b * nheads + h) * nq_pad + row) * d_pad;
-    u16* dst = dq + b * dq_sb + h * dq_sh + row * dq_sn;
+    const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
+    if (row >= seq.nq) return;
+    const float* src = dq_accum + (seq.padded_row0<VARLEN>(b, h, nheads, nq_pad) + row) * d_pad;
+    u16* dst = dq + b * dq_sb + h * dq_sh + (seq.q0 + row) * dq_sn;
     for (int c = 2 * lane; c < d; c += 64) {
         const float2 x = *reinterpret_cast<const float2*>(src + c);
         *reinterpret_cast<u32*>(dst + c) = pack2<BF16>(x.x * scale, x.y * scale);
@@ -193,6 +198,18 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int nheads_kv = gridDim.y, nheads = nheads_kv * group;
     const int n0 = n_block * BC;
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: the grid covers the longest sequence; from here on the pointers start at this
+    // sequence's rows, and nq, nk are its lengths.
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && n0 >= seq.nk) return;
+    q += seq.q0 * q_sn;
+    dout += seq.q0 * do_sn;
+    k += seq.k0 * k_sn;
+    v += seq.k0 * v_sn;
+    dk += seq.k0 * dk_sn;
+    dv += seq.k0 * dv_sn;
+    nq = seq.nq;
+    nk = seq.nk;
     Mods mods(mod_args, nq, nk);
 
     const QueryBlockSteps<BR> steps(mods, n_block, n0, BC, group);
@@ -211,7 +228,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         load_tile_async<BR, D, THREADS, !EVEN_N, !EVEN_D>(sdO + st * T::QB_ELEMS, dout + do_off, do_sn, nq - m0, d,
                                                           tid);
         // lse2 / delta rows are padded to nq_pad: BR floats are always in range.
-        const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+        const long long row_off = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0;
         for (int c = tid; c < 2 * (BR / 4); c += THREADS) {
             const bool is_delta = c >= BR / 4;
             const int cc = is_delta ? c - BR / 4 : c;
@@ -330,9 +347,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             const int mt = warp / T::DQ_SPLIT, col_chunk0 = (warp % T::DQ_SPLIT) * (T::DQ_COLS / 8);
             const LaneOffsets<BC, BR> ds_at_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, mt * 2);
             const LaneOffsets<BC, D> k_bt_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4, col_chunk0);
-            // dq_accum is (B, H, nq_pad, D): padded rows and columns need no bounds check.
-            float* dq_rows = dq_accum + (((long long)b * nheads + h) * nq_pad + m0 + mt * 16 + (lane >> 2)) * D +
-                             col_chunk0 * 8 + 2 * (lane & 3);
+            // dq_accum has padded rows of D floats (seq_span.cuh): rows and columns need no bounds check.
+            const long long dq_row = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0 + mt * 16 + (lane >> 2);
+            float* dq_rows = dq_accum + dq_row * D + col_chunk0 * 8 + 2 * (lane & 3);
             // Where the dK and dV accumulators are small (D <= 64), all of the
             // warp's columns at once: each dS fragment is read once. Else
             // column slices of 32 (or 16) keep the dQ accumulator small.
@@ -418,9 +435,19 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
     const int m0 = m_block * BR;
     const int warp_row0 = warp * 16;
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: as in bwd_dkdv_kernel, the pointers and lengths of this block's sequence.
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && m0 >= seq.nq) return;
+    q += seq.q0 * q_sn;
+    dout += seq.q0 * do_sn;
+    dq += seq.q0 * dq_sn;
+    k += seq.k0 * k_sn;
+    v += seq.k0 * v_sn;
+    nq = seq.nq;
+    nk = seq.nk;
     u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
 
-    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
     Mods mods(mod_args, nq, nk);
     mods.set_head(mod_args, b, h);
     const KeyBlocks blocks = mods.template key_blocks<BC>(m0, BR);
@@ -445,7 +472,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     }
 
     // Per-row constants of this lane's two rows (padded buffers: always in range).
-    const long long row_base = ((long long)b * nheads + h) * nq_pad + m0 + warp_row0 + (lane >> 2);
+    const long long row_base = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0 + warp_row0 + (lane >> 2);
     const float lse2_r[2] = {lse2[row_base], lse2[row_base + 8]};
     const float delta_r[2] = {delta[row_base], delta[row_base + 8]};
 

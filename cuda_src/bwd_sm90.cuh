@@ -33,6 +33,7 @@
 #include "common.cuh"
 #include "named_barriers.cuh"
 #include "score_mods.cuh"
+#include "seq_span.cuh"
 #include "sm90_tiles.cuh"
 #include "wgmma.cuh"
 
@@ -92,16 +93,17 @@ __device__ __forceinline__ int dq_fragment_index(int row, int col) {
 }
 
 // One warp per query row: dq[row, :d] = scale * dQ from dq_accum (fragment order) in the input dtype.
-template <bool BF16_OUT, int D, int BM>
+template <bool BF16_OUT, int D, int BM, bool VARLEN>
 __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq, int nq,
                                            int nq_pad, int d, long long dq_sb, long long dq_sn, long long dq_sh,
-                                           float scale) {
+                                           float scale, const ScoreModArgs mod_args) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
-    if (row >= nq) return;
-    const float* block = dq_accum + (((long long)b * nheads + h) * nq_pad + row / BM * BM) * D;
-    u16* dst = dq + b * dq_sb + h * dq_sh + row * dq_sn;
+    const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
+    if (row >= seq.nq) return;
+    const float* block = dq_accum + (seq.padded_row0<VARLEN>(b, h, nheads, nq_pad) + row / BM * BM) * D;
+    u16* dst = dq + b * dq_sb + h * dq_sh + (seq.q0 + row) * dq_sn;
     for (int c = 2 * lane; c < d; c += 64) {
         // Columns c and c + 1 are elements e and e + 1 of one lane: adjacent.
         const float2 x = *reinterpret_cast<const float2*>(block + dq_fragment_index<BM, D>(row % BM, c));
@@ -142,6 +144,13 @@ __global__ void __launch_bounds__(384, 1)
     const int n0 = n_block * BN;
 
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: the grid covers the longest sequence; from here on nq and nk are this sequence's
+    // lengths, and its rows start at seq.q0 and seq.k0 of the tensor maps' packed rows.
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && n0 >= seq.nk) return;
+    const int batch = Mods::VARLEN ? 0 : b;  // the tensor maps' batch coordinate
+    nq = seq.nq;
+    nk = seq.nk;
     Mods mods(mod_args, nq, nk);
     const QueryBlockSteps<BM> steps(mods, n_block, n0, BN, group);
     const int n_iter = steps.count;
@@ -166,8 +175,8 @@ __global__ void __launch_bounds__(384, 1)
         // rows past the sequence arrive as zeros.
         mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
         for (int p = 0; p < D / 64; ++p) {
-            tma_load_4d(sK + p * BN * 128, map_k, p * 64, n0, hk, b, full_kv);
-            tma_load_4d(sV + p * BN * 128, map_v, p * 64, n0, hk, b, full_kv);
+            tma_load_4d(sK + p * BN * 128, map_k, p * 64, seq.k0 + n0, hk, batch, full_kv);
+            tma_load_4d(sV + p * BN * 128, map_v, p * 64, seq.k0 + n0, hk, batch, full_kv);
         }
         const u32 rows_smem = base + T::OFF_ROWS;
         for (int t = 0; t < n_iter; ++t) {
@@ -176,11 +185,11 @@ __global__ void __launch_bounds__(384, 1)
             if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
             mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
             for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, m0, h, b, full(st));
-                tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, m0, h, b, full(st));
+                tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h, batch, full(st));
+                tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, seq.q0 + m0, h, batch, full(st));
             }
             // lse2 and Delta rows are padded to nq_pad: BM floats are always in range.
-            const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+            const long long row_off = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0;
             bulk_load(rows_smem + st * T::ROW_BYTES, lse2 + row_off, T::ROW_BYTES, full(st));
             bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full(st));
         }
@@ -328,7 +337,7 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_commit();
             wgmma_wait<0>();
             warp_arrive(empty(st), lane);
-            flush_dq(acc_dq, (((long long)b * nheads + h) * nq_pad + m0) * D + c * 64 * T::DQ_N);
+            flush_dq(acc_dq, (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D + c * 64 * T::DQ_N);
         } else {
             wgmma_wait<0>();
             warp_arrive(empty(st), lane);
@@ -342,8 +351,8 @@ __global__ void __launch_bounds__(384, 1)
 
     // Epilogue: dK (times scale) and dV stored from registers; a quad writes
     // 16 contiguous bytes of a row.
-    u16* dk_head = dk + b * dk_sb + hk * dk_sh;
-    u16* dv_head = dv + b * dv_sb + hk * dv_sh;
+    u16* dk_head = dk + b * dk_sb + hk * dk_sh + seq.k0 * dk_sn;
+    u16* dv_head = dv + b * dv_sb + hk * dv_sh + seq.k0 * dv_sn;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_lane0 + 8 * r;
@@ -424,11 +433,17 @@ __global__ void __launch_bounds__(384, 1)
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y, hk = h / group;
     const int m0 = m_block * BM;
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: as in bwd_sm90_kernel, this block's sequence.
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && m0 >= seq.nq) return;
+    const int batch = Mods::VARLEN ? 0 : b;  // the tensor maps' batch coordinate
+    nq = seq.nq;
+    nk = seq.nk;
     Mods mods(mod_args, nq, nk);
     // Key blocks [n_begin, n_begin + n_end) hold keys some row of the block sees.
     const KeyBlocks blocks = mods.template key_blocks<BN>(m0, BM);
     const int n_begin = blocks.begin, n_end = blocks.end - blocks.begin;
-    u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn;
+    u16* dq_tile = dq + b * dq_sb + h * dq_sh + m0 * dq_sn + seq.q0 * dq_sn;
 
     if (tid == 0) {
         mbar_init(full_q, 1);
@@ -446,10 +461,10 @@ __global__ void __launch_bounds__(384, 1)
         if (tid != 0 || n_end == 0) return;
         mbar_arrive_expect_tx(full_q, 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
         for (int p = 0; p < D / 64; ++p) {
-            tma_load_4d(sQ + p * BM * 128, map_q, p * 64, m0, h, b, full_q);
-            tma_load_4d(sdO + p * BM * 128, map_do, p * 64, m0, h, b, full_q);
+            tma_load_4d(sQ + p * BM * 128, map_q, p * 64, seq.q0 + m0, h, batch, full_q);
+            tma_load_4d(sdO + p * BM * 128, map_do, p * 64, seq.q0 + m0, h, batch, full_q);
         }
-        const long long row_off = ((long long)b * nheads + h) * nq_pad + m0;
+        const long long row_off = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0;
         bulk_load(base + T::OFF_ROWS, lse2 + row_off, T::ROW_BYTES, full_q);
         bulk_load(base + T::OFF_ROWS + T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full_q);
         for (int i = 0; i < n_end; ++i) {
@@ -457,8 +472,10 @@ __global__ void __launch_bounds__(384, 1)
             if (use > 0) mbar_wait(empty_kv(st), (use - 1) & 1);
             mbar_arrive_expect_tx(full_kv(st), 2 * T::KV_BYTES);
             for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, (n_begin + i) * BN, hk, b, full_kv(st));
-                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, (n_begin + i) * BN, hk, b, full_kv(st));
+                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, seq.k0 + (n_begin + i) * BN, hk, batch,
+                            full_kv(st));
+                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, seq.k0 + (n_begin + i) * BN, hk, batch,
+                            full_kv(st));
             }
         }
         return;

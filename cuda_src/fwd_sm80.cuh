@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "sm80_mma.cuh"
 #include "score_mods.cuh"
+#include "seq_span.cuh"
 #include "softmax_sm80.cuh"
 
 namespace cuflash {
@@ -71,15 +72,19 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int nheads = gridDim.y;
     const int m0 = m_block * BR;
-    const int rows_valid = nq - m0;
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: the grid covers the longest sequence; a block past its own has nothing to do.
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && m0 >= seq.nq) return;
+    const int rows_valid = seq.nq - m0;
 
-    const u16* q_tile = q + b * q_sb + h * q_sh + m0 * q_sn;
-    const u16* k_head = k + b * k_sb + hk * k_sh;
-    const u16* v_head = v + b * v_sb + hk * v_sh;
-    u16* o_tile = o + b * o_sb + h * o_sh + m0 * o_sn;
-    float* lse_rows = lse + ((long long)b * nheads + h) * nq + m0;
+    const u16* q_tile = q + b * q_sb + h * q_sh + (seq.q0 + m0) * q_sn;
+    const u16* k_head = k + b * k_sb + hk * k_sh + seq.k0 * k_sn;
+    const u16* v_head = v + b * v_sb + hk * v_sh + seq.k0 * v_sn;
+    u16* o_tile = o + b * o_sb + h * o_sh + (seq.q0 + m0) * o_sn;
+    float* lse_rows = lse + seq.lse_row0<Mods::VARLEN>(mod_args, b, h, nheads) + m0;
 
-    ScoreMods<MODS, CAUSAL, EVEN_N> mods(mod_args, nq, nk);
+    Mods mods(mod_args, seq.nq, seq.nk);
     mods.set_head(mod_args, b, h);
     const KeyBlocks blocks = mods.template key_blocks<BC>(m0, BR);
     const int n_end = blocks.end - blocks.begin;  // steps, one key block each
@@ -93,12 +98,12 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     auto load_k = [&](int t) {
         const int n0 = block_of(t) * BC;
         load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sK + (t % STAGES) * T::KV_ELEMS, k_head + n0 * k_sn,
-                                                          k_sn, nk - n0, d, tid);
+                                                          k_sn, seq.nk - n0, d, tid);
     };
     auto load_v = [&](int t) {
         const int n0 = block_of(t) * BC;
         load_tile_async<BC, D, THREADS, !EVEN_N, !EVEN_D>(sV + (t % STAGES) * T::KV_ELEMS, v_head + n0 * v_sn,
-                                                          v_sn, nk - n0, d, tid);
+                                                          v_sn, seq.nk - n0, d, tid);
     };
 
     // Pipeline prologue; commit order is {Q, K0}, V0, K1, V1, ..., K[S-1].

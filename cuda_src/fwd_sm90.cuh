@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(384, 1)
     // The last wave split along the keys (tail_split.cuh): not under a causal
     // mask or a window, whose tiles differ in length, nor at head dim 256, whose
     // consumers spill with the split's epilogue (the host passes tail_items = 0 there).
-    constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && D < 256;
+    // Nor for a packed batch (varlen), whose tiles differ in length too.
+    constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && !Mods::VARLEN && D < 256;
     constexpr bool SOFTMAX_TURNS = FP8_128 && !CAUSAL && !PINGPONG;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(384, 1)
         setmaxnreg_dec<T::PRODUCER_REGS>();
         if (tid != 0) return;
         fwd_sm90_produce<T, CAUSAL, TAIL_SPLIT>(sm, segment, map_q, map_k, map_v, tile_counter, full_tiles,
-                                                tail_items, mods, group, nheads, num_tiles);
+                                                tail_items, mods, mod_args, group, nheads, num_tiles);
         return;
     }
 
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(384, 1)
     // helper the compiler folded the sum otherwise and moved it out of the key loop.
     const u32 sink = sm.bars + (T::OFF_SEGMENT - T::OFF_BARS) + (T::OFF_SINK - T::OFF_SEGMENT) + 4 * (tid - 128);
     const TileWords words{sm.tile_words(warp - 4)};
-    const FwdOutput out{o, lse, o_sb, o_sn, o_sh, nq, nheads};
+    // Varlen: nq is the longest sequence's length (the tiles' order), and the lse has total_q rows per head.
+    const FwdOutput out{o, lse, o_sb, o_sn, o_sh, Mods::VARLEN ? mod_args.total_q : nq, nheads};
     const TailSplit split{ws_o, ws_lse, tail_done, full_tiles, tail_items, num_tiles};
     const ConsumerTurns<PINGPONG, SOFTMAX_TURNS> turns{c};
     turns.open();
@@ -115,6 +117,10 @@ __global__ void __launch_bounds__(384, 1)
         // Key blocks [lo, hi) of tile t; slot >= 0: a split tile's segment.
         // Without a causal mask or a window the masked blocks are the last (a partial one).
         const Tile tile = tile_at<BR, CAUSAL>(t, (nq + BR - 1) / BR, nheads);
+        if constexpr (Mods::VARLEN) {
+            const SeqSpan seq = seq_span<true>(mod_args, tile.b, nq, nk);
+            mods.set_lengths(seq.nq, seq.nk);
+        }
         const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
         const int lo = TAIL_SPLIT ? segment.lo() : blocks.begin, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
         const int slot = TAIL_SPLIT ? segment.slot() : -1;
@@ -132,8 +138,9 @@ __global__ void __launch_bounds__(384, 1)
         const int n_whole_end = hi - blocks.full_begin;
         if (hi == (TAIL_SPLIT ? 0 : lo)) {  // no row of this tile sees a key (a split segment has keys)
             warp_arrive(sm.empty_q(), lane);
-            write_empty_rows<64, D, 128>(out.o_tile(tile) + c * 64 * o_sn, o_sn, out.lse_rows(tile) + c * 64,
-                                         nq - tile.m0 - c * 64, d, tid - 128 * wg);
+            const OutRows rows = out_rows<Mods::VARLEN>(tile, mod_args, out.nq);
+            write_empty_rows<64, D, 128>(out.o_tile(rows.at) + c * 64 * o_sn, o_sn, out.lse_rows(rows.at) + c * 64,
+                                         rows.valid - c * 64, d, tid - 128 * wg);
             continue;
         }
         float qk_scale_log2 = scale_log2;
@@ -277,8 +284,9 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
         ring.advance(n_blocks);
-        fwd_sm90_epilogue<T, TAIL_SPLIT, BF16_OUT>(acc, sm, words, out, split, map_o, descale_v, nk, d, nheads_kv,
-                                                   qk_scale_log2, c, tid, warp, lane, warp_row0, stage_leader);
+        fwd_sm90_epilogue<T, TAIL_SPLIT, BF16_OUT, Mods::VARLEN>(acc, sm, words, out, split, map_o, descale_v, nk, d,
+                                                                 nheads_kv, qk_scale_log2, c, tid, warp, lane,
+                                                                 warp_row0, stage_leader, mod_args);
     }
     if (STAGE_O && stage_leader) bulk_wait<0, true>();  // shared memory stays until the stores have read it
     turns.close();

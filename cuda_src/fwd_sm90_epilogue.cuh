@@ -6,6 +6,7 @@
 #include "fwd_sm90_mainloop.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "named_barriers.cuh"
+#include "seq_span.cuh"
 #include "tail_split.cuh"
 
 namespace cuflash {
@@ -47,6 +48,23 @@ struct FwdOutput {
     }
 };
 
+// A tile's rows as O and the lse index them (varlen: the packed rows, batch
+// 0), and how many of its rows are in its sequence (nq: the call's length;
+// varlen: any bound of the lengths, the keys' unused).
+struct OutRows {
+    Tile at;
+    int valid;
+};
+template <bool VARLEN>
+__device__ __forceinline__ OutRows out_rows(const Tile& tile, const ScoreModArgs& mod_args, int nq) {
+    if constexpr (VARLEN) {
+        const SeqSpan seq = seq_span<true>(mod_args, tile.b, nq, 0);
+        return OutRows{Tile{seq.q0 + tile.m0, tile.h, 0}, seq.nq - tile.m0};
+    } else {
+        return OutRows{tile, nq - tile.m0};
+    }
+}
+
 // The split of the last wave (tail_split.cuh): partials workspace, the tiles'
 // completion counters, and the item counts.
 struct TailSplit {
@@ -61,24 +79,27 @@ struct TailSplit {
 // 8 rows in 8 distinct chunks: conflict-free), which one thread then hands to
 // bulk tensor stores (rows past nq and columns past d are clipped by the
 // tensor map), so that the consumer goes on to the next tile while they run.
-// Otherwise each quad stores its 16 contiguous bytes of a row straight to
-// global memory. A split tile's segment (TAIL_SPLIT, slot >= 0) leaves its
+// Otherwise (and for a varlen tile's rows that end inside it: the tensor map
+// would not clip them at the sequence's end) each quad stores its 16
+// contiguous bytes of a row straight to global memory. A split tile's segment (TAIL_SPLIT, slot >= 0) leaves its
 // rows' partial output and lse in the workspace instead.
-template <class T, bool TAIL_SPLIT, bool BF16_OUT>
+template <class T, bool TAIL_SPLIT, bool BF16_OUT, bool VARLEN>
 __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D>& acc, const FwdSm90Smem<T>& sm,
                                                   TileWords words, FwdOutput out,
                                                   TailSplit split, const TmaDesc& map_o,
                                                   const float* descale_v, int nk, int d, int nheads_kv,
                                                   float qk_scale_log2, int c, int tid, int warp, int lane,
-                                                  int warp_row0, bool stage_leader) {
+                                                  int warp_row0, bool stage_leader, const ScoreModArgs& mod_args) {
     constexpr int D = T::D, BR = T::BR, BC = T::BC, NT_O = D / 8;
     constexpr bool STAGE_O = T::STAGE_O;
     // The tile's coordinates, kv head and segment from shared memory, the
     // fp8 output scale from global memory: none is kept live across the
     // key loop (at head dim 256 they went to local memory).
-    const Tile out_tile = words.tile();
-    const int rows_valid = out.nq - out_tile.m0;
-    const float o_scale = T::DTYPE == E4M3 ? descale_v[out_tile.b * nheads_kv + words.kv_head()] : 1.f;
+    const Tile tile = words.tile();
+    const OutRows rows = out_rows<VARLEN>(tile, mod_args, out.nq);
+    const Tile out_tile = rows.at;
+    const int rows_valid = rows.valid;
+    const float o_scale = T::DTYPE == E4M3 ? descale_v[tile.b * nheads_kv + words.kv_head()] : 1.f;
     // Row scales and lse values first, so that only they stay live beside
     // O while it is stored; the lse rows are written once O is out.
     float inv[2], row_lse[2];
@@ -133,6 +154,8 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
     }
     extern __shared__ __align__(1024) unsigned char smem_raw[];  // the kernel's
     u16* o_stage = reinterpret_cast<u16*>(smem_raw + T::OFF_O) + c * 64 * D;
+    // Uniform over the consumer's warpgroup.
+    const bool staged = STAGE_O && (!VARLEN || c * 64 + 64 <= rows_valid);
     if constexpr (STAGE_O) {
         if (stage_leader) bulk_wait<0, true>();  // the last tile's stores have read the staging tile
         named_bar_sync<128>(own_barrier(FWD_CONSUMER_SYNC, c));
@@ -145,7 +168,7 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + (lane >> 2) + 8 * r;
-        if constexpr (STAGE_O) {
+        if (staged) {
 #pragma unroll
             for (int j = 0; j < NT_O; ++j)
                 *reinterpret_cast<u32*>(o_stage + tile_offset<64, D>(row - c * 64, j) + 2 * (lane & 3)) =
@@ -170,7 +193,7 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
     if constexpr (STAGE_O) {
         fence_proxy_async();  // the staged rows, before the async proxy reads them
         named_bar_sync<128>(own_barrier(FWD_CONSUMER_SYNC, c));
-        if (stage_leader && c * 64 < rows_valid) {
+        if (stage_leader && staged && c * 64 < rows_valid) {
             for (int p = 0; p < D / 64; ++p)
                 tma_store_4d(map_o, sm.o() + c * 64 * D * 2 + p * 64 * 128, p * 64, out_tile.m0 + c * 64, out_tile.h,
                              out_tile.b);

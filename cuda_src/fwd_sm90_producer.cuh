@@ -9,6 +9,7 @@
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_traits.cuh"
 #include "score_mods.cuh"
+#include "seq_span.cuh"
 
 namespace cuflash {
 
@@ -16,7 +17,7 @@ template <class T, bool CAUSAL, bool TAIL_SPLIT, class Mods>
 __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const SegmentSlot& segment,
                                                  const TmaDesc& map_q, const TmaDesc& map_k, const TmaDesc& map_v,
                                                  int* tile_counter, int full_tiles, int tail_items, Mods mods,
-                                                 int group, int nheads, int num_tiles) {
+                                                 const ScoreModArgs& mod_args, int group, int nheads, int num_tiles) {
     constexpr int BR = T::BR, BC = T::BC, D = T::D, STAGES = T::STAGES;
     tma_prefetch_desc(map_q);
     tma_prefetch_desc(map_k);
@@ -27,6 +28,12 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
     int kv_iter = 0, q_iter = 0;
     const int num_items = full_tiles + tail_items;
     for (int next = first_segment();; ++q_iter) {
+        // Varlen: the item's tile, past any holes (each drawing the next ticket as a whole tile does).
+        Tile varlen_tile{0, 0, 0};
+        if constexpr (Mods::VARLEN) {
+            while ((next >> 1) < num_items && !varlen_tile_at<BR, CAUSAL>(next >> 1, mod_args, mods.nq, varlen_tile))
+                next = draw_next_segment(tile_counter, num_items);
+        }
         const int item = next >> 1, part = next & 1;
         if (q_iter > 0) mbar_wait(sm.empty_q(), (q_iter - 1) & 1);
         if (item >= num_items) {
@@ -44,10 +51,21 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
         Segment seg{item, 0, 0, -1, false};  // a whole tile; hi below
         if (TAIL_SPLIT && item >= full_tiles)
             seg = tail_segment(item, part, full_tiles, num_tiles - full_tiles, tail_items, (nk_t + BC - 1) / BC);
-        const Tile tile = tile_at<BR, CAUSAL>(seg.tile, (nq_t + BR - 1) / BR, nheads);
+        Tile tile = tile_at<BR, CAUSAL>(seg.tile, (nq_t + BR - 1) / BR, nheads);
+        // Varlen: the tensor maps' rows are the packed ones (batch 0), the masks the sequence's.
+        SeqSpan seq{0, 0, 0, 0};
+        int batch = tile.b;
+        Mods tile_mods = mods;
+        if constexpr (Mods::VARLEN) {
+            tile = varlen_tile;
+            seg.tile = tile_index<BR, CAUSAL>(tile, (nq_t + BR - 1) / BR, nheads);
+            seq = seq_span<true>(mod_args, tile.b, nq_t, nk_t);
+            tile_mods.set_lengths(seq.nq, seq.nk);
+            batch = 0;
+        }
         const int hk = tile.h / group;
         if (seg.slot < 0) {
-            const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
+            const KeyBlocks blocks = tile_mods.template key_blocks<BC>(tile.m0, BR);
             seg.lo = blocks.begin;
             seg.hi = blocks.end;
         }
@@ -61,23 +79,24 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
             // 64 keys x D rows per panel (dims: keys, head dim, kv head, batch).
             mbar_arrive_expect_tx(sm.full_q(), T::Q_BYTES);
             for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                tma_load_4d(sm.q() + p * BR * 128, map_q, p * T::PANEL_ELEMS, tile.m0, tile.h, tile.b, sm.full_q());
+                tma_load_4d(sm.q() + p * BR * 128, map_q, p * T::PANEL_ELEMS, seq.q0 + tile.m0, tile.h, batch,
+                            sm.full_q());
             // Key blocks descending, so that the masked ones come first.
             for (int n = seg.hi - 1; n >= seg.lo; --n, ++kv_iter) {
-                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = n * BC;
+                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = seq.k0 + n * BC;
                 const u32 k_tile = sm.k(st), v_tile = sm.v(st);
                 if (use > 0) mbar_wait(sm.empty_k(st), (use - 1) & 1);
                 mbar_arrive_expect_tx(sm.full_k(st), T::KV_BYTES);
                 for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                    tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, tile.b, sm.full_k(st));
+                    tma_load_4d(k_tile + p * BC * 128, map_k, p * T::PANEL_ELEMS, n0, hk, batch, sm.full_k(st));
                 if (use > 0) mbar_wait(sm.empty_v(st), (use - 1) & 1);
                 mbar_arrive_expect_tx(sm.full_v(st), T::KV_BYTES);
                 if constexpr (T::DTYPE == E4M3) {
                     for (int p = 0; p < BC / 64; ++p)
-                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, tile.b, sm.full_v(st));
+                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, batch, sm.full_v(st));
                 } else {
                     for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
-                        tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, tile.b, sm.full_v(st));
+                        tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, batch, sm.full_v(st));
                 }
             }
         }

@@ -8,6 +8,7 @@
 // (SegmentSlot); a tile index past the last tells them to stop.
 #pragma once
 #include "common.cuh"
+#include "seq_span.cuh"
 #include "tail_split.cuh"
 
 namespace cuflash {
@@ -28,6 +29,41 @@ __device__ __forceinline__ Tile tile_at(int t, int m_blocks, int nheads) {
     if constexpr (CAUSAL) m = m_blocks - 1 - m;
     const int hb = t / m_blocks;
     return Tile{m * BR, hb % nheads, hb / nheads};
+}
+
+// Tile t of tile_at's order for a tile: its inverse.
+template <int BR, bool CAUSAL>
+__device__ __forceinline__ int tile_index(const Tile& tile, int m_blocks, int nheads) {
+    const int m = tile.m0 / BR;
+    return (tile.b * nheads + tile.h) * m_blocks + (CAUSAL ? m_blocks - 1 - m : m);
+}
+
+// Varlen (a packed batch, seq_span.cuh): the producer's items run over the
+// heads, and within a head over slots of BR query rows. Sequence b holds the
+// slots [slot0(b), slot0(b) + ceil(nq_b / BR)), slot0(b) = cu_seqlens_q[b] / BR + b,
+// at least its block count past the previous sequence's; so a head has
+// total_q / BR + num_seqs slots, of which at most num_seqs are holes, and no
+// tile spans two sequences. Item -> its tile (under a causal mask a
+// sequence's longest blocks first), or false for a hole; nq: the longest
+// sequence's length. The tile's index in tile_at's order over the longest
+// sequence's blocks (tile_index) is what the consumers receive.
+template <int BR, bool CAUSAL>
+__device__ __forceinline__ bool varlen_tile_at(int item, const ScoreModArgs& args, int nq, Tile& tile) {
+    const int slots_per_head = args.total_q / BR + args.num_seqs;
+    const int h = item / slots_per_head, slot = item - h * slots_per_head;
+    int lo = 0, hi = args.num_seqs;  // slot0(lo) <= slot < slot0(hi): find the sequence
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (args.cu_seqlens_q[mid] / BR + mid <= slot)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const SeqSpan seq = seq_span<true>(args, lo, nq, 0);
+    const int blocks = (seq.nq + BR - 1) / BR, m = slot - (seq.q0 / BR + lo);
+    if (m < 0 || m >= blocks) return false;
+    tile = Tile{(CAUSAL ? blocks - 1 - m : m) * BR, h, lo};
+    return true;
 }
 
 // A segment's position in the producer's sequence: item x 2 + part (part 0

@@ -6,7 +6,11 @@
 //   softcap  s -> softcap * tanh(s / softcap);
 //   ALiBi    s -> s - slope[b, h] * |i + diag - j|;
 //   mask     query i sees keys j < nk with i + diag - left <= j <= i + diag + right,
-//            where causal means right = 0 and a window bounds left (and right).
+//            where causal means right = 0 and a window bounds left (and right);
+//   varlen   a packed batch: sequence b's queries and keys are rows
+//            [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], ...) of the
+//            packed q and k, each its own attention (nq, nk and diag per sequence:
+//            seq_span.cuh).
 // Each option is a bit of a kernel's MODS template argument, so a kernel
 // without it compiles no trace of it; ScoreModArgs carries the values.
 //
@@ -23,6 +27,7 @@ namespace cuflash {
 constexpr int MOD_WINDOW = 1;   // a left bound, or a right bound other than causal's
 constexpr int MOD_SOFTCAP = 2;
 constexpr int MOD_ALIBI = 4;
+constexpr int MOD_VARLEN = 8;
 
 // Kernel parameter (cuflash/score_mods.py packs it, field for field).
 struct ScoreModArgs {
@@ -32,6 +37,10 @@ struct ScoreModArgs {
     float alibi_unit;               // log2(e) / c: a score's bias into the kernel's units
     const float* alibi_slopes;      // the slope of (b, h) at b * alibi_batch_stride + h
     long long alibi_batch_stride;
+    const int* cu_seqlens_q;        // varlen: sequence b's rows of the packed q start at cu_seqlens_q[b]
+    const int* cu_seqlens_k;        // and of the packed k and v at cu_seqlens_k[b]
+    int total_q, total_k;           // varlen: rows of the packed q (the lse's row stride) and k
+    int num_seqs;                   // varlen: sequences in the batch
 };
 
 __device__ __forceinline__ float tanh_approx(float x) {
@@ -53,6 +62,7 @@ struct ScoreMods {
     static constexpr bool WINDOW = MODS & MOD_WINDOW;
     static constexpr bool SOFTCAP = MODS & MOD_SOFTCAP;
     static constexpr bool ALIBI = MODS & MOD_ALIBI;
+    static constexpr bool VARLEN = MODS & MOD_VARLEN;
     static constexpr bool RIGHT_BOUND = CAUSAL || WINDOW;
 
     int nq, nk, diag;
@@ -67,6 +77,12 @@ struct ScoreMods {
         tanh_scale = SOFTCAP ? args.tanh_scale : 0.f;
         inv_score_log2 = SOFTCAP ? args.inv_score_log2 : 0.f;
         alibi_slope = 0.f;
+    }
+    // The lengths of one sequence of a packed batch (varlen).
+    __device__ __forceinline__ void set_lengths(int nq_, int nk_) {
+        nq = nq_;
+        nk = nk_;
+        diag = nk_ - nq_;
     }
     // The scores of query head h of batch b (ALiBi's slope).
     __device__ __forceinline__ void set_head(const ScoreModArgs& args, int b, int h) {
@@ -108,7 +124,7 @@ struct ScoreMods {
         const float u = fmaf(log2_approx(p) + lse2, inv_score_log2, -bias(0.f, dist));
         return score_grad(fminf(fmaxf(u, -1.f), 1.f));
     }
-    static constexpr bool ANY = MODS != 0;
+    static constexpr bool ANY = (MODS & ~MOD_VARLEN) != 0;  // an option that touches scores
 
     // Key blocks seen by query rows [m0, m0 + rows) (rows past nq included).
     template <int BC>

@@ -4,8 +4,10 @@ from . import reference, tuner
 from .backward import attention_backward, attention_vjp, backward_workspace
 from .forward import attention
 from .tuner import autotune
+from .varlen import attention_varlen, attention_varlen_backward, attention_varlen_vjp
 
 tuner.install()  # tuned configurations take precedence over dispatch's tables
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "autotune", "backward_workspace", "reference"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_varlen_vjp",
+           "attention_vjp", "autotune", "backward_workspace", "reference"]
 __version__ = "0.1.0"

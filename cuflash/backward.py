@@ -159,7 +159,7 @@ def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0
     device_id = validate.cuda_device(q)
     problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id)
     cfg, _ = dispatch.bwd_config(problem)
-    floats = launch.BackwardWorkspace.floats_for(cfg, q.shape[0], q.shape[2], q.shape[1], problem.deterministic)
+    floats = launch.BackwardWorkspace.floats_for(cfg, launch.buffer_rows(problem, q.shape)[1], problem.deterministic)
     return launch.BackwardWorkspace(floats, device_id)
 
 

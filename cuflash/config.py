@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .compile import cpp_int_constant
+
 # Head dims the kernels are instantiated for; a user head dim d (multiple of 8)
 # runs on the smallest of these >= d with the extra columns zero-filled.
 KERNEL_HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -219,7 +221,7 @@ class FwdSm90Config:
 
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every
 # backward block of query rows (32, 64 or 128) divides it, so no row-bound checks.
-BWD_ROW_PAD = 128
+BWD_ROW_PAD = cpp_int_constant("seq_span.cuh", "BWD_ROW_PAD")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -375,20 +377,20 @@ class BwdConfig:
         return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
     @staticmethod
-    def preprocess_name(dtype_name: str) -> str:
-        return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
+    def preprocess_name(dtype_name: str, varlen: bool = False) -> str:
+        return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}, {_cpp_bool(varlen)}>"
 
     @staticmethod
-    def convert_dq_name(dtype_name: str) -> str:
-        return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}>"
+    def convert_dq_name(dtype_name: str, varlen: bool = False) -> str:
+        return f"cuflash::bwd_convert_dq_kernel<{_cpp_bool(dtype_name == 'bfloat16')}, {_cpp_bool(varlen)}>"
 
-    def dq_accum_convert_name(self, dtype_name: str) -> str:
+    def dq_accum_convert_name(self, dtype_name: str, varlen: bool = False) -> str:
         """The kernel turning dq_accum into dq: the Hopper kernel leaves each
         block of dq_accum in its own (fragment) order."""
         if self.hopper:
-            args = [_cpp_bool(dtype_name == "bfloat16"), self.headdim, self.dkdv_block_m]
+            args = [_cpp_bool(dtype_name == "bfloat16"), self.headdim, self.dkdv_block_m, _cpp_bool(varlen)]
             return "cuflash::bwd_sm90_convert_dq_kernel<" + ", ".join(str(a) for a in args) + ">"
-        return self.convert_dq_name(dtype_name)
+        return self.convert_dq_name(dtype_name, varlen)
 
     def short_name(self) -> str:
         if self.hopper:

@@ -24,7 +24,7 @@ from .arrays import aligned_copy, elem_strides
 from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
-from .score_mods import ALIBI_SLOPES_WORD
+from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
 
 # Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
 # A tensor-map argument before run() writes the call's maps.
@@ -49,9 +49,24 @@ def _address(x) -> int:
     return 0 if x is None else x.data.ptr
 
 
-def _point_slopes(args: KernelArgs, address: int) -> None:
-    """The ALiBi slopes' address into the ScoreModArgs argument, every kernel's last."""
-    args.set_address(-1, address, ALIBI_SLOPES_WORD)
+def _option_addresses(slopes, cu_seqlens) -> tuple[int, int, int]:
+    """The addresses a call's options point the kernels at: ALiBi slopes, varlen cu_seqlens_q and _k."""
+    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (None, None)
+    return _address(slopes), _address(cu_q), _address(cu_k)
+
+
+def _point_options(args: KernelArgs, addresses: tuple[int, int, int]) -> None:
+    """Those addresses into the ScoreModArgs argument, every kernel's last."""
+    for address, word in zip(addresses, (ALIBI_SLOPES_WORD, CU_SEQLENS_Q_WORD, CU_SEQLENS_K_WORD)):
+        args.set_address(-1, address, word)
+
+
+def _lengths(problem, q, k) -> tuple[int, int, int]:
+    """(batch, seqlen_q, seqlen_k) of the grids: varlen's sequences and longest lengths, else q's and k's."""
+    varlen = problem.mods.varlen
+    if varlen is not None:
+        return varlen.num_seqs, problem.seqlen_q, problem.seqlen_k
+    return q.shape[0], q.shape[1], k.shape[1]
 
 
 def require_not_capturing(what: str) -> None:
@@ -144,10 +159,10 @@ class FwdSm80Launch:
     """The sm_80 forward (cuda_src/fwd_sm80.cuh): one CTA per block_m query rows of a head."""
 
     def __init__(self, cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
-        batch, seqlen_q, nheads, headdim = q.shape
-        seqlen_k = k.shape[1]
-        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+        nheads, headdim = q.shape[2:]
+        batch, seqlen_q, seqlen_k = _lengths(problem, q, k)
         mods = problem.mods
+        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0 and mods.varlen is None
         name = cfg.name_expression(problem.dtype_name, problem.causal, even_n, headdim == cfg.headdim, mods.bits)
         self.kernel = kernel(cfg.family, name, cfg.smem_bytes(), device_id)
         self.grid = (-(-seqlen_q // cfg.block_m), nheads, batch)
@@ -158,14 +173,15 @@ class FwdSm80Launch:
         self.last_addresses = None
         self.lock = threading.Lock()
 
-    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None) -> None:
-        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, _address(slopes))
+    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None, cu_seqlens=None) -> None:
+        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                     _option_addresses(slopes, cu_seqlens))
         with self.lock:
             args = self.args
             if addresses != self.last_addresses:  # else the packed arguments stand as they are
                 for slot, address in enumerate(addresses[:-1]):
                     args.set_address(slot, address)
-                _point_slopes(args, addresses[-1])
+                _point_options(args, addresses[-1])
                 self.last_addresses = addresses
             self.kernel.launch(self.grid, self.threads, args, stream)
 
@@ -177,23 +193,28 @@ class FwdSm90Launch:
     MAP_Q, MAP_K, MAP_V, MAP_O, OUT, LSE, DESCALE_Q, DESCALE_K, DESCALE_V, TICKET, WS_O, WS_LSE, TAIL = range(13)
 
     def __init__(self, cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
-        batch, seqlen_q, nheads, headdim = q.shape
-        seqlen_k = k.shape[1]
+        nheads, headdim = q.shape[2:]
+        batch, seqlen_q, seqlen_k = _lengths(problem, q, k)
         self.cfg = cfg
         self.threads = cfg.threads
         self.fp8 = problem.dtype_name == FP8_DTYPE_NAME
         # Tensor maps need 16-byte multiples for every stride they step over (not only alignment).
         self.copies = tuple(not tma.usable(x) for x in (q, k, v))
-        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-        smem = cfg.smem_bytes(problem.dtype_name)
         mods = problem.mods
+        even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0 and mods.varlen is None
+        smem = cfg.smem_bytes(problem.dtype_name)
         self.kernel = kernel(cfg.family, cfg.name_expression(problem.dtype_name, problem.causal, even_n,
                                                              mods=mods.bits), smem, device_id)
         self.device_id = device_id
         num_tiles = -(-seqlen_q // cfg.block_m) * nheads * batch
-        ctas = sm_count(device_id) if cfg.persistent else num_tiles
         split = tail_split.TailSplit(num_tiles, 0)
-        if cfg.persistent and not problem.causal and mods.window is None and cfg.headdim < 256:  # TAIL_SPLIT
+        if mods.varlen is not None:
+            # Items over slots of block_m packed query rows per head (varlen_tile_at,
+            # cuda_src/fwd_sm90_scheduler.cuh); num_tiles stays the bound of the tile indices.
+            split = tail_split.TailSplit(nheads * (mods.varlen.total_q // cfg.block_m + batch), 0)
+        ctas = sm_count(device_id) if cfg.persistent else split.full_tiles
+        if (cfg.persistent and not problem.causal and mods.window is None and mods.varlen is None
+                and cfg.headdim < 256):  # TAIL_SPLIT
             split = tail_split.plan(num_tiles, ctas, -(-seqlen_k // cfg.block_n))
         self.grid = (min(split.full_tiles + split.items, ctas), 1, 1)
         self.split_tiles = split.split_tiles(num_tiles) if split.items else 0
@@ -220,7 +241,7 @@ class FwdSm90Launch:
         map_o = tma.seq_major_map(out, cfg.block_m // 2) if cfg.stage_o else map_q  # map_q: not read
         return map_q, tma.seq_major_map(k, cfg.block_n), map_v, map_o
 
-    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None) -> None:
+    def run(self, q, k, v, out, lse, stream: int, descale=None, slopes=None, cu_seqlens=None) -> None:
         if self.copies != (False, False, False):
             q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), self.copies))
         if self.fp8:
@@ -230,14 +251,14 @@ class FwdSm90Launch:
         # out again only in stream order (to later work on this stream).
         addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream,
                      None if descale is None else tuple(x.data.ptr for x in descale),
-                     _address(slopes))
+                     _option_addresses(slopes, cu_seqlens))
         with self.lock:
             args = self.args
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(args, q, k, v, out, lse, stream, descale)
-                _point_slopes(args, addresses[-1])
+                _point_options(args, addresses[-1])
                 self.last_addresses = addresses
             self.kernel.launch(self.grid, self.threads, args, stream)
 
@@ -277,6 +298,17 @@ def padded_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // BWD_ROW_PAD) * BWD_ROW_PAD
 
 
+def buffer_rows(problem, q_shape) -> tuple[int, int]:
+    """(rows per head, rows in all) of the backward's per-row buffers (cuda_src/seq_span.cuh):
+    padded rows per (batch, head), or varlen every sequence's padded rows per head."""
+    varlen, nheads = problem.mods.varlen, q_shape[2]
+    if varlen is not None:
+        per_head = padded_rows(varlen.total_q) + varlen.num_seqs * BWD_ROW_PAD  # each head's rows start aligned
+        return per_head, nheads * per_head
+    per_head = padded_rows(q_shape[1])
+    return per_head, q_shape[0] * nheads * per_head
+
+
 class BackwardWorkspace:
     """The backward's scratch for calls up to a size: lse * log2(e) and rowsum(dO * O) per query row
     (float32, padded rows), and the float32 dQ accumulator of the atomic (non-deterministic) mode.
@@ -291,8 +323,8 @@ class BackwardWorkspace:
         self.device_id = device_id
 
     @staticmethod
-    def floats_for(cfg: BwdConfig, batch: int, nheads: int, seqlen_q: int, deterministic: bool) -> int:
-        rows = batch * nheads * padded_rows(seqlen_q)
+    def floats_for(cfg: BwdConfig, rows: int, deterministic: bool) -> int:
+        """The floats for a call whose per-row buffers have `rows` rows (buffer_rows)."""
         return 2 * rows + (0 if deterministic else rows * cfg.headdim)
 
 
@@ -302,16 +334,17 @@ class BwdLaunch:
     def __init__(self, cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv, device_id: int):
         dtype_name, causal = problem.dtype_name, problem.causal
         self.cfg, self.device_id = cfg, device_id
-        batch, seqlen_q, nheads, headdim = q.shape
-        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+        nheads, headdim = q.shape[2:]
+        nheads_kv = k.shape[2]
+        batch, seqlen_q, seqlen_k = _lengths(problem, q, k)
         self.atomic_dq = not problem.deterministic
-        nq_pad = padded_rows(seqlen_q)
-        self.rows = batch * nheads * nq_pad
-        self.floats = BackwardWorkspace.floats_for(cfg, batch, nheads, seqlen_q, problem.deterministic)
+        mods = problem.mods
+        varlen = mods.varlen is not None
+        nq_pad, self.rows = buffer_rows(problem, q.shape)
+        self.floats = BackwardWorkspace.floats_for(cfg, self.rows, problem.deterministic)
         self.copies = tuple(cfg.hopper and not tma.usable(x) for x in (q, k, v, dout))
         ints = (numpy.int32(seqlen_q), numpy.int32(seqlen_k), numpy.int32(headdim), numpy.int32(problem.group),
                 numpy.int32(nq_pad))
-        mods = problem.mods
         # the exponent factor, the gradients' scale, and the score options (every kernel's last three arguments)
         scales = (numpy.float32(mods.score_log2(scale)), numpy.float32(scale),
                   mods.kernel_args(seqlen_q, seqlen_k, scale))
@@ -320,14 +353,14 @@ class BwdLaunch:
         scratch = lse
 
         # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
-        self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name), 0, device_id)
-        self.pre_grid = (-(-nq_pad // ROWS_PER_CTA), nheads, batch)
+        self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
+        self.pre_grid = (-(-padded_rows(seqlen_q) // ROWS_PER_CTA), nheads, batch)
         # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
         dout_strides = _contiguous_strides(dout.shape) if self.copies[3] else _strides(dout)
         self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, numpy.int32(seqlen_q), numpy.int32(nq_pad),
-                                    numpy.int32(headdim), *_strides(out), *dout_strides])
+                                    numpy.int32(headdim), *_strides(out), *dout_strides, scales[-1]])
 
-        even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0
+        even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0 and not varlen
         self.dkdv = kernel(cfg.kernel_family,
                            cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq, mods.bits),
                            cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
@@ -340,15 +373,15 @@ class BwdLaunch:
                                          *_strides(q, k, v, dout, dk, dv), *scales])
 
         if self.atomic_dq:
-            self.last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name), 0, device_id)
+            self.last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name, varlen), 0, device_id)
             self.last_grid = (-(-seqlen_q // ROWS_PER_CTA), nheads, batch)
             self.last_threads = 32 * ROWS_PER_CTA
             sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
             if not cfg.hopper:
                 sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
-            self.last_args = KernelArgs([scratch, dq, *sizes, *_strides(dq), numpy.float32(scale)])
+            self.last_args = KernelArgs([scratch, dq, *sizes, *_strides(dq), numpy.float32(scale), scales[-1]])
         else:
-            even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0
+            even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0 and not varlen
             self.last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d, mods.bits),
                                cfg.dq_smem_bytes(), device_id)
             self.last_grid = (-(-seqlen_q // cfg.dq_block_m), nheads, batch)
@@ -367,7 +400,7 @@ class BwdLaunch:
                 tma.seq_major_map(dout, block_m))
 
     def run(self, q, k, v, dout, out, lse, dq, dk, dv, stream: int, workspace: BackwardWorkspace | None,
-            slopes=None) -> None:
+            slopes=None, cu_seqlens=None) -> None:
         cfg = self.cfg
         if workspace is None:
             require_not_capturing("attention_backward without workspace=")
@@ -379,16 +412,15 @@ class BwdLaunch:
         delta = lse2 + 4 * self.rows
         dq_accum = delta + 4 * self.rows
         q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
-        slopes_address = _address(slopes)
-        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, slopes_address)
+        options = _option_addresses(slopes, cu_seqlens)
+        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, options)
         with self.lock:
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
                 self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum)
-                _point_slopes(self.dkdv_args, slopes_address)
-                if not self.atomic_dq:
-                    _point_slopes(self.last_args, slopes_address)
+                for args in (self.pre_args, self.dkdv_args, self.last_args):
+                    _point_options(args, options)
                 self.last_addresses = addresses
             self.pre.launch(self.pre_grid, 32 * ROWS_PER_CTA, self.pre_args, stream)
             if self.atomic_dq:

@@ -1,4 +1,5 @@
-"""The score options beyond softmax(Q K^T * scale): sliding window, softcap, ALiBi.
+"""The score options beyond softmax(Q K^T * scale): sliding window, softcap, ALiBi, and the
+block-diagonal mask of a packed batch of sequences (varlen).
 
 `ScoreMods` is what a call asked for, normalised, as dispatch and launch read
 it: the kernels' MODS template bits and their `ScoreModArgs` parameter
@@ -19,6 +20,7 @@ from .compile import cpp_int_constant
 MOD_WINDOW = cpp_int_constant("score_mods.cuh", "MOD_WINDOW")
 MOD_SOFTCAP = cpp_int_constant("score_mods.cuh", "MOD_SOFTCAP")
 MOD_ALIBI = cpp_int_constant("score_mods.cuh", "MOD_ALIBI")
+MOD_VARLEN = cpp_int_constant("score_mods.cuh", "MOD_VARLEN")
 
 LOG2E = math.log2(math.e)
 
@@ -26,27 +28,41 @@ LOG2E = math.log2(math.e)
 KERNEL_ARGS_DTYPE = numpy.dtype([
     ("window_left", "<i4"), ("window_right", "<i4"), ("tanh_scale", "<f4"), ("inv_score_log2", "<f4"),
     ("alibi_unit", "<f4"), ("alibi_slopes", "<u8"), ("alibi_batch_stride", "<i8"),
+    ("cu_seqlens_q", "<u8"), ("cu_seqlens_k", "<u8"), ("total_q", "<i4"), ("total_k", "<i4"), ("num_seqs", "<i4"),
 ], align=True)
-# The 8-byte word of the packed struct that holds the slopes' address (rewritten per call).
+# The 8-byte words of the packed struct that hold addresses (rewritten per call).
 ALIBI_SLOPES_WORD = KERNEL_ARGS_DTYPE.fields["alibi_slopes"][1] // 8
+CU_SEQLENS_Q_WORD = KERNEL_ARGS_DTYPE.fields["cu_seqlens_q"][1] // 8
+CU_SEQLENS_K_WORD = KERNEL_ARGS_DTYPE.fields["cu_seqlens_k"][1] // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """A packed batch (cuda_src/seq_span.cuh): num_seqs sequences in total_q query and total_k key rows."""
+
+    num_seqs: int
+    total_q: int
+    total_k: int
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoreMods:
     """window: (left, right) key offsets from a query's diagonal, -1 unbounded, None without a
     window (a causal mask is the call's `causal`, with right = 0); softcap: 0 = off; alibi: slopes
-    given, their batch stride in elements (0 for shape (nheads,))."""
+    given, their batch stride in elements (0 for shape (nheads,)); varlen: the packed batch's
+    sequence count and total query and key rows, None for a batch of equal lengths."""
 
     window: tuple[int, int] | None = None
     softcap: float = 0.0
     alibi: bool = False
     alibi_batch_stride: int = 0
+    varlen: Varlen | None = None
 
     @property
     def bits(self) -> int:
         """The kernels' MODS template argument."""
         return ((MOD_WINDOW if self.window is not None else 0) | (MOD_SOFTCAP if self.softcap else 0)
-                | (MOD_ALIBI if self.alibi else 0))
+                | (MOD_ALIBI if self.alibi else 0) | (MOD_VARLEN if self.varlen is not None else 0))
 
     def score_log2(self, scale: float) -> float:
         """c, the kernels' exponent factor: P = 2^(u c - m c) for a score u in the kernels' units."""
@@ -65,6 +81,9 @@ class ScoreMods:
             args["inv_score_log2"] = 1.0 / c
         args["alibi_unit"] = LOG2E / c
         args["alibi_batch_stride"] = self.alibi_batch_stride
+        if self.varlen is not None:
+            args["total_q"], args["total_k"], args["num_seqs"] = (self.varlen.total_q, self.varlen.total_k,
+                                                                  self.varlen.num_seqs)
         return numpy.frombuffer(args.tobytes(), numpy.uint64).copy()
 
 
@@ -72,8 +91,8 @@ NONE = ScoreMods()
 
 
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
-              seqlen_q: int, seqlen_k: int) -> tuple[bool, ScoreMods]:
-    """(causal, ScoreMods) for validated options at these lengths.
+              seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None) -> tuple[bool, ScoreMods]:
+    """(causal, ScoreMods) for validated options at these lengths (varlen: the longest sequence's).
 
     A bound that every (query, key) pair passes is dropped (left >= seqlen_k - 1,
     right >= seqlen_q - 1), so such a window runs the plain kernel; a window
@@ -90,4 +109,4 @@ def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch
         causal = True
     window = None if left < 0 and (right < 0 or causal) else (left, right)
     alibi = alibi_batch_stride is not None
-    return causal, ScoreMods(window, float(softcap), alibi, alibi_batch_stride or 0)
+    return causal, ScoreMods(window, float(softcap), alibi, alibi_batch_stride or 0, varlen)

@@ -1,0 +1,215 @@
+"""`attention_varlen`, `attention_varlen_backward`, `attention_varlen_vjp`: packed batches of
+sequences of different lengths, flash-attn's `flash_attn_varlen_func` layout.
+
+q is (total_q, nheads, headdim) and k, v (total_k, nheads_kv, headdim): the
+sequences one after another, sequence b at rows cu_seqlens_q[b] ..
+cu_seqlens_q[b + 1] of q (and cu_seqlens_k of k, v). Each sequence is its own
+attention, every option applied per sequence (causal and window diagonals
+bottom-right aligned in each). The lse is (nheads, total_q).
+
+The kernels are the ones of `attention` with the MOD_VARLEN bit: they read the
+offsets on the device, and no tile spans two sequences (cuda_src/seq_span.cuh).
+The arrays go to them as (1, total, heads, headdim) views, so that the
+forward's and backward's launches serve both layouts.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from . import dispatch, launch, validate
+from .arrays import aligned_copy, is_aligned
+from .config import FP8_DTYPE_NAME
+from .device import compute_capability, cupy, max_smem_per_block
+from .score_mods import Varlen, normalise
+
+
+def _require_3d(**arrays) -> None:
+    for name, x in arrays.items():
+        validate.require_cupy_array(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dims (total, nheads, headdim), got shape {x.shape}")
+
+
+def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int, device):
+    """(cu_seqlens_q, cu_seqlens_k) on q's device, after validation, and the sequence count.
+
+    Host (NumPy) offsets are checked value by value and copied to the device;
+    device offsets are the caller's contract (reading them would synchronise):
+    the kernels clamp every offset into the packed rows and every length to
+    max_seqlen, so wrong ones give wrong results, never an access outside q, k, v or out.
+    """
+    num_seqs = validate.cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
+    validate.cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, num_seqs)
+    for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        validate.max_seqlen(name, value, cu if isinstance(cu, numpy.ndarray) else None)
+    if num_seqs > validate.MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {validate.MAX_GRID_YZ} sequences, got {num_seqs}")
+    cp = cupy()
+    on_device = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(cu, numpy.ndarray):
+            launch.require_not_capturing(f"attention_varlen with a host {name}")
+            with device:
+                cu = cp.asarray(cu)
+        elif cu.device != device:
+            raise ValueError(f"{name} is on device {cu.device.id}, q on device {device.id}")
+        on_device.append(cu)
+    return tuple(on_device), num_seqs
+
+
+def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs):
+    """(causal, ScoreMods) of a varlen call: the options normalised at the longest lengths."""
+    window = validate.window_size(window_size, bool(causal))
+    cap = validate.softcap(softcap)
+    slopes_stride = validate.alibi_slopes(alibi_slopes, num_seqs, q.shape[1])
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    return normalise(bool(causal), window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
+                     Varlen(num_seqs, q.shape[0], k.shape[0]))
+
+
+def _packed(*arrays):
+    """(1, total, heads, headdim) views, the layout the launches read."""
+    return tuple(None if x is None else x[None] for x in arrays)
+
+
+def _aligned(*arrays):
+    """The arrays' views as the kernels read them: aligned copies where needed (arrays.is_aligned)."""
+    return tuple(x if is_aligned(x) else aligned_copy(x) for x in _packed(*arrays))
+
+
+def _output(name: str, x, ref, ref_name: str) -> None:
+    """An output the kernels write in place: validate.output of the packed views."""
+    validate.like(name, x, ref, ref_name)
+    validate.output(name, *_packed(x, ref), ref_name)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, return_lse=False,
+                     out=None, lse=None):
+    """Exact attention of a packed batch of sequences of different lengths.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), cupy
+    float16 or bfloat16, last dim contiguous. cu_seqlens_q, cu_seqlens_k: int32
+    (batch + 1,) offsets of the sequences (empty sequences allowed), NumPy
+    (checked, then copied to the device) or CuPy (used as they are: the
+    caller guarantees 0 = cu[0] <= ... <= cu[batch] = total). max_seqlen_q,
+    max_seqlen_k: at least the longest query and key sequence.
+    causal, window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads)),
+    softmax_scale: as `attention`, per sequence.
+    out, lse: optional arrays to write: q's shape and dtype (16-byte aligned),
+    float32 (nheads, total_q) C-contiguous.
+    Returns out; with return_lse=True, (out, lse).
+    """
+    _require_3d(q=q, k=k, v=v)
+    q4, k4, v4 = _packed(q, k, v)
+    dtype_name = validate.qkv(q4, k4, v4, allow_fp8=True)
+    if dtype_name == FP8_DTYPE_NAME:
+        raise TypeError("q: attention_varlen takes float16 or bfloat16 (fp8 runs with attention's equal lengths)")
+    scale = validate.softmax_scale(softmax_scale, q.shape[2])
+    device_id = validate.cuda_device(q)
+    total_q, nheads, headdim = q.shape
+    total_k, nheads_kv = k.shape[:2]
+    cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
+                                    q.device)
+    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
+    if out is not None:
+        _output("out", out, q, "q")
+    if lse is not None:
+        _lse_array(lse, q, writable=True)
+    cp = cupy()
+    with q.device:
+        if out is None or lse is None:
+            launch.require_not_capturing("attention_varlen without out= and lse=")
+        out = cp.empty(q.shape, q.dtype) if out is None else out
+        lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
+        if total_q == 0:
+            return (out, lse) if return_lse else out
+        if total_k == 0:
+            out.fill(0)
+            lse.fill(-numpy.inf)
+            return (out, lse) if return_lse else out
+        q_, k_, v_ = _aligned(q, k, v)
+        problem = dispatch.FwdProblem(dtype_name, headdim, causal, max_seqlen_q, max_seqlen_k, nheads // nheads_kv,
+                                      max_smem_per_block(device_id), compute_capability(device_id), mods)
+        cfg, _ = dispatch.fwd_config(problem)
+        (out4,) = _packed(out)
+        prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
+        prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, alibi_slopes, cu_seqlens)
+    return (out, lse) if return_lse else out
+
+
+def _lse_array(lse, q, *, writable: bool) -> None:
+    """A varlen logsumexp: float32 (nheads, total_q) on q's device, C-contiguous when written."""
+    validate.require_cupy_array("lse", lse)
+    expected = (q.shape[1], q.shape[0])
+    if lse.shape != expected:
+        raise ValueError(f"lse must have shape (nheads, total_q) = {expected}, got {lse.shape}")
+    if lse.dtype != numpy.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on device {lse.device.id}, q on device {q.device.id}")
+    if writable and not lse.flags.c_contiguous:
+        raise ValueError(f"lse must be C-contiguous (the kernels write it in place), got strides {lse.strides}")
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of `attention_varlen` given dout = dL/d(out).
+
+    out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
+    with the same offsets and options; deterministic, dq, dk, dv as `attention_backward`.
+    """
+    _require_3d(dout=dout, q=q, k=k, v=v, out=out)
+    dtype_name = validate.qkv(*_packed(q, k, v))
+    validate.like("dout", dout, q, "q")
+    validate.like("out", out, q, "q")
+    _lse_array(lse, q, writable=False)
+    for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
+        if x is not None:
+            _output(name, x, ref, ref_name)
+    scale = validate.softmax_scale(softmax_scale, q.shape[2])
+    device_id = validate.cuda_device(q)
+    total_q, nheads, headdim = q.shape
+    total_k, nheads_kv = k.shape[:2]
+    cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
+                                    q.device)
+    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
+    cp = cupy()
+    with q.device:
+        if dq is None or dk is None or dv is None:
+            launch.require_not_capturing("attention_varlen_backward without dq=, dk= and dv=")
+        dq = cp.empty(q.shape, q.dtype) if dq is None else dq
+        dk = cp.empty(k.shape, k.dtype) if dk is None else dk
+        dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        if total_q == 0 or total_k == 0:
+            for g in (dq, dk, dv):
+                g.fill(0)
+            return dq, dk, dv
+        q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
+        dq4, dk4, dv4 = _packed(dq, dk, dv)
+        lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)
+        problem = dispatch.BwdProblem(dtype_name, headdim, causal, max_seqlen_q, max_seqlen_k, nheads // nheads_kv,
+                                      bool(deterministic), max_smem_per_block(device_id),
+                                      compute_capability(device_id), mods)
+        cfg, _ = dispatch.bwd_config(problem)
+        prepared = launch.prepare_bwd(cfg, problem, scale, q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, device_id)
+        prepared.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None,
+                     alibi_slopes, cu_seqlens)
+    return dq, dk, dv
+
+
+def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None):
+    """out = attention_varlen(...) and a function dout -> (dq, dk, dv), as `attention_vjp`."""
+    offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   softmax_scale=softmax_scale)
+    out, lse = attention_varlen(q, k, v, *offsets, return_lse=True, **options)
+
+    def vjp(dout, *, deterministic=False):
+        return attention_varlen_backward(dout, q, k, v, out, lse, *offsets, deterministic=deterministic, **options)
+
+    return out, vjp

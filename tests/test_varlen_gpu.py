@@ -1,0 +1,237 @@
+"""Packed batches of different lengths: cuflash.attention_varlen, attention_varlen_backward and
+attention_varlen_vjp against cuflash.reference's varlen functions with the 2x rule.
+
+Both kernel families run every accuracy case (the `kernel` fixture). Lengths
+mix empty sequences, single rows, awkward lengths and Nq != Nk per sequence;
+outputs start poisoned, so a row the kernels leave unwritten shows.
+"""
+
+import cupy
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from tests.numerics import ATOL, DTYPES, assert_close_2x, mentions, randn
+
+pytestmark = pytest.mark.gpu
+
+# (query lengths, key lengths) per sequence.
+LENGTHS = {
+    "awkward": ([17, 1, 257, 0, 97, 1025], [17, 1, 257, 0, 97, 1025]),
+    "q_ne_k": ([97, 300, 1, 64, 0], [300, 97, 65, 0, 17]),
+    "one": ([129], [1000]),
+    "many_short": ([1, 3, 7, 2, 16, 9, 31, 5, 128, 4] * 3, [2, 3, 70, 1, 16, 9, 40, 5, 130, 4] * 3),
+}
+OPTIONS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(32, 8)),
+    "window_causal": dict(window_size=(48, -1), causal=True),
+    "softcap_alibi": dict(softcap=4.0, alibi=True),
+    "all_causal": dict(window_size=(64, -1), causal=True, softcap=3.0, alibi=True),
+}
+POISON = 1e4
+
+
+def offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed(rng, dtype, lengths_q, lengths_k, nheads, nheads_kv, headdim, with_dout=False):
+    """Host arrays (dout?, q, k, v) of a packed batch, their device copies, and the offsets."""
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    host = [randn(rng, (total_q, nheads, headdim), dtype)] if with_dout else []
+    host += [randn(rng, (total_q, nheads, headdim), dtype), randn(rng, (total_k, nheads_kv, headdim), dtype),
+             randn(rng, (total_k, nheads_kv, headdim), dtype)]
+    return host, [cupy.asarray(x) for x in host], offsets(lengths_q), offsets(lengths_k)
+
+
+def materialise(name, rng, batch, nheads):
+    """(host kwargs, device kwargs) of the named options, with (batch, nheads) ALiBi slopes where asked."""
+    options = dict(OPTIONS[name])
+    if not options.pop("alibi", False):
+        return options, options
+    slopes = rng.uniform(0.01, 0.3, (batch, nheads)).astype(np.float32)
+    return {**options, "alibi_slopes": slopes}, {**options, "alibi_slopes": cupy.asarray(slopes)}
+
+
+def check_lse(lse, ref_lse):
+    lse = lse.get().astype(np.float64)
+    assert lse.shape == ref_lse.shape
+    masked = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), masked)
+    np.testing.assert_allclose(lse[~masked], ref_lse[~masked], rtol=1e-3, atol=1e-3)
+
+
+def run_forward(dev, cu_q, cu_k, lengths_q, lengths_k, dev_kw, device_offsets=False):
+    q = dev[-3]
+    out = cupy.full(q.shape, POISON, q.dtype)
+    lse = cupy.full((q.shape[1], q.shape[0]), POISON, cupy.float32)
+    cu = (cupy.asarray(cu_q), cupy.asarray(cu_k)) if device_offsets else (cu_q, cu_k)
+    result = cuflash.attention_varlen(*dev[-3:], *cu, max(lengths_q), max(lengths_k), return_lse=True, out=out,
+                                      lse=lse, **dev_kw)
+    assert result[0] is out and result[1] is lse
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_forward(kernel, rng, dtype, name, lengths):
+    lengths_q, lengths_k = LENGTHS[lengths]
+    host, dev, cu_q, cu_k = packed(rng, dtype, lengths_q, lengths_k, 4, 2, 128)
+    host_kw, dev_kw = materialise(name, rng, len(lengths_q), 4)
+    out, lse = run_forward(dev, cu_q, cu_k, lengths_q, lengths_k, dev_kw, device_offsets=name == "plain")
+    ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, return_lse=True, **host_kw)
+    naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=dtype, **host_kw)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("headdim", [32, 64, 96, 256])
+@pytest.mark.parametrize("name", ["plain", "window_causal"])
+def test_forward_headdims(kernel, rng, headdim, name):
+    lengths_q, lengths_k = LENGTHS["q_ne_k"]
+    host, dev, cu_q, cu_k = packed(rng, ml_dtypes.bfloat16, lengths_q, lengths_k, 2, 1, headdim)
+    host_kw, dev_kw = materialise(name, rng, len(lengths_q), 2)
+    out, lse = run_forward(dev, cu_q, cu_k, lengths_q, lengths_k, dev_kw)
+    ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, return_lse=True, **host_kw)
+    naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=host[0].dtype, **host_kw)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(ml_dtypes.bfloat16)])
+    check_lse(lse, ref_lse)
+
+
+def test_forward_equals_attention_per_sequence(kernel, rng):
+    """A packed batch of one sequence length gives attention's result on the (batch, seqlen) layout."""
+    batch, n, nheads, headdim = 3, 200, 4, 64
+    q, k, v = (cupy.asarray(randn(rng, (batch, n, nheads, headdim), np.float16)) for _ in range(3))
+    cu = offsets([n] * batch)
+    out, lse = cuflash.attention_varlen(*(x.reshape(batch * n, nheads, headdim) for x in (q, k, v)), cu, cu, n, n,
+                                        causal=True, return_lse=True)
+    ref_out, ref_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    host_ref = reference.attention(q.get(), k.get(), v.get(), causal=True)
+    naive = reference.attention_naive_lowp(q.get(), k.get(), v.get(), causal=True, dtype=np.float16)
+    assert_close_2x(out.get().reshape(batch, n, nheads, headdim), host_ref, naive, ATOL[np.dtype(np.float16)])
+    np.testing.assert_allclose(lse.get().reshape(nheads, batch, n).transpose(1, 0, 2), ref_lse.get(), atol=1e-4)
+    np.testing.assert_allclose(out.get().reshape(batch, n, nheads, headdim).astype(np.float32),
+                               ref_out.get().astype(np.float32), atol=2e-3)
+
+
+def test_forward_strided_views(kernel, rng):
+    """q the second half of a wider head dim, k and v interleaved in one array."""
+    lengths_q, lengths_k = [33, 0, 130], [70, 5, 129]
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    wide = randn(rng, (sum(lengths_q), 4, 128), np.float16)
+    kv = randn(rng, (sum(lengths_k), 2, 2, 64), np.float16)
+    host = (wide[:, :, 64:], kv[:, 0], kv[:, 1])
+    dev_wide, dev_kv = cupy.asarray(wide), cupy.asarray(kv)
+    dev = (dev_wide[:, :, 64:], dev_kv[:, 0], dev_kv[:, 1])
+    out, lse = run_forward(dev, cu_q, cu_k, lengths_q, lengths_k, dict(causal=True))
+    ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, causal=True, return_lse=True)
+    naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, causal=True, dtype=np.float16)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
+    check_lse(lse, ref_lse)
+
+
+# --- Backward ---------------------------------------------------------------
+
+
+def check_backward(rng, dtype, lengths, name, deterministic, headdim=128):
+    lengths_q, lengths_k = LENGTHS[lengths]
+    host, dev, cu_q, cu_k = packed(rng, dtype, lengths_q, lengths_k, 4, 2, headdim, with_dout=True)
+    host_kw, dev_kw = materialise(name, rng, len(lengths_q), 4)
+    longest = (max(lengths_q), max(lengths_k))
+    out, lse = cuflash.attention_varlen(*dev[1:], cu_q, cu_k, *longest, return_lse=True, **dev_kw)
+    grads = [cupy.full(x.shape, POISON, x.dtype) for x in dev[1:]]
+    result = cuflash.attention_varlen_backward(dev[0], *dev[1:], out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                               *longest, deterministic=deterministic, dq=grads[0], dk=grads[1],
+                                               dv=grads[2], **dev_kw)
+    assert all(g is r for g, r in zip(grads, result))
+    refs = reference.attention_varlen_backward(*host, cu_q, cu_k, **host_kw)
+    naives = reference.attention_varlen_backward_naive_lowp(*host, cu_q, cu_k, dtype=dtype, **host_kw)
+    for grad, ref, naive in zip(grads, refs, naives):
+        assert_close_2x(grad.get(), ref, naive, ATOL[np.dtype(dtype)])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("lengths", ["awkward", "q_ne_k", "many_short"])
+def test_backward(kernel, rng, deterministic, dtype, name, lengths):
+    check_backward(rng, dtype, lengths, name, deterministic)
+
+
+@pytest.mark.parametrize("headdim", [64, 96])
+@pytest.mark.parametrize("name", ["plain", "window_causal"])
+def test_backward_headdims(kernel, rng, headdim, name):
+    check_backward(rng, np.float16, "q_ne_k", name, False, headdim)
+
+
+def test_backward_deterministic_is_bitwise(kernel):
+    lengths_q, lengths_k = LENGTHS["awkward"]
+    host, dev, cu_q, cu_k = packed(np.random.default_rng(1), np.float16, lengths_q, lengths_k, 4, 2, 128, True)
+    runs = []
+    for _ in range(2):
+        out, vjp = cuflash.attention_varlen_vjp(*dev[1:], cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                                softcap=3.0, window_size=(64, -1))
+        runs.append([g.get().view(np.uint16) for g in vjp(dev[0], deterministic=True)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_vjp_matches_reference(kernel, rng):
+    lengths_q, lengths_k = LENGTHS["q_ne_k"]
+    host, dev, cu_q, cu_k = packed(rng, ml_dtypes.bfloat16, lengths_q, lengths_k, 4, 4, 64, with_dout=True)
+    out, vjp = cuflash.attention_varlen_vjp(*dev[1:], cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                            window_size=(16, 16))
+    ref = reference.attention_varlen(*host[1:], cu_q, cu_k, window_size=(16, 16))
+    naive = reference.attention_varlen_naive_lowp(*host[1:], cu_q, cu_k, window_size=(16, 16),
+                                                  dtype=ml_dtypes.bfloat16)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(ml_dtypes.bfloat16)])
+    refs = reference.attention_varlen_backward(*host, cu_q, cu_k, window_size=(16, 16))
+    naives = reference.attention_varlen_backward_naive_lowp(*host, cu_q, cu_k, window_size=(16, 16),
+                                                            dtype=ml_dtypes.bfloat16)
+    for grad, r, n in zip(vjp(dev[0]), refs, naives):
+        assert_close_2x(grad.get(), r, n, ATOL[np.dtype(ml_dtypes.bfloat16)])
+
+
+# --- Bad input --------------------------------------------------------------
+
+
+def test_bad_offsets_name_the_argument(rng):
+    host, dev, cu_q, cu_k = packed(rng, np.float16, [5, 7], [5, 7], 2, 2, 64)
+    q, k, v = dev
+    cases = [
+        (dict(cu_seqlens_q=cu_q[:-1]), "cu_seqlens_q"),  # ends short of total_q
+        (dict(cu_seqlens_q=cu_q.astype(np.int64)), "cu_seqlens_q"),
+        (dict(cu_seqlens_k=np.array([0, 7, 5], np.int32)), "cu_seqlens_k"),  # decreasing
+        (dict(cu_seqlens_k=offsets([5, 7, 0])), "cu_seqlens_k"),  # another batch size
+        (dict(max_seqlen_q=6), "max_seqlen_q"),  # shorter than a sequence
+        (dict(max_seqlen_k=0), "max_seqlen_k"),
+    ]
+    for change, name in cases:
+        args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7)
+        args.update(change)
+        with pytest.raises((ValueError, TypeError), match=mentions(name)):
+            cuflash.attention_varlen(q, k, v, **args)
+    with pytest.raises(ValueError, match=mentions("q")):
+        cuflash.attention_varlen(q[None], k, v, cu_q, cu_k, 7, 7)
+    with pytest.raises(ValueError, match=mentions("alibi_slopes")):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, alibi_slopes=cupy.ones((3, 2), cupy.float32))
+    with pytest.raises(ValueError, match=mentions("lse")):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, lse=cupy.empty((12, 2), cupy.float32))
+
+
+def test_device_offsets_out_of_range_stay_in_bounds(rng):
+    """Wrong device offsets (the caller's contract) give wrong results but touch nothing outside
+    q, k, v and out: the rows around out are guard rows that must keep their poison."""
+    lengths = [40, 60]
+    host, dev, cu_q, cu_k = packed(rng, np.float16, lengths, lengths, 2, 2, 64)
+    guarded = cupy.full((sum(lengths) + 256, 2, 64), POISON, cupy.float16)
+    out = guarded[128:-128]
+    bad = cupy.asarray(np.array([-500, 30, 10_000], np.int32))
+    cuflash.attention_varlen(*dev, bad, bad, 100, 100, out=out)
+    guard = cupy.concatenate([guarded[:128], guarded[-128:]]).get()
+    assert np.all(guard == np.float16(POISON))
