@@ -29,7 +29,7 @@ and cuflash-det's dq, dk, dv against torch-flash's (against a float32 CuPy
 backward on one batch entry and a few heads when torch is missing), and two
 cuflash-det calls must give bitwise identical gradients.
 
-With ``--fp8``: cuflash.bench.fp8.
+With ``--fp8``: cuflash.bench.fp8. With ``--varlen``: cuflash.bench.varlen.
 
 With ``--window``, ``--softcap`` or ``--alibi`` (flash-attn's options, in any
 combination; cuflash.bench.variants) every shape times, forward or
@@ -77,6 +77,9 @@ def parse_args(argv):
     parser.add_argument("--fp8", action="store_true",
                         help="fp8 e4m3 forward (Hopper): cuflash-fp8 next to cuflash and torch-cudnn on "
                              "bf16 inputs, then fp8 and bf16 errors against float64")
+    parser.add_argument("--varlen", action="store_true",
+                        help="packed batches of different lengths (attention_varlen): cuflash next to "
+                             "cuflash on the padded batch and torch's FlashAttention-2 varlen kernels")
     parser.add_argument("--headdim", action="append", metavar="D",
                         help="head dimension(s), e.g. 64,128 (default: both)")
     parser.add_argument("--seqlen", action="append", metavar="N",
@@ -145,6 +148,10 @@ def _variant(parser, args) -> Variant:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # CuPy, torch and the kernels load only past option parsing: --help needs none of them.
+    if args.varlen:
+        from .varlen import run as run_varlen
+
+        return run_varlen(args)
     from .run import run
 
     return run(args, list(sys.argv[1:] if argv is None else argv))

@@ -23,7 +23,7 @@ from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL
-from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_WINDOW
+from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
@@ -39,6 +39,8 @@ SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_WINDOW | MOD_SOFTCAP)
 MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
+# Packed batches (16-bit only), alone and with every option; their lengths are never even.
+VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel")
 
@@ -91,27 +93,35 @@ def shipped_specialisations():
         for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
             for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
                 add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
+        if dtype_name != FP8_DTYPE_NAME:
+            for causal, mods in itertools.product((False, True), VARLEN_VARIANTS):
+                add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
     _add_score_option_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
-    for dtype_name in DTYPE_NAMES:  # row-wise helpers: no dynamic shared memory
-        add(any_bwd, BwdConfig.preprocess_name(dtype_name), 0)
-        add(any_bwd, BwdConfig.convert_dq_name(dtype_name), 0)
+    for dtype_name, varlen in itertools.product(DTYPE_NAMES, (False, True)):  # row-wise helpers: no dynamic smem
+        add(any_bwd, BwdConfig.preprocess_name(dtype_name, varlen), 0)
+        add(any_bwd, BwdConfig.convert_dq_name(dtype_name, varlen), 0)
+    for cfg, _ in hopper_bwd_plans():
+        for dtype_name in DTYPE_NAMES:
+            add(cfg, cfg.dq_accum_convert_name(dtype_name, True), 0, family=cfg.kernel_family)
     return list(specs.values())
 
 
 def _add_score_option_variants(add) -> None:
-    """The 16-bit kernels dispatch runs with score options: the general sm_80 forward tiles, the
-    backward tables (sm_80 and Hopper)."""
-    for (_, general), causal, (dtype_name, even_n), mods in itertools.product(
-            HEURISTIC_FWD.values(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+    """The 16-bit kernels dispatch runs with score options (varlen's among them): the general sm_80
+    forward tiles, the backward tables (sm_80 and Hopper)."""
+    variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
+    variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
+    for (_, general), causal, ((dtype_name, even_n), mods) in itertools.product(
+            HEURISTIC_FWD.values(), (False, True), variants):
         add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
-    for cfg, causal, (dtype_name, even_n), mods in itertools.product(
-            HEURISTIC_BWD.values(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+    for cfg, causal, ((dtype_name, even_n), mods) in itertools.product(
+            HEURISTIC_BWD.values(), (False, True), variants):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
         add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
-    for (cfg, deterministic), causal, (dtype_name, even_n), mods in itertools.product(
-            hopper_bwd_plans(), (False, True), MODS_LENGTHS, MODS_VARIANTS):
+    for (cfg, deterministic), causal, ((dtype_name, even_n), mods) in itertools.product(
+            hopper_bwd_plans(), (False, True), variants):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
             cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
         if deterministic:
