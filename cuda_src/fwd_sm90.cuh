@@ -117,9 +117,11 @@ __global__ void __launch_bounds__(384, 1)
         // Key blocks [lo, hi) of tile t; slot >= 0: a split tile's segment.
         // Without a causal mask or a window the masked blocks are the last (a partial one).
         const Tile tile = tile_at<BR, CAUSAL>(t, (nq + BR - 1) / BR, nheads);
+        OutRows varlen_rows{tile, 0};  // varlen: the tile's rows in O and its sequence
         if constexpr (Mods::VARLEN) {
-            const SeqSpan seq = seq_span<true>(mod_args, tile.b, nq, nk);
+            const SeqSpan seq = segment.seq();
             mods.set_lengths(seq.nq, seq.nk);
+            varlen_rows = OutRows{Tile{seq.q0 + tile.m0, tile.h, 0}, seq.nq - tile.m0};
         }
         const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
         const int lo = TAIL_SPLIT ? segment.lo() : blocks.begin, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(384, 1)
         const int n_whole_end = hi - blocks.full_begin;
         if (hi == (TAIL_SPLIT ? 0 : lo)) {  // no row of this tile sees a key (a split segment has keys)
             warp_arrive(sm.empty_q(), lane);
-            const OutRows rows = out_rows<Mods::VARLEN>(tile, mod_args, out.nq);
+            const OutRows rows = Mods::VARLEN ? varlen_rows : OutRows{tile, out.nq - tile.m0};
             write_empty_rows<64, D, 128>(out.o_tile(rows.at) + c * 64 * o_sn, o_sn, out.lse_rows(rows.at) + c * 64,
                                          rows.valid - c * 64, d, tid - 128 * wg);
             continue;
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(384, 1)
         ring.advance(n_blocks);
         fwd_sm90_epilogue<T, TAIL_SPLIT, BF16_OUT, Mods::VARLEN>(acc, sm, words, out, split, map_o, descale_v, nk, d,
                                                                  nheads_kv, qk_scale_log2, c, tid, warp, lane,
-                                                                 warp_row0, stage_leader, mod_args);
+                                                                 warp_row0, stage_leader, varlen_rows);
     }
     if (STAGE_O && stage_leader) bulk_wait<0, true>();  // shared memory stays until the stores have read it
     turns.close();

@@ -6,7 +6,6 @@
 #include "fwd_sm90_mainloop.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "named_barriers.cuh"
-#include "seq_span.cuh"
 #include "tail_split.cuh"
 
 namespace cuflash {
@@ -49,21 +48,11 @@ struct FwdOutput {
 };
 
 // A tile's rows as O and the lse index them (varlen: the packed rows, batch
-// 0), and how many of its rows are in its sequence (nq: the call's length;
-// varlen: any bound of the lengths, the keys' unused).
+// 0), and how many of its rows are in its sequence.
 struct OutRows {
     Tile at;
     int valid;
 };
-template <bool VARLEN>
-__device__ __forceinline__ OutRows out_rows(const Tile& tile, const ScoreModArgs& mod_args, int nq) {
-    if constexpr (VARLEN) {
-        const SeqSpan seq = seq_span<true>(mod_args, tile.b, nq, 0);
-        return OutRows{Tile{seq.q0 + tile.m0, tile.h, 0}, seq.nq - tile.m0};
-    } else {
-        return OutRows{tile, nq - tile.m0};
-    }
-}
 
 // The split of the last wave (tail_split.cuh): partials workspace, the tiles'
 // completion counters, and the item counts.
@@ -89,14 +78,15 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
                                                   TailSplit split, const TmaDesc& map_o,
                                                   const float* descale_v, int nk, int d, int nheads_kv,
                                                   float qk_scale_log2, int c, int tid, int warp, int lane,
-                                                  int warp_row0, bool stage_leader, const ScoreModArgs& mod_args) {
+                                                  int warp_row0, bool stage_leader, const OutRows& varlen_rows) {
     constexpr int D = T::D, BR = T::BR, BC = T::BC, NT_O = D / 8;
     constexpr bool STAGE_O = T::STAGE_O;
     // The tile's coordinates, kv head and segment from shared memory, the
     // fp8 output scale from global memory: none is kept live across the
     // key loop (at head dim 256 they went to local memory).
+    // Varlen: the rows the consumer took with the tile (an equal-length tile's are re-formed from the words).
     const Tile tile = words.tile();
-    const OutRows rows = out_rows<VARLEN>(tile, mod_args, out.nq);
+    const OutRows rows = VARLEN ? varlen_rows : OutRows{tile, out.nq - tile.m0};
     const Tile out_tile = rows.at;
     const int rows_valid = rows.valid;
     const float o_scale = T::DTYPE == E4M3 ? descale_v[tile.b * nheads_kv + words.kv_head()] : 1.f;

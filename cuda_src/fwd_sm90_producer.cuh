@@ -30,8 +30,10 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
     for (int next = first_segment();; ++q_iter) {
         // Varlen: the item's tile, past any holes (each drawing the next ticket as a whole tile does).
         Tile varlen_tile{0, 0, 0};
+        SeqSpan seq{0, 0, 0, 0};
         if constexpr (Mods::VARLEN) {
-            while ((next >> 1) < num_items && !varlen_tile_at<BR, CAUSAL>(next >> 1, mod_args, mods.nq, varlen_tile))
+            while ((next >> 1) < num_items &&
+                   !varlen_tile_at<BR, CAUSAL>(next >> 1, mod_args, mods.nq, mods.nk, varlen_tile, seq))
                 next = draw_next_segment(tile_counter, num_items);
         }
         const int item = next >> 1, part = next & 1;
@@ -53,13 +55,11 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
             seg = tail_segment(item, part, full_tiles, num_tiles - full_tiles, tail_items, (nk_t + BC - 1) / BC);
         Tile tile = tile_at<BR, CAUSAL>(seg.tile, (nq_t + BR - 1) / BR, nheads);
         // Varlen: the tensor maps' rows are the packed ones (batch 0), the masks the sequence's.
-        SeqSpan seq{0, 0, 0, 0};
         int batch = tile.b;
         Mods tile_mods = mods;
         if constexpr (Mods::VARLEN) {
             tile = varlen_tile;
             seg.tile = tile_index<BR, CAUSAL>(tile, (nq_t + BR - 1) / BR, nheads);
-            seq = seq_span<true>(mod_args, tile.b, nq_t, nk_t);
             tile_mods.set_lengths(seq.nq, seq.nk);
             batch = 0;
         }
@@ -70,6 +70,7 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
             seg.hi = blocks.end;
         }
         segment.publish(seg);
+        if constexpr (Mods::VARLEN) segment.publish_seq(seq);
         stash_shared(next_word, seg.more ? next + 1 : -1);
         if (seg.hi == seg.lo) {  // the consumers write its empty rows
             mbar_arrive(sm.full_q());

@@ -43,23 +43,24 @@ __device__ __forceinline__ int tile_index(const Tile& tile, int m_blocks, int nh
 // slots [slot0(b), slot0(b) + ceil(nq_b / BR)), slot0(b) = cu_seqlens_q[b] / BR + b,
 // at least its block count past the previous sequence's; so a head has
 // total_q / BR + num_seqs slots, of which at most num_seqs are holes, and no
-// tile spans two sequences. Item -> its tile (under a causal mask a
-// sequence's longest blocks first), or false for a hole; nq: the longest
-// sequence's length. The tile's index in tile_at's order over the longest
+// tile spans two sequences. Item -> its tile and sequence (under a causal
+// mask a sequence's longest blocks first), or false for a hole; nq, nk: the
+// longest sequence's lengths. The tile's index in tile_at's order over the longest
 // sequence's blocks (tile_index) is what the consumers receive.
 template <int BR, bool CAUSAL>
-__device__ __forceinline__ bool varlen_tile_at(int item, const ScoreModArgs& args, int nq, Tile& tile) {
+__device__ __forceinline__ bool varlen_tile_at(int item, const ScoreModArgs& args, int nq, int nk, Tile& tile,
+                                               SeqSpan& seq) {
     const int slots_per_head = args.total_q / BR + args.num_seqs;
     const int h = item / slots_per_head, slot = item - h * slots_per_head;
     int lo = 0, hi = args.num_seqs;  // slot0(lo) <= slot < slot0(hi): find the sequence
     while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
-        if (args.cu_seqlens_q[mid] / BR + mid <= slot)
+        if (__ldg(args.cu_seqlens_q + mid) / BR + mid <= slot)
             lo = mid;
         else
             hi = mid;
     }
-    const SeqSpan seq = seq_span<true>(args, lo, nq, 0);
+    seq = seq_span<true>(args, lo, nq, nk);
     const int blocks = (seq.nq + BR - 1) / BR, m = slot - (seq.q0 / BR + lo);
     if (m < 0 || m >= blocks) return false;
     tile = Tile{(CAUSAL ? blocks - 1 - m : m) * BR, h, lo};
@@ -88,7 +89,10 @@ __device__ __forceinline__ int draw_next_segment(int* tile_counter, int num_item
 // full_q, rewritten only after every consumer warp has arrived on empty_q
 // (which each does after its last read of it: docs/sanitizers.md).
 struct SegmentSlot {
-    volatile int* words;  // tile, lo, hi, slot
+    volatile int* words;  // tile, lo, hi, slot; then the producer's next segment; then SEQ
+    // Varlen: the segment's sequence (first query row, query and key lengths),
+    // past the producer's next-segment word (fwd_sm90_traits.cuh).
+    static constexpr int SEQ = 5;
 
     __device__ __forceinline__ void publish(const Segment& seg) const {
         words[0] = seg.tile;
@@ -96,11 +100,18 @@ struct SegmentSlot {
         words[2] = seg.hi;
         words[3] = seg.slot;
     }
+    __device__ __forceinline__ void publish_seq(const SeqSpan& seq) const {
+        words[SEQ] = seq.q0;
+        words[SEQ + 1] = seq.nq;
+        words[SEQ + 2] = seq.nk;
+    }
     __device__ __forceinline__ void publish_stop(int num_tiles) const { words[0] = num_tiles; }
     __device__ __forceinline__ int tile() const { return words[0]; }
     __device__ __forceinline__ int lo() const { return words[1]; }
     __device__ __forceinline__ int hi() const { return words[2]; }
     __device__ __forceinline__ int slot() const { return words[3]; }
+    // k0 is the producer's alone: 0 here.
+    __device__ __forceinline__ SeqSpan seq() const { return SeqSpan{words[SEQ], 0, words[SEQ + 1], words[SEQ + 2]}; }
 };
 
 }  // namespace cuflash

@@ -24,7 +24,8 @@ struct FwdSm90Traits {
     // full_q, empty_q, then full_k, full_v, empty_k, empty_v of each stage.
     static constexpr int BARRIERS = 2 + 4 * STAGES;
     // The segment in flight, handed from producer to consumers (4 ints:
-    // tile, lo, hi, slot), and the producer's next segment (one int used).
+    // tile, lo, hi, slot), and the producer's next segment (one int), then
+    // a varlen segment's sequence (3 ints: SegmentSlot).
     static constexpr int SEGMENT_BYTES = 16, NEXT_BYTES = 16;
     // A word per consumer thread that orders its softmax before a wgmma wait
     // (order_before_wait), and 32 bytes per consumer warp that keep its work

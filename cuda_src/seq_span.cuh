@@ -42,10 +42,11 @@ struct SeqSpan {
 template <bool VARLEN>
 __device__ __forceinline__ SeqSpan seq_span(const ScoreModArgs& args, int b, int nq, int nk) {
     if constexpr (VARLEN) {
-        const int q0 = min(max(args.cu_seqlens_q[b], 0), args.total_q);
-        const int k0 = min(max(args.cu_seqlens_k[b], 0), args.total_k);
-        const int q1 = min(max(args.cu_seqlens_q[b + 1], q0), args.total_q);
-        const int k1 = min(max(args.cu_seqlens_k[b + 1], k0), args.total_k);
+        // Read-only loads (L1): every CTA of a sequence, and the Hopper forward's producer per tile, reads them.
+        const int q0 = min(max(__ldg(args.cu_seqlens_q + b), 0), args.total_q);
+        const int k0 = min(max(__ldg(args.cu_seqlens_k + b), 0), args.total_k);
+        const int q1 = min(max(__ldg(args.cu_seqlens_q + b + 1), q0), args.total_q);
+        const int k1 = min(max(__ldg(args.cu_seqlens_k + b + 1), k0), args.total_k);
         return SeqSpan{q0, k0, min(q1 - q0, nq), min(k1 - k0, nk)};
     } else {
         return SeqSpan{0, 0, nq, nk};
