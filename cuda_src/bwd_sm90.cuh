@@ -256,25 +256,29 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<1>();
 
         // P^T = 2^(score^T c - lse2[query]) (score_mods.cuh); keys past nk
-        // (zero rows of K) and keys outside the causal mask or window get
-        // P = 0. Queries past nq have lse2 = +inf, hence P = 0.
+        // (zero rows of K, or varlen the next sequence's) and keys outside
+        // the causal mask or window get P = 0, in a pass of its own that
+        // only boundary blocks take. Queries past nq have lse2 = +inf, hence P = 0.
         const float* lse2_s = rows + st * BM;
         const float* delta_s = rows + (STAGES + st) * BM;
-        const bool masked = !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk);
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = key_lane0 + 8 * (e >> 1);
-                const int query = m0 + 8 * j + 2 * (lane & 3) + (e & 1);
                 const float dist =
                     mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
                 const float u = mods.transform(acc_s[j * 4 + e]);
-                float p = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -((e & 1) ? l2.y : l2.x)));
-                if (masked && !mods.visible(query, key)) p = 0.f;
-                acc_s[j * 4 + e] = p;
+                acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -((e & 1) ? l2.y : l2.x)));
             }
+        }
+        if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk)) {
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mods.visible(m0 + 8 * j + 2 * (lane & 3) + (e & 1), key_lane0 + 8 * (e >> 1)))
+                        acc_s[j * 4 + e] = 0.f;
         }
         wgmma_wait<0>();
         // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
@@ -517,21 +521,26 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<1>();
 
             // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk (zero
-            // rows of K) and keys outside the causal mask or window get P = 0.
-            const bool masked = !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk);
+            // rows of K, or varlen the next sequence's) and keys outside the
+            // causal mask or window get P = 0, in a pass that only boundary blocks take.
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int row = m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1);
-                    const int key = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
                     const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
                                        (float)(8 * (e >> 1) - 8 * j - (e & 1));
                     const float u = mods.transform(acc_s[j * 4 + e]);
-                    float p = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
-                    if (masked && !mods.visible(row, key)) p = 0.f;
-                    acc_s[j * 4 + e] = p;
+                    acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
                 }
+            if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk)) {
+#pragma unroll
+                for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!mods.visible(m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1),
+                                          n0 + 8 * j + 2 * (lane & 3) + (e & 1)))
+                            acc_s[j * 4 + e] = 0.f;
+            }
             wgmma_wait<0>();
             // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
 #pragma unroll

@@ -10,10 +10,14 @@ bottom-right aligned in each). The lse is (nheads, total_q).
 The kernels are the ones of `attention` with the MOD_VARLEN bit: they read the
 offsets on the device, and no tile spans two sequences (cuda_src/seq_span.cuh).
 The arrays go to them as (1, total, heads, headdim) views, so that the
-forward's and backward's launches serve both layouts.
+forward's and backward's launches serve both layouts. Calls with device
+offsets keep launch plans as `attention`'s do (cuflash/plans.py); host
+offsets, whose values each call checks, take the full path.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy
 
@@ -21,6 +25,7 @@ from . import dispatch, launch, validate
 from .arrays import aligned_copy, is_aligned
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
+from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
 from .score_mods import Varlen, normalise
 
 
@@ -102,6 +107,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     float32 (nheads, total_q) C-contiguous.
     Returns out; with return_lse=True, (out, lse).
     """
+    key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    (window_size, softcap, alibi_slopes), softmax_scale)
+    plan = _fwd_plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan.call(q, k, v, out, lse, return_lse, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
     _require_3d(q=q, k=k, v=v)
     q4, k4, v4 = _packed(q, k, v)
     dtype_name = validate.qkv(q4, k4, v4, allow_fp8=True)
@@ -137,7 +147,55 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         (out4,) = _packed(out)
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
         prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, alibi_slopes, cu_seqlens)
+    if key is not None:
+        _fwd_plans.store(key, _FwdPlan(prepared, device_id))
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- repeated calls
+_fwd_plans = PlanCache()
+_bwd_plans = PlanCache()
+
+
+def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, mods, softmax_scale,
+              extra=None):
+    """The plan key of a call, or None where only the full path applies (host offsets, other spellings).
+    arrays: the inputs; outputs: the optional outputs; mods: (window_size, softcap, alibi_slopes) as given."""
+    ndarray = ndarray_type()
+    if any(type(x) is not ndarray for x in (*arrays, cu_seqlens_q, cu_seqlens_k)):
+        return None
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    window_size, softcap, alibi_slopes = mods
+    options = option_key(window_size, softcap, softmax_scale)
+    if options is None:
+        return None
+    try:
+        optional = tuple(optional_layout(x) for x in (*outputs, alibi_slopes))
+    except LookupError:
+        return None
+    return (tuple(layout(x) for x in arrays), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+            bool(causal), options, optional, extra, dispatch.cache_state())
+
+
+@dataclasses.dataclass(frozen=True)
+class _FwdPlan:
+    launch: object  # launch.FwdSm80Launch | launch.FwdSm90Launch
+    device_id: int
+
+    def call(self, q, k, v, out, lse, return_lse: bool, slopes, cu_seqlens):
+        cp = cupy()
+        if cp.cuda.runtime.getDevice() != self.device_id:
+            with q.device:
+                return self.call(q, k, v, out, lse, return_lse, slopes, cu_seqlens)
+        if out is None or lse is None:
+            launch.require_not_capturing("attention_varlen without out= and lse=")
+            out = cp.empty(q.shape, q.dtype) if out is None else out
+            lse = cp.empty((q.shape[1], q.shape[0]), numpy.float32) if lse is None else lse
+        q_, k_, v_ = _aligned(q, k, v)
+        (out4,) = _packed(out)
+        self.launch.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, slopes, cu_seqlens)
+        return (out, lse) if return_lse else out
 
 
 def _lse_array(lse, q, *, writable: bool) -> None:
@@ -162,6 +220,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
     with the same offsets and options; deterministic, dq, dk, dv as `attention_backward`.
     """
+    key = _plan_key((dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    causal, (window_size, softcap, alibi_slopes), softmax_scale, bool(deterministic))
+    plan = _bwd_plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan.call(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
     _require_3d(dout=dout, q=q, k=k, v=v, out=out)
     dtype_name = validate.qkv(*_packed(q, k, v))
     validate.like("dout", dout, q, "q")
@@ -198,7 +261,32 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         prepared = launch.prepare_bwd(cfg, problem, scale, q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, device_id)
         prepared.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None,
                      alibi_slopes, cu_seqlens)
+    if key is not None:
+        _bwd_plans.store(key, _BwdPlan(prepared, device_id))
     return dq, dk, dv
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdPlan:
+    launch: launch.BwdLaunch
+    device_id: int
+
+    def call(self, dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens):
+        cp = cupy()
+        if cp.cuda.runtime.getDevice() != self.device_id:
+            with q.device:
+                return self.call(dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens)
+        if dq is None or dk is None or dv is None:
+            launch.require_not_capturing("attention_varlen_backward without dq=, dk= and dv=")
+            dq = cp.empty(q.shape, q.dtype) if dq is None else dq
+            dk = cp.empty(k.shape, k.dtype) if dk is None else dk
+            dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
+        dq4, dk4, dv4 = _packed(dq, dk, dv)
+        lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)
+        self.launch.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None, slopes,
+                        cu_seqlens)
+        return dq, dk, dv
 
 
 def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cuflash import backward, dispatch, forward, tune_cache
+from cuflash import backward, dispatch, forward, tune_cache, varlen
 
 
 @functools.cache
@@ -45,7 +45,7 @@ def require_gpu(request):
 def fresh_plans():
     """Every test starts without launch plans: a plan keeps the dispatch choice it was made with, and
     tests change dispatch's tables (monkeypatch) for the same shapes."""
-    for plans in (forward._plans, backward._plans):
+    for plans in (forward._plans, backward._plans, varlen._fwd_plans, varlen._bwd_plans):
         plans.clear()
 
 

@@ -235,3 +235,24 @@ def test_device_offsets_out_of_range_stay_in_bounds(rng):
     cuflash.attention_varlen(*dev, bad, bad, 100, 100, out=out)
     guard = cupy.concatenate([guarded[:128], guarded[-128:]]).get()
     assert np.all(guard == np.float16(POISON))
+
+
+def test_repeated_calls_read_the_offsets_each_time(kernel, rng):
+    """A repeated call (a launch plan) with new offset values in the same device arrays follows them."""
+    total, nheads, headdim = 300, 2, 64
+    host, dev, _, _ = packed(rng, np.float16, [total], [total], nheads, nheads, headdim, with_dout=True)
+    cu = cupy.zeros(3, cupy.int32)
+    for lengths in ([100, 200], [299, 1], [0, 300]):
+        cu.set(offsets(lengths))
+        out, lse = cuflash.attention_varlen(*dev[1:], cu, cu, 300, 300, causal=True, return_lse=True)
+        grads = cuflash.attention_varlen_backward(dev[0], *dev[1:], out, lse, cu, cu, 300, 300, causal=True)
+        ref = reference.attention_varlen(*host[1:], offsets(lengths), offsets(lengths), causal=True)
+        naive = reference.attention_varlen_naive_lowp(*host[1:], offsets(lengths), offsets(lengths), causal=True,
+                                                      dtype=np.float16)
+        assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
+        refs = reference.attention_varlen_backward(*host, offsets(lengths), offsets(lengths), causal=True)
+        naives = reference.attention_varlen_backward_naive_lowp(*host, offsets(lengths), offsets(lengths),
+                                                                causal=True, dtype=np.float16)
+        for grad, r, n in zip(grads, refs, naives):
+            assert_close_2x(grad.get(), r, n, ATOL[np.dtype(np.float16)])
+    assert len(cuflash.varlen._fwd_plans) == 1 and len(cuflash.varlen._bwd_plans) == 1
