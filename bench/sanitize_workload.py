@@ -6,12 +6,15 @@ Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
 fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
 (atomic and deterministic dQ), plan (a repeated forward, then a backward:
 the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
-and Hopper kernels, forward and backward, and fp8 with a window and softcap). Each call runs twice, the second time on its launch
-plan. Without arguments, all of them.
+and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
+(packed batches with empty, single-row and awkward sequences, plain and with
+options, on both kernel families, forward and backward). Each call runs
+twice, the second time on its launch plan. Without arguments, all of them.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import cupy
@@ -90,7 +93,23 @@ def score_mods():
         cuflash.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs, **opts)
 
 
-FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods)}
+def varlen():
+    lengths_q, lengths_k = [17, 0, 1, 130, 64], [33, 5, 0, 129, 64]
+    cu_q, cu_k = (cupy.asarray([0, *itertools.accumulate(n)], dtype=cupy.int32) for n in (lengths_q, lengths_k))
+    longest = (max(lengths_q), max(lengths_k))
+    slopes = cupy.full((len(lengths_q), 4), 0.25, dtype=cupy.float32)
+    for headdim in (32, 64, 128):  # head dim 32: the sm_80 kernels
+        for deterministic, opts in ((False, dict(causal=True)), (True, dict(window_size=(20, 3), softcap=4.0)),
+                                    (False, dict(alibi_slopes=slopes))):
+            q, k, v = qkv(1, sum(lengths_q), sum(lengths_k), 4, 2, headdim)
+            q, k, v = q[0], k[0], v[0]
+            for _ in range(2):
+                out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, *longest, return_lse=True, **opts)
+                cuflash.attention_varlen_backward(cupy.ones_like(q), q, k, v, out, lse, cu_q, cu_k, *longest,
+                                                  deterministic=deterministic, **opts)
+
+
+FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods, varlen)}
 
 
 def main(names) -> None:
