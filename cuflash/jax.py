@@ -1,0 +1,143 @@
+"""cuflash inside `jax.jit`: attention with `jax.custom_vjp` gradients, launched on XLA's stream.
+
+    import cuflash.jax
+    out = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True))(q, k, v)
+
+The kernels run through `jax.experimental.buffer_callback` (JAX 0.7 and
+later): XLA hands the callback its device buffers and its CUDA stream, and
+cuflash writes the outputs in place on that stream (no copies, no
+synchronisation). The forward saves q, k, v, out and the logsumexp for the
+backward, as flash-attn does.
+
+- Layout and options are `cuflash.attention`'s: q (batch, seqlen_q, nheads,
+  headdim), k and v (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16.
+- `jax.vmap` runs one kernel call over the mapped axis merged into the batch
+  (buffer_callback's "broadcast_all": an unmapped operand is broadcast first).
+- `jax.grad`, `jax.checkpoint` and `shard_map` work as with any custom_vjp
+  function; each device calls the kernels on its own shard.
+- The backward's scratch and the forward's first-call buffers come from
+  CuPy's memory pool on XLA's stream: leave JAX room for them
+  (`XLA_PYTHON_CLIENT_MEM_FRACTION`, or `XLA_PYTHON_CLIENT_PREALLOCATE=false`).
+- The callbacks are not recorded into XLA's command buffers
+  (`command_buffer_compatible=False`): a first call of a signature compiles
+  kernels and allocates, which a CUDA graph capture forbids.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import backward as _backward
+from . import forward as _forward
+from .device import cupy
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
+except ImportError:  # JAX < 0.7
+    _buffer_callback = None
+
+
+def _require_gpu_backend() -> None:
+    if _buffer_callback is None:
+        raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or later); this is JAX "
+                          f"{jax.__version__}")
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise RuntimeError(f"cuflash.jax runs on CUDA GPUs; JAX's default backend is {backend!r}")
+
+
+def _cupy_view(buffer, shape):
+    """A CuPy array over an XLA buffer (zero-copy), its leading dims merged into the batch of `shape`."""
+    return cupy().from_dlpack(buffer).reshape(shape)
+
+
+def _batch_shape(x, rank: int = 4) -> tuple:
+    """x's shape with any leading (vmapped) dims merged into the first of its last `rank` dims."""
+    return (-1, *x.shape[len(x.shape) - rank + 1:])
+
+
+class _StreamHandle:
+    """XLA's stream pointer under the CUDA stream protocol (what CuPy's Stream.from_external reads)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+def _on_xla_stream(ctx):
+    """CuPy's current stream for the callback's kernels: XLA's."""
+    stream = cupy().cuda.Stream
+    if hasattr(stream, "from_external"):
+        return stream.from_external(_StreamHandle(ctx.stream))
+    return cupy().cuda.ExternalStream(ctx.stream)  # CuPy < 14
+
+
+def _forward_callback(options, ctx, outputs, q, k, v):
+    out, lse = outputs
+    qc, kc, vc = (_cupy_view(x, _batch_shape(x)) for x in (q, k, v))
+    with _on_xla_stream(ctx):
+        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out)),
+                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **options)
+
+
+def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse):
+    dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in outputs)
+    inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
+    with _on_xla_stream(ctx):
+        _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
+                                     deterministic=deterministic, **options)
+
+
+def _forward_call(q, k, v, options):
+    batch, seqlen_q, nheads, _ = q.shape
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
+    call = _buffer_callback(functools.partial(_forward_callback, options), shapes, vmap_method="broadcast_all")
+    return call(q, k, v)
+
+
+def _backward_call(dout, q, k, v, out, lse, options, deterministic):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = _buffer_callback(functools.partial(_backward_callback, options, deterministic), shapes,
+                            vmap_method="broadcast_all")
+    return call(dout, q, k, v, out, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, options, deterministic):
+    return _forward_call(q, k, v, dict(options))[0]
+
+
+def _attention_fwd(q, k, v, options, deterministic):
+    out, lse = _forward_call(q, k, v, dict(options))
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(options, deterministic, residuals, dout):
+    q, k, v, out, lse = residuals
+    return _backward_call(dout, q, k, v, out, lse, dict(options), deterministic)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              deterministic=False):
+    """`cuflash.attention` on JAX arrays, usable inside `jax.jit`, differentiable (`jax.grad`, `jax.vjp`).
+
+    deterministic: the backward's dq without atomics (bitwise reproducible).
+    Options are checked when the kernels first run (inside the computation);
+    their errors name the argument as `cuflash.attention`'s do.
+    """
+    _require_gpu_backend()
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    window = None if window_size is None else tuple(int(x) for x in window_size)
+    options = (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
+               ("softcap", float(softcap)))
+    return _attention(q, k, v, options, bool(deterministic))

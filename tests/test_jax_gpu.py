@@ -1,0 +1,90 @@
+"""cuflash.jax: attention inside jax.jit, with gradients, vmap and remat, against cuflash.reference
+(2x rule) and the eager CuPy path (bitwise)."""
+
+import numpy as np
+import pytest
+
+from cuflash import reference
+from tests.numerics import ATOL, assert_close_2x, randn
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def gpu_backend():
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU")
+
+
+def inputs(rng, dtype=np.float16, batch=2, nq=197, nk=300, nheads=4, nheads_kv=2, headdim=64):
+    host = [randn(rng, (batch, n, h, headdim), dtype) for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
+    dout = randn(rng, (batch, nq, nheads, headdim), dtype)
+    return host, dout
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(32, 8), softcap=3.0), {}])
+def test_jit_forward_and_grad_match_reference_and_eager(rng, options):
+    import cupy
+
+    import cuflash
+    import cuflash.jax
+
+    host, dout = inputs(rng)
+    q, k, v = (jnp.asarray(x) for x in host)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention(q, k, v, deterministic=True, **options)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    ref = reference.attention(*host, **options)
+    naive = reference.attention_naive_lowp(*host, dtype=np.float16, **options)
+    assert_close_2x(np.asarray(out), ref, naive, ATOL[np.dtype(np.float16)])
+    refs = reference.attention_backward(dout, *host, **options)
+    naives = reference.attention_backward_naive_lowp(dout, *host, dtype=np.float16, **options)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
+
+    dev = [cupy.asarray(x) for x in host]
+    eager_out, eager_lse = cuflash.attention(*dev, return_lse=True, **options)
+    eager_grads = cuflash.attention_backward(cupy.asarray(dout), *dev, eager_out, eager_lse, deterministic=True,
+                                             **options)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), eager_out.get().view(np.uint16))
+    for g, e in zip(grads, eager_grads):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
+
+
+def test_vmap_merges_the_mapped_axis_into_the_batch(rng):
+    import cuflash.jax
+
+    stacks = [inputs(np.random.default_rng(seed), batch=1, nq=65, nk=65)[0] for seed in range(3)]
+    q, k, v = (jnp.asarray(np.stack([s[i] for s in stacks])) for i in range(3))
+    out = jax.jit(jax.vmap(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True)))(q, k, v)
+    for i, host in enumerate(stacks):
+        ref = reference.attention(*host, causal=True)
+        naive = reference.attention_naive_lowp(*host, causal=True, dtype=np.float16)
+        assert_close_2x(np.asarray(out[i]), ref, naive, ATOL[np.dtype(np.float16)])
+    shared = jax.vmap(lambda q: cuflash.jax.attention(q, k[0], v[0]))(q)  # k, v broadcast
+    ref = reference.attention(stacks[1][0], stacks[0][1], stacks[0][2])
+    naive = reference.attention_naive_lowp(stacks[1][0], stacks[0][1], stacks[0][2], dtype=np.float16)
+    assert_close_2x(np.asarray(shared[1]), ref, naive, ATOL[np.dtype(np.float16)])
+
+
+def test_grad_under_checkpoint(rng):
+    import cuflash.jax
+
+    host, dout = inputs(rng, dtype=np.float16, nq=128, nk=128)
+    q, k, v = (jnp.asarray(x) for x in host)
+
+    @jax.checkpoint
+    def block(q, k, v):
+        return cuflash.jax.attention(q, k, v, causal=True, deterministic=True)
+
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(block(q, k, v).astype(jnp.float32) * dout.astype(np.float32)),
+                             argnums=(0, 1, 2)))(q, k, v)
+    refs = reference.attention_backward(dout, *host, causal=True)
+    naives = reference.attention_backward_naive_lowp(dout, *host, causal=True, dtype=np.float16)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
