@@ -2,6 +2,7 @@
 
     import cuflash.jax
     out = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True))(q, k, v)
+    out = cuflash.jax.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed batches
 
 The kernels run through `jax.experimental.buffer_callback` (JAX 0.7 and
 later): XLA hands the callback its device buffers and its CUDA stream, and
@@ -29,9 +30,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy
 
 from . import backward as _backward
 from . import forward as _forward
+from . import varlen as _varlen
 from .device import cupy
 
 try:
@@ -141,3 +144,74 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     options = (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
                ("softcap", float(softcap)))
     return _attention(q, k, v, options, bool(deterministic))
+
+
+# ---------------------------------------------------------------- packed batches
+
+def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k):
+    out, lse = outputs
+    with _on_xla_stream(ctx):
+        _varlen.attention_varlen(*(_cupy_view(x, x.shape) for x in (q, k, v, cu_q, cu_k)), *lengths,
+                                 out=_cupy_view(out, out.shape), lse=_cupy_view(lse, lse.shape), **options)
+
+
+def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k):
+    dq, dk, dv = (_cupy_view(x, x.shape) for x in outputs)
+    arrays = [_cupy_view(x, x.shape) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
+    with _on_xla_stream(ctx):
+        _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
+                                          **options)
+
+
+def _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, options):
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
+    call = _buffer_callback(functools.partial(_varlen_forward_callback, lengths, options), shapes,
+                            vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention_varlen(q, k, v, cu_q, cu_k, lengths, options, deterministic):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, dict(options))[0]
+
+
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, lengths, options, deterministic):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, dict(options))
+    return out, (q, k, v, cu_q, cu_k, out, lse)
+
+
+def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
+    q, k, v, cu_q, cu_k, out, lse = residuals
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = _buffer_callback(functools.partial(_varlen_backward_callback, lengths, dict(options), deterministic),
+                            shapes, vmap_method="sequential")
+    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k)
+    # The offsets are integers: their cotangents are float0 zeros.
+    zeros = tuple(numpy.zeros(x.shape, jax.dtypes.float0) for x in (cu_q, cu_k))
+    return dq, dk, dv, *zeros
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    """`cuflash.attention_varlen` on JAX arrays inside `jax.jit`, differentiable in q, k and v.
+
+    q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim); cu_seqlens_q and
+    cu_seqlens_k int32 (batch + 1,) JAX arrays (their values are the caller's contract, as for
+    device offsets in cuflash.attention_varlen); max_seqlen_q, max_seqlen_k: Python ints.
+    `jax.vmap` runs one call per mapped element ("sequential").
+    """
+    _require_gpu_backend()
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k and v must have 3 dims (total, nheads, headdim), got shapes {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x.dtype != jnp.int32 or x.ndim != 1:
+            raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
+    lengths = (int(max_seqlen_q), int(max_seqlen_k))
+    window = None if window_size is None else tuple(int(x) for x in window_size)
+    options = (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
+               ("softcap", float(softcap)))
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lengths, options, bool(deterministic))

@@ -88,3 +88,29 @@ def test_grad_under_checkpoint(rng):
     naives = reference.attention_backward_naive_lowp(dout, *host, causal=True, dtype=np.float16)
     for g, r, n in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
+
+
+def test_varlen_in_jit_with_grad(rng):
+    import cuflash.jax
+
+    lengths = [17, 0, 130, 64]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    host = [randn(rng, (total, 4, 64), np.float16), randn(rng, (total, 2, 64), np.float16),
+            randn(rng, (total, 2, 64), np.float16)]
+    dout = randn(rng, (total, 4, 64), np.float16)
+    q, k, v = (jnp.asarray(x) for x in host)
+    cu_dev = jnp.asarray(cu)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention_varlen(q, k, v, cu_dev, cu_dev, 130, 130, causal=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    ref = reference.attention_varlen(*host, cu, cu, causal=True)
+    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, causal=True, dtype=np.float16)
+    assert_close_2x(np.asarray(out), ref, naive, ATOL[np.dtype(np.float16)])
+    refs = reference.attention_varlen_backward(dout, *host, cu, cu, causal=True)
+    naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, causal=True, dtype=np.float16)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
