@@ -6,6 +6,7 @@
 // have arrived on its "empty" barrier. The ring's position runs on across
 // work tiles.
 #pragma once
+#include "fp8_prep.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_traits.cuh"
 #include "score_mods.cuh"
@@ -82,6 +83,8 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
             for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                 tma_load_4d(sm.q() + p * BR * 128, map_q, p * T::PANEL_ELEMS, seq.q0 + tile.m0, tile.h, batch,
                             sm.full_q());
+            // Varlen fp8: the sequence's keys in Vt start at a multiple of VT_KEY_PAD (fp8_prep.cuh).
+            const int vt_shift = (T::DTYPE == E4M3 && Mods::VARLEN) ? vt_key0(seq.k0, tile.b) - seq.k0 : 0;
             // Key blocks descending, so that the masked ones come first.
             for (int n = seg.hi - 1; n >= seg.lo; --n, ++kv_iter) {
                 const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = seq.k0 + n * BC;
@@ -94,7 +97,7 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
                 mbar_arrive_expect_tx(sm.full_v(st), T::KV_BYTES);
                 if constexpr (T::DTYPE == E4M3) {
                     for (int p = 0; p < BC / 64; ++p)
-                        tma_load_4d(v_tile + p * D * 64, map_v, n0 + 64 * p, 0, hk, batch, sm.full_v(st));
+                        tma_load_4d(v_tile + p * D * 64, map_v, vt_shift + n0 + 64 * p, 0, hk, batch, sm.full_v(st));
                 } else {
                     for (int p = 0; p < D / T::PANEL_ELEMS; ++p)
                         tma_load_4d(v_tile + p * BC * 128, map_v, p * T::PANEL_ELEMS, n0, hk, batch, sm.full_v(st));

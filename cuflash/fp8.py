@@ -16,11 +16,12 @@ except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a depen
 
 # Vt's key padding: a multiple of the Hopper kernel's 64-key Vt panels, of the
 # fp8 P fragments' 32-key groups and of the transpose kernel's 16-key chunks.
-VT_KEY_PAD = 64
+VT_KEY_PAD = _compile.cpp_int_constant("fp8_prep.cuh", "VT_KEY_PAD")
 # Keys and head-dim columns per CTA of the transpose kernel (fp8_prep.cuh: VT_BLOCK_KEYS, VT_BLOCK_COLS).
 VT_BLOCK_KEYS = 128
 VT_BLOCK_COLS = 128
-TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel"
+TRANSPOSE_V_KERNEL = "cuflash::fp8_transpose_v_kernel<false>"
+TRANSPOSE_V_VARLEN_KERNEL = "cuflash::fp8_transpose_v_kernel<true>"
 
 
 def is_e4m3(dtype) -> bool:
@@ -60,22 +61,37 @@ def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: in
     return tuple(out)
 
 
-def transpose_v(v):
+def transpose_v(v, mods=None, cu_seqlens=None, seqlen_k=None):
     """Vt (batch, nheads_kv, headdim, keys padded to VT_KEY_PAD) uint8, keys permuted per 32 (fp8_prep.cuh).
 
     v: (batch, seqlen_k, nheads_kv, headdim) e4m3 bits, headdim a multiple of 16, base pointer and
-    batch/seq/head strides multiples of 16 bytes (tma.usable).
+    batch/seq/head strides multiples of 16 bytes (tma.usable). Varlen (mods.varlen, v a (1, total_k,
+    ...) view): Vt is (1, nheads_kv, headdim, total padded per sequence), each sequence's keys from a
+    multiple of VT_KEY_PAD; cu_seqlens: (cu_seqlens_q, cu_seqlens_k) on the device, seqlen_k the longest.
     """
     import cupy
 
-    batch, seqlen_k, nheads_kv, headdim = v.shape
-    nk_pad = -(-seqlen_k // VT_KEY_PAD) * VT_KEY_PAD
-    vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
-    kernel = _compile.get_kernel("fp8_prep", TRANSPOSE_V_KERNEL, 0)
-    strides = [numpy.int64(s) for s in v.strides[:3]]  # bytes = elements
-    grid = (batch * nheads_kv, -(-nk_pad // VT_BLOCK_KEYS), -(-headdim // VT_BLOCK_COLS))
-    kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(seqlen_k), numpy.int32(nk_pad),
-                               numpy.int32(headdim), numpy.int32(nheads_kv), *strides))
+    batch, keys, nheads_kv, headdim = v.shape
+    varlen = mods is not None and mods.varlen is not None
+    if varlen:
+        batch, keys = mods.varlen.num_seqs, seqlen_k
+        nk_pad = -(-mods.varlen.total_k // VT_KEY_PAD) * VT_KEY_PAD + batch * VT_KEY_PAD
+        # Zeros between the sequences' areas: a key block past a sequence's end reads them with P = 0,
+        # and 0 * NaN (uninitialised bits) would be NaN.
+        vt = cupy.zeros((1, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
+        offsets = (cu_seqlens[1], numpy.int32(mods.varlen.total_k))
+        pad_grid = -(-seqlen_k // VT_KEY_PAD) * VT_KEY_PAD
+    else:
+        nk_pad = -(-keys // VT_KEY_PAD) * VT_KEY_PAD
+        vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
+        offsets = (numpy.uint64(0), numpy.int32(0))
+        pad_grid = nk_pad
+    kernel = _compile.get_kernel("fp8_prep", TRANSPOSE_V_VARLEN_KERNEL if varlen else TRANSPOSE_V_KERNEL, 0)
+    # bytes = elements; a dim of extent 1 is never stepped over (varlen's batch: stride 0)
+    strides = [numpy.int64(0 if n == 1 else s) for n, s in zip(v.shape[:3], v.strides[:3])]
+    grid = (batch * nheads_kv, -(-pad_grid // VT_BLOCK_KEYS), -(-headdim // VT_BLOCK_COLS))
+    kernel(grid, (256, 1, 1), (v.view(cupy.uint8), vt, numpy.int32(keys), numpy.int32(nk_pad),
+                               numpy.int32(headdim), numpy.int32(nheads_kv), *strides, *offsets))
     return vt
 
 

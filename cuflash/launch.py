@@ -198,6 +198,7 @@ class FwdSm90Launch:
         self.cfg = cfg
         self.threads = cfg.threads
         self.fp8 = problem.dtype_name == FP8_DTYPE_NAME
+        self.mods, self.seqlen_k = problem.mods, seqlen_k  # fp8's V transpose (varlen: per sequence)
         # Tensor maps need 16-byte multiples for every stride they step over (not only alignment).
         self.copies = tuple(not tma.usable(x) for x in (q, k, v))
         mods = problem.mods
@@ -245,7 +246,7 @@ class FwdSm90Launch:
         if self.copies != (False, False, False):
             q, k, v = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), self.copies))
         if self.fp8:
-            v = fp8.transpose_v(v)
+            v = fp8.transpose_v(v, self.mods, cu_seqlens, self.seqlen_k)
         # v (fp8: Vt) and any copies are freed when this returns, before the
         # kernel has run: safe because CuPy's memory pool hands a freed block
         # out again only in stream order (to later work on this stream).

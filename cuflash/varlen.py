@@ -21,8 +21,8 @@ import dataclasses
 
 import numpy
 
-from . import dispatch, launch, validate
-from .arrays import aligned_copy, is_aligned
+from . import dispatch, fp8, launch, validate
+from .arrays import aligned_copy, is_aligned, out_dtype
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
 from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
@@ -84,19 +84,20 @@ def _aligned(*arrays):
     return tuple(x if is_aligned(x) else aligned_copy(x) for x in _packed(*arrays))
 
 
-def _output(name: str, x, ref, ref_name: str) -> None:
+def _output(name: str, x, ref, ref_name: str, dtype=None) -> None:
     """An output the kernels write in place: validate.output of the packed views."""
-    validate.like(name, x, ref, ref_name)
-    validate.output(name, *_packed(x, ref), ref_name)
+    validate.like(name, x, ref, ref_name, dtype)
+    validate.output(name, *_packed(x, ref), ref_name, dtype)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, return_lse=False,
-                     out=None, lse=None):
+                     out=None, lse=None, q_descale=None, k_descale=None, v_descale=None):
     """Exact attention of a packed batch of sequences of different lengths.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), cupy
-    float16 or bfloat16, last dim contiguous. cu_seqlens_q, cu_seqlens_k: int32
+    float16 or bfloat16, last dim contiguous; or fp8 e4m3 bits (Hopper) with
+    descales of shape (batch, nheads_kv), per sequence, as `attention`'s. cu_seqlens_q, cu_seqlens_k: int32
     (batch + 1,) offsets of the sequences (empty sequences allowed), NumPy
     (checked, then copied to the device) or CuPy (used as they are: the
     caller guarantees 0 = cu[0] <= ... <= cu[batch] = total). max_seqlen_q,
@@ -107,32 +108,37 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     float32 (nheads, total_q) C-contiguous.
     Returns out; with return_lse=True, (out, lse).
     """
-    key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                    (window_size, softcap, alibi_slopes), softmax_scale)
+    key = None
+    if q_descale is None and k_descale is None and v_descale is None:  # fp8 calls take the full path
+        key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        (window_size, softcap, alibi_slopes), softmax_scale)
     plan = _fwd_plans.get(key) if key is not None else None
     if plan is not None:
         return plan.call(q, k, v, out, lse, return_lse, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
     _require_3d(q=q, k=k, v=v)
     q4, k4, v4 = _packed(q, k, v)
     dtype_name = validate.qkv(q4, k4, v4, allow_fp8=True)
-    if dtype_name == FP8_DTYPE_NAME:
-        raise TypeError("q: attention_varlen takes float16 or bfloat16 (fp8 runs with attention's equal lengths)")
+    is_fp8 = dtype_name == FP8_DTYPE_NAME
+    if is_fp8 and alibi_slopes is not None:
+        raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
     scale = validate.softmax_scale(softmax_scale, q.shape[2])
-    device_id = validate.cuda_device(q)
+    device_id = validate.cuda_device(q, fp8=is_fp8)
     total_q, nheads, headdim = q.shape
     total_k, nheads_kv = k.shape[:2]
     cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
                                     q.device)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
+    descale = fp8.validate_descales(q_descale, k_descale, v_descale, num_seqs, nheads_kv, is_fp8, q.device)
+    result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
-        _output("out", out, q, "q")
+        _output("out", out, q, "q", result_dtype)
     if lse is not None:
         _lse_array(lse, q, writable=True)
     cp = cupy()
     with q.device:
         if out is None or lse is None:
             launch.require_not_capturing("attention_varlen without out= and lse=")
-        out = cp.empty(q.shape, q.dtype) if out is None else out
+        out = cp.empty(q.shape, result_dtype) if out is None else out
         lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
         if total_q == 0:
             return (out, lse) if return_lse else out
@@ -146,8 +152,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         cfg, _ = dispatch.fwd_config(problem)
         (out4,) = _packed(out)
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
-        prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, alibi_slopes, cu_seqlens)
-    if key is not None:
+        prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes, cu_seqlens)
+    if key is not None and not is_fp8:
         _fwd_plans.store(key, _FwdPlan(prepared, device_id))
     return (out, lse) if return_lse else out
 

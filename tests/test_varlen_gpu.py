@@ -256,3 +256,37 @@ def test_repeated_calls_read_the_offsets_each_time(kernel, rng):
         for grad, r, n in zip(grads, refs, naives):
             assert_close_2x(grad.get(), r, n, ATOL[np.dtype(np.float16)])
     assert len(cuflash.varlen._fwd_plans) == 1 and len(cuflash.varlen._bwd_plans) == 1
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window_size=(40, 8), softcap=3.0)])
+@pytest.mark.parametrize("lengths", ["awkward", "q_ne_k"])
+def test_fp8_forward(rng, options, lengths):
+    """fp8 e4m3 packed batches (the V transpose per sequence) against the float64 reference of the
+    dequantised inputs, with the 2x rule against the naive fp8 computation, sequence by sequence."""
+    lengths_q, lengths_k = LENGTHS[lengths]
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    nheads, nheads_kv, headdim, batch = 4, 2, 128, len(lengths_q)
+    qf = rng.standard_normal((1, sum(lengths_q), nheads_kv, nheads // nheads_kv * headdim))
+    q_bits, q_scale = reference.fp8_quantize(qf)  # q's descale is per kv head: its heads in groups
+    (k_bits, k_scale), (v_bits, v_scale) = (reference.fp8_quantize(rng.standard_normal((1, sum(lengths_k), nheads_kv,
+                                                                                          headdim))) for _ in range(2))
+    values = [reference.fp8_dequantize(q_bits, q_scale).reshape(-1, nheads, headdim)]
+    values += [reference.fp8_dequantize(b, s)[0] for b, s in ((k_bits, k_scale), (v_bits, v_scale))]
+    bits = (q_bits.reshape(-1, nheads, headdim), k_bits[0], v_bits[0])
+    scales = [cupy.asarray(np.repeat(s.reshape(1, nheads_kv), batch, 0).astype(np.float32))
+              for s in (q_scale, k_scale, v_scale)]
+    out = cupy.full(bits[0].shape, np.nan, dtype=ml_dtypes.bfloat16)
+    got, lse = cuflash.attention_varlen(*(cupy.asarray(b) for b in bits), cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                        max(lengths_q), max(lengths_k), out=out, return_lse=True,
+                                        q_descale=scales[0], k_descale=scales[1], v_descale=scales[2], **options)
+    assert got is out
+    ref, ref_lse = reference.attention_varlen(*values, cu_q, cu_k, return_lse=True, **options)
+    naive = np.zeros_like(ref)
+    for b in range(batch):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:  # else 0, as the reference
+            naive[rows_q] = reference.attention_naive_fp8(values[0][None, rows_q], values[1][None, rows_k],
+                                                          values[2][None, rows_k], **options)[0]
+    assert_close_2x(got.get().astype(np.float64), ref, naive, 1e-2)
+    check_lse(lse, ref_lse)

@@ -22,7 +22,7 @@ from .. import compile as _compile
 from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
-from ..fp8 import TRANSPOSE_V_KERNEL
+from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
@@ -39,8 +39,9 @@ SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_WINDOW | MOD_SOFTCAP)
 MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
-# Packed batches (16-bit only), alone and with every option; their lengths are never even.
+# Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
+FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel")
 
@@ -93,11 +94,12 @@ def shipped_specialisations():
         for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
             for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
                 add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
-        if dtype_name != FP8_DTYPE_NAME:
-            for causal, mods in itertools.product((False, True), VARLEN_VARIANTS):
-                add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
+        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS
+        for causal, mods in itertools.product((False, True), varlen_variants):
+            add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
     _add_score_option_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
+    add(HEURISTIC_FP8[128], TRANSPOSE_V_VARLEN_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name, varlen in itertools.product(DTYPE_NAMES, (False, True)):  # row-wise helpers: no dynamic smem
         add(any_bwd, BwdConfig.preprocess_name(dtype_name, varlen), 0)
