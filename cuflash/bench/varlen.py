@@ -1,10 +1,13 @@
 """``python -m cuflash bench --varlen``: packed batches of different lengths, forward and forward+backward.
 
-Each batch packs 16k tokens of hidden size 2048 (heads = 2048 / head dim):
+Hidden size 2048 (heads = 2048 / head dim); lengths drawn once from fixed seeds:
 
-* ``docs``: document lengths drawn once from a fixed seed, log-uniform over
-  64 .. 8k tokens, the last one cut to fill 16k: the packed pre-training batch;
-* ``equal``: 8 sequences of 2k, the packed form of a plain batch.
+* ``docs``: 16k tokens of documents, log-uniform over 64 .. 8k tokens, the
+  last one cut to fill 16k: the packed pre-training batch;
+* ``equal``: 8 sequences of 2k, the packed form of a plain batch;
+* ``docs64``: 64 sequences, log-uniform over 128 .. 8k tokens;
+* ``equal64``: 64 sequences of one length with docs64's total tokens, the
+  equal-length batch it is held to.
 
 Columns, in TFLOP/s over the (query, key) pairs that attention computes
 (per sequence; causal: the visible pairs):
@@ -13,7 +16,7 @@ Columns, in TFLOP/s over the (query, key) pairs that attention computes
   lse plus ``attention_varlen_backward``, counted as 3.5 forwards);
 * ``cuflash-padded``: ``attention`` on the batch padded to its longest
   sequence, the call a library without varlen makes; its wasted work shows
-  as a lower rate over the same real pairs;
+  as a lower rate over the same real pairs (docs and equal only);
 * ``torch-flash``: FlashAttention-2's varlen kernels inside torch
   (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with cu_seqlens).
 
@@ -37,7 +40,8 @@ from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, log
 from .shapes import HIDDEN
 
 TOKENS = 16 * 1024
-BATCHES = ("docs", "equal")
+BATCHES = ("docs", "equal", "docs64", "equal64")
+PADDED = ("docs", "equal")  # padding docs64 to its longest would cost minutes per row
 BWD_FLOP_FACTOR = 3.5  # forward + backward of flash attention, in forwards
 CHECK_TOL = 2e-2  # max abs difference against torch-flash (outputs of unit-variance inputs)
 
@@ -45,6 +49,10 @@ CHECK_TOL = 2e-2  # max abs difference against torch-flash (outputs of unit-vari
 def lengths_of(batch: str) -> list[int]:
     if batch == "equal":
         return [2048] * 8
+    if batch in ("docs64", "equal64"):
+        rng = numpy.random.default_rng(64)
+        lengths = [int(numpy.exp(rng.uniform(numpy.log(128), numpy.log(8192)))) for _ in range(64)]
+        return lengths if batch == "docs64" else [round(sum(lengths) / 64)] * 64
     rng = numpy.random.default_rng(20261124)
     lengths, left = [], TOKENS
     while left > 0:
@@ -69,9 +77,14 @@ class Inputs:
                                              .astype(dtype) for _ in range(4))
         self.cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
         self.longest = max(lengths)
-        padded = [cupy.zeros((len(lengths), self.longest, nheads, headdim), dtype) for _ in range(4)]
+        self.padded = None
+
+    def pad(self):
+        """The (batch, longest, heads, dim) copies of q, k, v and dout."""
+        nheads, headdim = self.q.shape[1:]
+        padded = [cupy.zeros((len(self.lengths), self.longest, nheads, headdim), self.q.dtype) for _ in range(4)]
         start = 0
-        for b, n in enumerate(lengths):
+        for b, n in enumerate(self.lengths):
             for dst, src in zip(padded, (self.q, self.k, self.v, self.dout)):
                 dst[b, :n] = src[start:start + n]
             start += n
@@ -148,7 +161,10 @@ def run(args) -> int:
                 flops = 4 * pair_count(lengths, causal) * headdim * (HIDDEN // headdim)
                 flops *= BWD_FLOP_FACTOR if args.backward else 1
                 entries, results = {}, {}
-                makers = {"cuflash": _cuflash, "cuflash-padded": _padded}
+                makers = {"cuflash": _cuflash}
+                if batch in PADDED:
+                    x.pad()
+                    makers["cuflash-padded"] = _padded
                 for name, make in makers.items():
                     entries[name] = timing.Calls([make(x, causal, args.backward)])
                 if torch is not None and not args.no_peers:
