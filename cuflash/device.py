@@ -24,21 +24,36 @@ def cupy():
     return module
 
 
+# Where a failed device check points the user.
+INFO_HINT = "(`python -m cuflash info` shows what was found)"
+
+
+def _runtime_problem(exc: Exception) -> str:
+    """What a failed CUDA runtime query says about the machine, in words."""
+    text = str(exc)
+    if "InsufficientDriver" in text:
+        runtime = cupy().cuda.runtime.runtimeGetVersion()
+        return (f"the NVIDIA driver is older than CuPy's CUDA runtime ({runtime // 1000}.{runtime % 1000 // 10}): "
+                "update the driver, or install the extra of an older CUDA (cuflash[cuda12])")
+    if "NoDevice" in text:
+        return "the NVIDIA driver sees no CUDA device"
+    return f"no usable NVIDIA driver was found ({text})"
+
+
 @functools.lru_cache(maxsize=None)
 def require_device(device_id: int) -> None:
     """Raises unless device_id is a GPU cuflash runs on (a pass is memoised: it is asked on every call)."""
     cp = cupy()
     try:
         count = cp.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver / no device
-        raise RuntimeError(f"cuflash needs a CUDA GPU and its driver: {exc}") from None
+    except Exception as exc:  # no driver, a driver too old, no device
+        raise RuntimeError(f"cuflash needs a CUDA GPU: {_runtime_problem(exc)} {INFO_HINT}") from None
     if count == 0:
-        raise RuntimeError("cuflash needs a CUDA GPU; none was found")
+        raise RuntimeError(f"cuflash needs a CUDA GPU: the NVIDIA driver sees no CUDA device {INFO_HINT}")
     cc = compute_capability(device_id)
     if cc < MIN_COMPUTE_CAPABILITY:
-        raise RuntimeError(
-            f"cuflash needs compute capability 8.0 (Ampere) or newer; device {device_id} has {cc // 10}.{cc % 10}"
-        )
+        raise RuntimeError(f"cuflash needs compute capability 8.0 (Ampere) or newer; device {device_id} has "
+                           f"{cc // 10}.{cc % 10} {INFO_HINT}")
 
 
 @functools.lru_cache(maxsize=None)

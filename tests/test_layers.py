@@ -18,7 +18,7 @@ LAYERS = {
     "launch": ["launch"],
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
-    "face": ["validate", "plans", "forward", "backward", "varlen", "jax", "__init__"],
+    "face": ["validate", "plans", "forward", "backward", "varlen", "jax", "torch", "__init__"],
     "top": ["bench", "cli", "__main__"],
 }
 RANK = {name: rank for rank, names in enumerate(LAYERS.values()) for name in names}

@@ -17,6 +17,7 @@ import os
 import sys
 
 from tabulate import tabulate
+from tqdm import tqdm
 
 from .. import compile as _compile
 from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
@@ -172,7 +173,9 @@ def main(argv=None) -> int:
     print(f"compiling {len(jobs)} kernel specialisations for {', '.join(archs)} with {args.jobs} processes ...",
           flush=True)
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        reports = pool.map(_compile_one, jobs, chunksize=1)
+        # imap keeps the jobs' order; the bar goes to stderr (the tables to stdout).
+        reports = list(tqdm(pool.imap(_compile_one, jobs, chunksize=1), total=len(jobs), desc="compiling",
+                            unit="kernel", file=sys.stderr, mininterval=5.0))
 
     cfg_of = {name: cfg for _, cfg, name, _ in specs}
     family_of = {name: family for family, _, name, _ in specs}

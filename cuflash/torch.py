@@ -1,0 +1,191 @@
+"""cuflash for PyTorch: flash-attn's function names, as torch custom ops that `torch.compile` traces.
+
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
+
+`flash_attn_func(q, k, v, ...)` takes flash-attn's layout (batch, seqlen,
+nheads, headdim) and keywords, so that a flash-attn user changes one import.
+Each pass is a `torch.library.custom_op` with a fake (meta) implementation and
+registered autograd, so `torch.compile(fullgraph=True)` keeps it in the graph
+without a break. The kernels run on torch's current stream, on zero-copy
+DLPack views of the tensors; outputs are allocated by torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backward as _backward
+from . import forward as _forward
+from . import varlen as _varlen
+from .device import cupy
+
+
+class _StreamHandle:
+    """A torch stream's pointer under the CUDA stream protocol (what CuPy's Stream.from_external reads)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+def _on_torch_stream(device):
+    """CuPy's current stream and device for a call on `device`: torch's current stream there."""
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    stream = cupy().cuda.Stream
+    if hasattr(stream, "from_external"):
+        return stream.from_external(_StreamHandle(ptr))
+    return cupy().cuda.ExternalStream(ptr)  # CuPy < 14
+
+
+def _cp(x):
+    return None if x is None else cupy().from_dlpack(x.detach())
+
+
+def _options(causal, softmax_scale, window_left, window_right, softcap) -> dict:
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                softcap=softcap)
+
+
+def _no_dropout(dropout_p) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p: cuflash has no dropout yet, got {dropout_p!r}")
+
+
+# ---------------------------------------------------------------- equal lengths
+# Options travel as (causal, softmax_scale, window_left, window_right, softcap, deterministic);
+# deterministic matters to the backward only.
+
+@torch.library.custom_op("cuflash::fwd", mutates_args=())
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
+         window_left: int, window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse),
+                           **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, deterministic):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::bwd", mutates_args=())
+def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+         lse: torch.Tensor, causal: bool, softmax_scale: float | None, window_left: int, window_right: int,
+         softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _backward.attention_backward(_cp(dout.contiguous()), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
+                                     dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
+                                     **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = options
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_bwd(dout, q, k, v, out, lse, *ctx.options), *[None] * len(ctx.options))
+
+
+torch.library.register_autograd("cuflash::fwd", _fwd_backward, setup_context=_fwd_setup)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_func` on cuflash's kernels: q (batch, seqlen_q, nheads, headdim), k and v
+    (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16 CUDA tensors. Returns out; with
+    return_attn_probs, (out, lse, None). No dropout or ALiBi here yet."""
+    _no_dropout(dropout_p)
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    out, lse = _fwd(q, k, v, bool(causal), scale, left, right, float(softcap), bool(deterministic))
+    return (out, lse, None) if return_attn_probs else out
+
+
+# ---------------------------------------------------------------- packed batches
+
+@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=())
+def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _varlen.attention_varlen(_cp(q), _cp(k), _cp(v), _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q,
+                                 max_seqlen_k, out=_cp(out), lse=_cp(lse),
+                                 **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return out, lse
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::varlen_bwd", mutates_args=())
+def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, causal: bool, softmax_scale: float | None, window_left: int, window_right: int,
+                softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _varlen.attention_varlen_backward(_cp(dout.contiguous()), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
+                                          _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                                          dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
+                                          **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return dq, dk, dv
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.options = options
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    grads = _varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+    return (*grads, None, None, *[None] * len(ctx.options))
+
+
+torch.library.register_autograd("cuflash::varlen_fwd", _varlen_backward, setup_context=_varlen_setup)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
+    headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
+    (out, lse (nheads, total_q), None)."""
+    _no_dropout(dropout_p)
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention_varlen does)")
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                           scale, left, right, float(softcap), bool(deterministic))
+    return (out, lse, None) if return_attn_probs else out
