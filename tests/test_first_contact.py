@@ -55,3 +55,13 @@ def test_missing_cupy_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
     with pytest.raises(ImportError, match=r"cuflash\[cuda12\]"):
         device.cupy()
+
+
+def test_jax_on_a_cpu_backend_says_so(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import cuflash.jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    q = jax.numpy.zeros((1, 8, 1, 64), dtype=jax.numpy.float16)
+    with pytest.raises(RuntimeError, match="JAX's default backend is 'cpu'"):
+        cuflash.jax.attention(q, q, q)
