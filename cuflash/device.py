@@ -74,6 +74,24 @@ def compute_capability(device_id: int) -> int:
     return int(cupy().cuda.Device(device_id).compute_capability)
 
 
+class _StreamHandle:
+    """A raw CUDA stream pointer under the CUDA stream protocol (what CuPy's Stream.from_external reads)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+def external_stream(ptr: int):
+    """A CuPy stream over another library's CUDA stream (XLA's, torch's): `with` it, cuflash launches there."""
+    stream = cupy().cuda.Stream
+    if hasattr(stream, "from_external"):
+        return stream.from_external(_StreamHandle(ptr))
+    return cupy().cuda.ExternalStream(ptr)  # CuPy < 14
+
+
 def stream_is_capturing() -> bool:
     """Whether CuPy's current stream is recording a CUDA graph (cupy.cuda.Stream.begin_capture)."""
     return cupy().cuda.get_current_stream().is_capturing()

@@ -35,7 +35,7 @@ import numpy
 from . import backward as _backward
 from . import forward as _forward
 from . import varlen as _varlen
-from .device import cupy
+from .device import cupy, external_stream
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -62,22 +62,9 @@ def _batch_shape(x, rank: int = 4) -> tuple:
     return (-1, *x.shape[len(x.shape) - rank + 1:])
 
 
-class _StreamHandle:
-    """XLA's stream pointer under the CUDA stream protocol (what CuPy's Stream.from_external reads)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return 0, self.ptr
-
-
 def _on_xla_stream(ctx):
     """CuPy's current stream for the callback's kernels: XLA's."""
-    stream = cupy().cuda.Stream
-    if hasattr(stream, "from_external"):
-        return stream.from_external(_StreamHandle(ctx.stream))
-    return cupy().cuda.ExternalStream(ctx.stream)  # CuPy < 14
+    return external_stream(ctx.stream)
 
 
 def _forward_callback(options, ctx, outputs, q, k, v):

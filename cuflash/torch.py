@@ -17,26 +17,12 @@ import torch
 from . import backward as _backward
 from . import forward as _forward
 from . import varlen as _varlen
-from .device import cupy
-
-
-class _StreamHandle:
-    """A torch stream's pointer under the CUDA stream protocol (what CuPy's Stream.from_external reads)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return 0, self.ptr
+from .device import cupy, external_stream
 
 
 def _on_torch_stream(device):
-    """CuPy's current stream and device for a call on `device`: torch's current stream there."""
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    stream = cupy().cuda.Stream
-    if hasattr(stream, "from_external"):
-        return stream.from_external(_StreamHandle(ptr))
-    return cupy().cuda.ExternalStream(ptr)  # CuPy < 14
+    """CuPy's current stream for a call on `device`: torch's current stream there."""
+    return external_stream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _cp(x):

@@ -163,14 +163,16 @@ def output(name: str, x, ref, ref_name: str, dtype=None) -> None:
         raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
 
 
-def lse_array(name: str, x, q, *, writable: bool) -> None:
-    """A logsumexp array of q's call: float32 (batch, nheads, seqlen_q) on q's device, contiguous
-    when the kernels write it."""
+def lse_array(name: str, x, q, *, writable: bool, varlen: bool = False) -> None:
+    """A logsumexp array of q's call: float32 (batch, nheads, seqlen_q), varlen (nheads, total_q) for q
+    of shape (total_q, nheads, headdim), on q's device, contiguous when the kernels write it."""
     require_cupy_array(name, x)
-    batch, seqlen_q, nheads, _ = q.shape
-    if x.shape != (batch, nheads, seqlen_q):
-        raise ValueError(f"{name} must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, "
-                         f"got {x.shape}")
+    if varlen:
+        dims, expected = "(nheads, total_q)", (q.shape[1], q.shape[0])
+    else:
+        dims, expected = "(batch, nheads, seqlen_q)", (q.shape[0], q.shape[2], q.shape[1])
+    if x.shape != expected:
+        raise ValueError(f"{name} must have shape {dims} = {expected}, got {x.shape}")
     if x.dtype != numpy.float32:
         raise TypeError(f"{name} must be float32, got {x.dtype}")
     if x.device != q.device:

@@ -133,7 +133,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if out is not None:
         _output("out", out, q, "q", result_dtype)
     if lse is not None:
-        _lse_array(lse, q, writable=True)
+        validate.lse_array("lse", lse, q, writable=True, varlen=True)
     cp = cupy()
     with q.device:
         if out is None or lse is None:
@@ -204,20 +204,6 @@ class _FwdPlan:
         return (out, lse) if return_lse else out
 
 
-def _lse_array(lse, q, *, writable: bool) -> None:
-    """A varlen logsumexp: float32 (nheads, total_q) on q's device, C-contiguous when written."""
-    validate.require_cupy_array("lse", lse)
-    expected = (q.shape[1], q.shape[0])
-    if lse.shape != expected:
-        raise ValueError(f"lse must have shape (nheads, total_q) = {expected}, got {lse.shape}")
-    if lse.dtype != numpy.float32:
-        raise TypeError(f"lse must be float32, got {lse.dtype}")
-    if lse.device != q.device:
-        raise ValueError(f"lse is on device {lse.device.id}, q on device {q.device.id}")
-    if writable and not lse.flags.c_contiguous:
-        raise ValueError(f"lse must be C-contiguous (the kernels write it in place), got strides {lse.strides}")
-
-
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
@@ -235,7 +221,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dtype_name = validate.qkv(*_packed(q, k, v))
     validate.like("dout", dout, q, "q")
     validate.like("out", out, q, "q")
-    _lse_array(lse, q, writable=False)
+    validate.lse_array("lse", lse, q, writable=False, varlen=True)
     for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
             _output(name, x, ref, ref_name)

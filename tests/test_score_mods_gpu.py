@@ -16,7 +16,7 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from tests.numerics import assert_close_2x, ATOL, DTYPES, make_inputs, make_qkv, mentions, randn
+from tests.numerics import check_lse, assert_close_2x, ATOL, DTYPES, make_inputs, make_qkv, mentions, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -53,14 +53,6 @@ def bits(x):
 
 # --- Forward ----------------------------------------------------------------
 
-
-def check_lse(lse, ref_lse):
-    lse = lse.get().astype(np.float64)
-    assert lse.shape == ref_lse.shape
-    # Exactly -inf for rows that see no key, finite and close elsewhere.
-    masked = np.isneginf(ref_lse)
-    np.testing.assert_array_equal(np.isneginf(lse), masked)
-    np.testing.assert_allclose(lse[~masked], ref_lse[~masked], rtol=1e-3, atol=1e-3)
 
 
 def check_forward(host, dev, options, **outputs):

@@ -13,7 +13,7 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from tests.numerics import ATOL, DTYPES, assert_close_2x, mentions, randn
+from tests.numerics import check_lse, ATOL, DTYPES, assert_close_2x, mentions, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -56,13 +56,6 @@ def materialise(name, rng, batch, nheads):
     slopes = rng.uniform(0.01, 0.3, (batch, nheads)).astype(np.float32)
     return {**options, "alibi_slopes": slopes}, {**options, "alibi_slopes": cupy.asarray(slopes)}
 
-
-def check_lse(lse, ref_lse):
-    lse = lse.get().astype(np.float64)
-    assert lse.shape == ref_lse.shape
-    masked = np.isneginf(ref_lse)
-    np.testing.assert_array_equal(np.isneginf(lse), masked)
-    np.testing.assert_allclose(lse[~masked], ref_lse[~masked], rtol=1e-3, atol=1e-3)
 
 
 def run_forward(dev, cu_q, cu_k, lengths_q, lengths_k, dev_kw, device_offsets=False):
