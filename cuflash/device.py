@@ -28,16 +28,32 @@ def cupy():
 INFO_HINT = "(`python -m cuflash info` shows what was found)"
 
 
-def _runtime_problem(exc: Exception) -> str:
-    """What a failed CUDA runtime query says about the machine, in words."""
+def cuda_version(encoded: int) -> str:
+    """A CUDA version as CUDA encodes it, 1000 * major + 10 * minor (12090 -> "12.9"); 0: none."""
+    if not encoded:
+        return "none found"
+    return f"{encoded // 1000}.{encoded % 1000 // 10}"
+
+
+def runtime_problem(exc: Exception) -> str:
+    """What a failed CUDA runtime query says about the machine, in words. CUDA reports a missing
+    driver and a driver older than the runtime alike (cudaErrorInsufficientDriver); the driver's
+    version tells them apart (0: none)."""
+    runtime = cupy().cuda.runtime
+    try:
+        driver = runtime.driverGetVersion()
+    except Exception:
+        driver = 0
     text = str(exc)
+    if driver == 0:
+        return "no NVIDIA driver was found"
     if "InsufficientDriver" in text:
-        runtime = cupy().cuda.runtime.runtimeGetVersion()
-        return (f"the NVIDIA driver is older than CuPy's CUDA runtime ({runtime // 1000}.{runtime % 1000 // 10}): "
-                "update the driver, or install the extra of an older CUDA (cuflash[cuda12])")
+        return (f"the NVIDIA driver (CUDA {cuda_version(driver)}) is older than CuPy's CUDA runtime "
+                f"({cuda_version(runtime.runtimeGetVersion())}): update the driver, or install the extra of "
+                "an older CUDA (cuflash[cuda12])")
     if "NoDevice" in text:
         return "the NVIDIA driver sees no CUDA device"
-    return f"no usable NVIDIA driver was found ({text})"
+    return f"the CUDA runtime failed: {text}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +63,7 @@ def require_device(device_id: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, a driver too old, no device
-        raise RuntimeError(f"cuflash needs a CUDA GPU: {_runtime_problem(exc)} {INFO_HINT}") from None
+        raise RuntimeError(f"cuflash needs a CUDA GPU: {runtime_problem(exc)} {INFO_HINT}") from None
     if count == 0:
         raise RuntimeError(f"cuflash needs a CUDA GPU: the NVIDIA driver sees no CUDA device {INFO_HINT}")
     cc = compute_capability(device_id)

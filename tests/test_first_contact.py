@@ -9,8 +9,9 @@ import pytest
 from cuflash import device
 
 
-def fake_cupy(get_count, runtime_version=13020):
-    runtime = types.SimpleNamespace(getDeviceCount=get_count, runtimeGetVersion=lambda: runtime_version)
+def fake_cupy(get_count, runtime_version=13020, driver_version=13020):
+    runtime = types.SimpleNamespace(getDeviceCount=get_count, runtimeGetVersion=lambda: runtime_version,
+                                    driverGetVersion=lambda: driver_version)
     return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
 
 
@@ -27,14 +28,17 @@ def raising(message):
     return get_count
 
 
-@pytest.mark.parametrize("error,expected", [
-    ("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version",
-     r"driver is older than CuPy's CUDA runtime \(13\.2\)"),
-    ("cudaErrorNoDevice: no CUDA-capable device is detected", "sees no CUDA device"),
-    ("libcuda.so.1: cannot open shared object file", "no usable NVIDIA driver was found"),
+INSUFFICIENT = "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version"
+
+
+@pytest.mark.parametrize("error,driver,expected", [
+    (INSUFFICIENT, 12040, r"driver \(CUDA 12\.4\) is older than CuPy's CUDA runtime \(13\.2\)"),
+    (INSUFFICIENT, 0, "no NVIDIA driver was found"),  # CUDA says "insufficient" without any driver too
+    ("cudaErrorNoDevice: no CUDA-capable device is detected", 13020, "sees no CUDA device"),
+    ("cudaErrorUnknown: unknown error", 13020, "the CUDA runtime failed"),
 ])
-def test_device_check_says_what_it_found(monkeypatch, fresh_device_check, error, expected):
-    monkeypatch.setattr(device, "cupy", lambda: fake_cupy(raising(error)))
+def test_device_check_says_what_it_found(monkeypatch, fresh_device_check, error, driver, expected):
+    monkeypatch.setattr(device, "cupy", lambda: fake_cupy(raising(error), driver_version=driver))
     with pytest.raises(RuntimeError, match=expected) as info:
         device.require_device(0)
     assert "python -m cuflash info" in str(info.value)

@@ -15,12 +15,7 @@ import dataclasses
 import os
 import sys
 
-
-def _cuda_version(encoded: int) -> str:
-    # CUDA encodes versions as 1000 * major + 10 * minor (12090 -> 12.9).
-    if not encoded:
-        return "none found"
-    return f"{encoded // 1000}.{encoded % 1000 // 10}"
+from ..device import cuda_version, runtime_problem
 
 
 def _try(fn, default="unavailable"):
@@ -64,8 +59,8 @@ def software_rows(cupy) -> list[tuple[str, str]]:
     return [
         ("Python", sys.version.split()[0]),
         ("CuPy", cupy.__version__),
-        ("CUDA runtime", _try(lambda: _cuda_version(runtime.runtimeGetVersion()))),
-        ("CUDA driver", _try(lambda: _cuda_version(runtime.driverGetVersion()))),
+        ("CUDA runtime", _try(lambda: cuda_version(runtime.runtimeGetVersion()))),
+        ("CUDA driver", _try(lambda: cuda_version(runtime.driverGetVersion()))),
         ("NVRTC", _try(_nvrtc_version)),
         ("CuPy kernel cache", _cache_dir("CUPY_CACHE_DIR", "~/.cupy/kernel_cache")),
         ("cuflash tuning cache", _tuning_cache_dir()),
@@ -77,7 +72,7 @@ def device_rows(cupy) -> list[tuple[str, str]]:
     try:
         count = runtime.getDeviceCount()
     except Exception as exc:  # no driver, or a driver older than the runtime
-        return [("device", f"no CUDA device ({type(exc).__name__}: {exc})")]
+        return [("device", f"no CUDA device: {runtime_problem(exc)}")]
     if count == 0:
         return [("device", "no CUDA device")]
     device = cupy.cuda.Device()
