@@ -67,11 +67,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
     cp = cupy()
     batch, _, nheads, _ = q.shape
     with q.device:
-        if dq is None or dk is None or dv is None:
-            launch.require_not_capturing("attention_backward without dq=, dk= and dv=")
-        dq = cp.empty(q.shape, q.dtype) if dq is None else dq
-        dk = cp.empty(k.shape, k.dtype) if dk is None else dk
-        dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_backward")
         if q.size == 0 or k.size == 0:
             for g in (dq, dk, dv):
                 g.fill(0)
@@ -86,6 +82,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
         prepared.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace, alibi_slopes)
     if key is not None and not autotune:
         _plans.store(key, _Plan(prepared, copies, device_id))
+    return dq, dk, dv
+
+
+def gradient_outputs(q, k, v, dq, dk, dv, what: str):
+    """dq, dk, dv as given, the missing ones new arrays shaped as q, k, v on the current device (never
+    while the stream captures a CUDA graph). what: the call, for that error."""
+    if dq is None or dk is None or dv is None:
+        launch.require_not_capturing(f"{what} without dq=, dk= and dv=")
+        cp = cupy()
+        dq = cp.empty(q.shape, q.dtype) if dq is None else dq
+        dk = cp.empty(k.shape, k.dtype) if dk is None else dk
+        dv = cp.empty(v.shape, v.dtype) if dv is None else dv
     return dq, dk, dv
 
 
@@ -115,11 +123,7 @@ class _Plan:
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(dout, q, k, v, out, lse, dq, dk, dv, workspace, slopes)
-        if dq is None or dk is None or dv is None:
-            launch.require_not_capturing("attention_backward without dq=, dk= and dv=")
-            dq = cp.empty(q.shape, q.dtype) if dq is None else dq
-            dk = cp.empty(k.shape, k.dtype) if dk is None else dk
-            dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_backward")
         q, k, v, dout, out, lse = _copied(self.copies, q, k, v, dout, out, lse)
         self.launch.run(q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, workspace, slopes)
         return dq, dk, dv

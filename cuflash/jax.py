@@ -52,6 +52,13 @@ def _require_gpu_backend() -> None:
         raise RuntimeError(f"cuflash.jax runs on CUDA GPUs; JAX's default backend is {backend!r}")
 
 
+def _option_items(causal, softmax_scale, window_size, softcap) -> tuple:
+    """The options as hashable (name, value) pairs: custom_vjp's static arguments."""
+    window = None if window_size is None else tuple(int(x) for x in window_size)
+    return (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
+            ("softcap", float(softcap)))
+
+
 def _cupy_view(buffer, shape):
     """A CuPy array over an XLA buffer (zero-copy), its leading dims merged into the batch of `shape`."""
     return cupy().from_dlpack(buffer).reshape(shape)
@@ -127,9 +134,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
-    window = None if window_size is None else tuple(int(x) for x in window_size)
-    options = (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
-               ("softcap", float(softcap)))
+    options = _option_items(causal, softmax_scale, window_size, softcap)
     return _attention(q, k, v, options, bool(deterministic))
 
 
@@ -198,7 +203,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
-    window = None if window_size is None else tuple(int(x) for x in window_size)
-    options = (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
-               ("softcap", float(softcap)))
+    options = _option_items(causal, softmax_scale, window_size, softcap)
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lengths, options, bool(deterministic))

@@ -34,9 +34,16 @@ def _options(causal, softmax_scale, window_left, window_right, softcap) -> dict:
                 softcap=softcap)
 
 
-def _no_dropout(dropout_p) -> None:
+def _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
+    """flash-attn's keywords as the custom ops take them: (causal, softmax_scale, window_left,
+    window_right, softcap, deterministic); dropout and ALiBi refused."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p: cuflash has no dropout yet, got {dropout_p!r}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return bool(causal), scale, left, right, float(softcap), bool(deterministic)
 
 
 # ---------------------------------------------------------------- equal lengths
@@ -97,12 +104,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash-attn's `flash_attn_func` on cuflash's kernels: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16 CUDA tensors. Returns out; with
     return_attn_probs, (out, lse, None). No dropout or ALiBi here yet."""
-    _no_dropout(dropout_p)
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
-    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
-    scale = None if softmax_scale is None else float(softmax_scale)
-    out, lse = _fwd(q, k, v, bool(causal), scale, left, right, float(softcap), bool(deterministic))
+    options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
+    out, lse = _fwd(q, k, v, *options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -167,11 +170,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
     (out, lse (nheads, total_q), None)."""
-    _no_dropout(dropout_p)
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention_varlen does)")
-    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
-    scale = None if softmax_scale is None else float(softmax_scale)
-    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
-                           scale, left, right, float(softcap), bool(deterministic))
+    options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
+    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *options)
     return (out, lse, None) if return_attn_probs else out

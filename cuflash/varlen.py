@@ -23,6 +23,7 @@ import numpy
 
 from . import dispatch, fp8, launch, validate
 from .arrays import aligned_copy, is_aligned, out_dtype
+from .backward import gradient_outputs
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
 from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
@@ -234,11 +235,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
     cp = cupy()
     with q.device:
-        if dq is None or dk is None or dv is None:
-            launch.require_not_capturing("attention_varlen_backward without dq=, dk= and dv=")
-        dq = cp.empty(q.shape, q.dtype) if dq is None else dq
-        dk = cp.empty(k.shape, k.dtype) if dk is None else dk
-        dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
         if total_q == 0 or total_k == 0:
             for g in (dq, dk, dv):
                 g.fill(0)
@@ -268,11 +265,7 @@ class _BwdPlan:
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens)
-        if dq is None or dk is None or dv is None:
-            launch.require_not_capturing("attention_varlen_backward without dq=, dk= and dv=")
-            dq = cp.empty(q.shape, q.dtype) if dq is None else dq
-            dk = cp.empty(k.shape, k.dtype) if dk is None else dk
-            dv = cp.empty(v.shape, v.dtype) if dv is None else dv
+        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
         q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
         dq4, dk4, dv4 = _packed(dq, dk, dv)
         lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)
