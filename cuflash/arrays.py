@@ -48,6 +48,15 @@ def elem_strides(x) -> tuple[int, ...]:
     return tuple(0 if n == 1 else s // x.itemsize for n, s in zip(x.shape, x.strides))
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """elem_strides of a C-contiguous array of this shape (an aligned copy's)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(0 if n == 1 else step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def last_dim_contiguous(x) -> bool:
     return x.shape[-1] == 1 or x.strides[-1] == x.itemsize
 

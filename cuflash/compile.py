@@ -27,6 +27,8 @@ FAMILY_HEADERS = {
     "fwd_sm90": "fwd_sm90.cuh",
     "bwd_sm90": "bwd_sm90.cuh",
     "fp8_prep": "fp8_prep.cuh",
+    "decode_sm80": "decode_sm80.cuh",
+    "combine": "combine.cuh",
 }
 
 # Families built for one architecture only: wgmma needs the sm_90a target.

@@ -402,3 +402,58 @@ class BwdConfig:
             + (f"_c{self.dkdv_chunk}" if self.dkdv_chunk != self.dkdv_block_m else "")
             + (f"_b{self.min_blocks}" if self.min_blocks != 1 else "")
         )
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DecodeConfig:
+    """Tile shape of the decoding kernel (cuda_src/decode_sm80.cuh): 4 warps, 64 keys a stage.
+
+    headdim: kernel head dim (one of KERNEL_HEADDIMS).
+    warps_m: warps splitting the packed (query, head) rows, 16 rows each; the
+        other 4 / warps_m warps split each stage's keys.
+    stages: key blocks in the cp.async ring.
+    """
+
+    headdim: int
+    warps_m: int
+    stages: int
+
+    family = "decode_sm80"
+    WARPS = 4
+    BLOCK_N = 64  # DecodeTraits::BN
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps_m
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.WARPS
+
+    def smem_layout(self) -> dict[str, int]:
+        """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit)."""
+        kv = 2 * self.stages * self.BLOCK_N * self.headdim
+        return _layout(("Q", 2 * self.block_m * self.headdim), ("K", kv), ("V", kv))
+
+    def smem_bytes(self) -> int:
+        return self.smem_layout()["SMEM_BYTES"]
+
+    def traits(self) -> str:
+        return f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.stages}>"
+
+    def name_expression(self, dtype_name: str, paged: bool, causal: bool, mods: int = 0) -> str:
+        if dtype_name not in DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype_name!r}")
+        args = [self.headdim, self.warps_m, self.stages, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(paged),
+                _cpp_bool(causal), mods]
+        return "cuflash::decode_kernel<" + ", ".join(str(a) for a in args) + ">"
+
+
+# combine_kernel's OUT template argument per output dtype (cuda_src/combine.cuh).
+COMBINE_OUT = {"float16": cpp_int_constant("combine.cuh", "COMBINE_OUT_F16"),
+               "bfloat16": cpp_int_constant("combine.cuh", "COMBINE_OUT_BF16"),
+               "float32": cpp_int_constant("combine.cuh", "COMBINE_OUT_F32")}
+
+
+def combine_name(out_dtype_name: str) -> str:
+    return f"cuflash::combine_kernel<{COMBINE_OUT[out_dtype_name]}>"

@@ -78,6 +78,16 @@ def max_smem_per_block(device_id: int) -> int:
     return int(cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
+# Shared memory the system keeps per resident block (sm_80 and sm_90), on top of the kernel's.
+SMEM_RESERVED_PER_CTA = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def max_smem_per_sm(device_id: int) -> int:
+    """Shared memory per streaming multiprocessor, in bytes (what resident blocks share)."""
+    return int(cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerMultiprocessor"])
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
     """Streaming multiprocessors of a device."""

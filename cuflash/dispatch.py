@@ -12,7 +12,7 @@ import dataclasses
 
 from typing import Protocol
 
-from .config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, FwdConfig, FwdSm90Config, kernel_headdim
+from .config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig, FwdSm90Config, kernel_headdim
 from .score_mods import NONE, ScoreMods
 
 
@@ -332,3 +332,53 @@ def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
         if cfg is not None:
             return cfg, "cache"
     return heuristic_bwd_config(problem), "heuristic"
+
+
+# ---------------------------------------------------------------- decoding over a KV cache
+
+# Bytes of K/V tiles the decoding kernel keeps in its cp.async ring: (stages - 1)
+# x 64 keys x K and V in flight while a stage is computed. Measured on an H100,
+# fp16, head dim 128 (3 stages at 96 KB, 2 CTAs an SM): GQA batch 8 8k 2518 GB/s
+# against 2069 / 2399 / 2095 for rings of 64 / 128 / 192 KB; GQA batch 1 128k
+# 2503 against 2055 / 2481 / 2280; MHA batch 8 8k 3010 against 3080 / 2954 / 2717.
+DECODE_RING_BYTES = 96 * 1024
+MAX_DECODE_SPLITS = 128
+# One row warp per stage's 64 keys holds 16 x 64 scores next to its 16 x D output: past head dim 160
+# that spills (head dim 256: 48 bytes), so larger head dims keep two row warps.
+MAX_HEADDIM_4_ROW_WARPS = 160
+# Key blocks (of 64 keys) a split takes at least: fewer, and the split's
+# pipeline fill and its row of the combine cost more than its keys.
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def decode_config(headdim: int, rows: int, max_smem: int) -> DecodeConfig:
+    """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head."""
+    kd = kernel_headdim(headdim)
+    warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
+    per_stage = 2 * DecodeConfig.BLOCK_N * kd * 2
+    stages = max(2, min(8, DECODE_RING_BYTES // per_stage))
+    for s in range(stages, 1, -1):
+        cfg = DecodeConfig(kd, warps_m, s)
+        if cfg.smem_bytes() <= max_smem:
+            return cfg
+    raise RuntimeError(f"cuflash: no decoding kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
+
+
+def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
+    """How many ways to split each row block's keys, for `ctas` CTAs without a split and `slots` CTAs
+    resident at once (SMs x CTAs per SM).
+
+    FlashDecoding's choice: the fewest splits whose last wave is nearly full
+    (at least 85% of the best wave efficiency over 1..max splits), with each
+    split at least MIN_BLOCKS_PER_SPLIT key blocks.
+    """
+    sm_count = slots
+    if ctas >= sm_count or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+        return 1
+    most = max(1, min(MAX_DECODE_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    efficiency = {}
+    for splits in range(1, most + 1):
+        waves = ctas * splits / sm_count
+        efficiency[splits] = waves / -(-ctas * splits // sm_count)
+    best = max(efficiency.values())
+    return next(s for s in range(1, most + 1) if efficiency[s] >= 0.85 * best)

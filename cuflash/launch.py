@@ -20,7 +20,7 @@ import threading
 import numpy
 
 from . import fp8, tail_split, tma
-from .arrays import aligned_copy, elem_strides
+from .arrays import aligned_copy, contiguous_strides, elem_strides
 from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
@@ -35,13 +35,6 @@ ROWS_PER_CTA = 8
 
 def _strides(*arrays) -> list:
     return [numpy.int64(s) for x in arrays for s in elem_strides(x)[:3]]
-
-
-def _contiguous_strides(shape) -> list:
-    """_strides of a C-contiguous array of this shape (an aligned copy's)."""
-    batch, seqlen, nheads, headdim = shape
-    return [numpy.int64(0 if n == 1 else s) for n, s in
-            zip(shape[:3], (seqlen * nheads * headdim, nheads * headdim, headdim))]
 
 
 def _address(x) -> int:
@@ -357,7 +350,7 @@ class BwdLaunch:
         self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
         self.pre_grid = (-(-padded_rows(seqlen_q) // ROWS_PER_CTA), nheads, batch)
         # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
-        dout_strides = _contiguous_strides(dout.shape) if self.copies[3] else _strides(dout)
+        dout_strides = [numpy.int64(s) for s in contiguous_strides(dout.shape)[:3]] if self.copies[3] else _strides(dout)
         self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, numpy.int32(seqlen_q), numpy.int32(nq_pad),
                                     numpy.int32(headdim), *_strides(out), *dout_strides, scales[-1]])
 

@@ -497,3 +497,113 @@ def attention_varlen_backward_naive_lowp(dout, q, k, v, cu_seqlens_q, cu_seqlens
                                               dropout_p=dropout_p, **per_seq)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------- KV cache
+
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """Rotary embedding of x (seqlen, nheads, headdim) at `positions` (seqlen,), in float64.
+
+    cos, sin: (rows, rotary_dim / 2). interleaved: pairs (x[2p], x[2p + 1]) turn by the
+    angle of column p; else pairs (x[p], x[p + rotary_dim / 2]). Columns past rotary_dim stay.
+    """
+    x = np.array(x, dtype=np.float64)
+    cos = np.asarray(cos, dtype=np.float64)[positions][:, None, :]
+    sin = np.asarray(sin, dtype=np.float64)[positions][:, None, :]
+    half = cos.shape[-1]
+    if interleaved:
+        a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., :half].copy(), x[..., half:2 * half].copy()
+        x[..., :half], x[..., half:2 * half] = a * cos - b * sin, a * sin + b * cos
+    return x
+
+
+def _host(x):
+    return None if x is None else np.asarray(x.get() if hasattr(x, "get") else x)
+
+
+def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                      cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                      rotary_interleaved=True, alibi_slopes=None):
+    """The append of `attention_with_kvcache` and what each batch then attends.
+
+    Returns (k_cache_after, v_cache_after, sequences): the caches after the call,
+    copies in the caches' dtype with the new keys (rotated in float64, then
+    rounded) and values written at positions cache_seqlens[b] ...; and per batch
+    (q rotated at positions cache_seqlens[b] + i in float64, keys and values at
+    positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new) in the cache's
+    dtype, (1, nheads) ALiBi slopes or None). A paged cache is (num_pages,
+    page_size, nheads_kv, headdim) with block_table (batch, max_pages).
+    """
+    q, k_cache, v_cache, k, v = (_host(x) for x in (q, k_cache, v_cache, k, v))
+    cache_batch_idx, cache_leftpad, block_table = (_host(x) for x in (cache_batch_idx, cache_leftpad, block_table))
+    rotary_cos, rotary_sin, alibi_slopes = (_host(x) for x in (rotary_cos, rotary_sin, alibi_slopes))
+    batch, seqlen_q, nheads, headdim = q.shape
+    n_new = 0 if k is None else k.shape[1]
+    k_after, v_after = k_cache.copy(), v_cache.copy()
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    if cache_seqlens is None:
+        lengths = np.full(batch, capacity - n_new)
+    else:
+        lengths = np.broadcast_to(np.asarray(_host(cache_seqlens), dtype=np.int64), (batch,))
+    sequences = []
+    for b in range(batch):
+        if block_table is not None:
+            places = [(block_table[b][j // page_size], j % page_size) for j in range(capacity)]
+        else:
+            row = b if cache_batch_idx is None else cache_batch_idx[b]
+            places = [(row, j) for j in range(capacity)]
+        length = int(lengths[b])
+        if n_new:
+            new_k = k[b].astype(np.float64)
+            if rotary_cos is not None:
+                new_k = apply_rotary(new_k, rotary_cos, rotary_sin, length + np.arange(n_new), rotary_interleaved)
+            for t in range(n_new):
+                unit, row = places[length + t]
+                k_after[unit, row] = new_k[t].astype(k_cache.dtype)
+                v_after[unit, row] = v[b, t]
+        attended = places[0 if cache_leftpad is None else int(cache_leftpad[b]):length + n_new]
+        keys = np.array([k_after[u, r] for u, r in attended], k_cache.dtype).reshape(-1, *k_cache.shape[2:])
+        values = np.array([v_after[u, r] for u, r in attended], v_cache.dtype).reshape(-1, *v_cache.shape[2:])
+        qb = q[b].astype(np.float64)
+        if rotary_cos is not None:
+            qb = apply_rotary(qb, rotary_cos, rotary_sin, length + np.arange(seqlen_q), rotary_interleaved)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = (alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b])[None]
+        sequences.append((qb, keys, values, slopes))
+    return k_after, v_after, sequences
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, softmax_scale=None, lowp_dtype=None):
+    """`cuflash.attention_with_kvcache` in float64: (out, lse, k_cache_after, v_cache_after).
+
+    The append and the attended keys are `kvcache_sequences`'; each batch is
+    `attention` of its rotated q on its keys (seqlen_k = their count). With
+    lowp_dtype, the naive computation in that dtype instead (q rounded to it after rotary).
+    """
+    k_after, v_after, sequences = kvcache_sequences(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+    for b, (qb, keys, values, slopes) in enumerate(sequences):
+        if keys.shape[0] == 0:
+            continue
+        if lowp_dtype is None:
+            ob, lb = attention(qb[None], keys[None], values[None], alibi_slopes=slopes, return_lse=True, **options)
+            lse[b] = lb[0]
+        else:
+            ob = attention_naive_lowp(qb[None], keys[None], values[None], alibi_slopes=slopes, dtype=lowp_dtype,
+                                      **options)
+        out[b] = ob[0]
+    return out, lse, k_after, v_after

@@ -192,7 +192,7 @@ def cuda_device(q, *, fp8: bool = False) -> int:
     return device_id
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, numpy.integer))
 
 
@@ -235,7 +235,7 @@ def cu_seqlens(name: str, x, total: int, batch: int | None = None) -> int:
 
 def max_seqlen(name: str, value, cu_host=None) -> int:
     """A valid max_seqlen: a positive int, at least the longest sequence of host cu_seqlens cu_host if given."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     length = int(value)
     if length <= 0:
@@ -257,7 +257,7 @@ def dropout(p, seed, offset) -> tuple[float, int, int]:
         raise ValueError(f"dropout_p must be in [0, 1), got {p!r}")
     values = []
     for name, value in (("seed", seed), ("offset", offset)):
-        if not _is_int(value):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__}")
         if not 0 <= int(value) < 2**64:
             raise ValueError(f"{name} must be in [0, 2**64), got {int(value)}")

@@ -15,10 +15,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cuflash"
 LAYERS = {
     "compile": ["config", "compile", "device", "arrays", "fp8", "tma", "tail_split", "kernel_call", "timing", "score_mods",
                 "reference"],
-    "launch": ["launch"],
+    "launch": ["launch", "decode_launch"],
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
-    "face": ["validate", "plans", "forward", "backward", "varlen", "jax", "torch", "__init__"],
+    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "jax", "torch",
+             "__init__"],
     "top": ["bench", "cli", "__main__"],
 }
 RANK = {name: rank for rank, names in enumerate(LAYERS.values()) for name in names}

@@ -80,6 +80,11 @@ def parse_args(argv):
     parser.add_argument("--varlen", action="store_true",
                         help="packed batches of different lengths (attention_varlen): cuflash next to "
                              "cuflash on the padded batch and torch's FlashAttention-2 varlen kernels")
+    parser.add_argument("--decode", action="store_true",
+                        help="one decoding step over a KV cache (attention_with_kvcache): GB/s of cache read "
+                             "for contiguous and paged caches next to torch SDPA flash and cuDNN")
+    parser.add_argument("--decode-nq", type=int, default=1, metavar="N",
+                        help="new queries per decoding step (causal when more than 1) (default: 1)")
     parser.add_argument("--headdim", action="append", metavar="D",
                         help="head dimension(s), e.g. 64,128 (default: both)")
     parser.add_argument("--seqlen", action="append", metavar="N",
@@ -148,6 +153,10 @@ def _variant(parser, args) -> Variant:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # CuPy, torch and the kernels load only past option parsing: --help needs none of them.
+    if args.decode:
+        from .decode import run as run_decode
+
+        return run_decode(args)
     if args.varlen:
         from .varlen import run as run_varlen
 

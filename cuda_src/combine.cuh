@@ -1,0 +1,74 @@
+// Merging partial attention results by their logsumexps: the outputs O_s and
+// lse_s of one query row over S disjoint key sets (the splits of a decoding
+// step, the steps of a ring) combine exactly into
+//   lse = log sum_s e^{lse_s},  O = sum_s e^{lse_s - lse} O_s.
+// A key set that held no key has lse_s = -inf and weighs 0; a row whose sets
+// are all empty gets O = 0 and lse = -inf.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+constexpr int COMBINE_OUT_F16 = 0;
+constexpr int COMBINE_OUT_BF16 = 1;
+constexpr int COMBINE_OUT_F32 = 2;
+
+// Kernel parameter (cuflash/combine.py packs it, field for field). Rows are (b, n, h);
+// every array's last dim (d) is contiguous; strides in elements.
+struct CombineArgs {
+    const float* partial_o;    // (S, B, N, H, d)
+    const float* partial_lse;  // (S, B, N, H) by its strides
+    void* out;                 // (B, N, H, d)
+    float* lse;                // (B, N, H) by its strides; null: not written
+    long long po_ss, po_sb, po_sn, po_sh;
+    long long pl_ss, pl_sb, pl_sn, pl_sh;
+    long long o_sb, o_sn, o_sh;
+    long long l_sb, l_sn, l_sh;
+    int num_splits, batch, seqlen, nheads, d;
+};
+
+// One warp per row, 4 rows per CTA of 128 threads.
+template <int OUT>
+__global__ void __launch_bounds__(128) combine_kernel(const CombineArgs a) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= (long long)a.batch * a.seqlen * a.nheads) return;
+    const int h = row % a.nheads, n = (row / a.nheads) % a.seqlen, b = row / ((long long)a.nheads * a.seqlen);
+    const float* lse_row = a.partial_lse + b * a.pl_sb + n * a.pl_sn + h * a.pl_sh;
+    const float* o_row = a.partial_o + b * a.po_sb + n * a.po_sn + h * a.po_sh;
+
+    float m = neg_inf();
+    for (int s = lane; s < a.num_splits; s += 32) m = fmaxf(m, lse_row[s * a.pl_ss]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.f;
+    if (m != neg_inf())
+        for (int s = lane; s < a.num_splits; s += 32) sum += exp2_approx((lse_row[s * a.pl_ss] - m) * LOG2E);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    // m = +inf (a set with an infinite score) or NaN carry through as the reference's.
+    const float lse = m == neg_inf() ? neg_inf() : (m == pos_inf() ? m : m + log2_approx(sum) * LN2);
+
+    const long long o_off = b * a.o_sb + n * a.o_sn + h * a.o_sh;
+    for (int col = 4 * lane; col < a.d; col += 128) {
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (lse != neg_inf()) {
+            for (int s = 0; s < a.num_splits; ++s) {
+                const float ls = lse_row[s * a.pl_ss];
+                if (ls == neg_inf()) continue;
+                const float w = exp2_approx((ls - lse) * LOG2E);
+                const float4 os = *reinterpret_cast<const float4*>(o_row + s * a.po_ss + col);
+                o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
+            }
+        }
+        if constexpr (OUT == COMBINE_OUT_F32) {
+            *reinterpret_cast<float4*>(static_cast<float*>(a.out) + o_off + col) = o;
+        } else {
+            *reinterpret_cast<uint2*>(static_cast<u16*>(a.out) + o_off + col) =
+                make_uint2(pack2<OUT == COMBINE_OUT_BF16>(o.x, o.y), pack2<OUT == COMBINE_OUT_BF16>(o.z, o.w));
+        }
+    }
+    if (lane == 0 && a.lse != nullptr) a.lse[b * a.l_sb + n * a.l_sn + h * a.l_sh] = lse;
+}
+
+}  // namespace cuflash

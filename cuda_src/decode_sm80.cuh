@@ -1,0 +1,284 @@
+// Attention over a KV cache for few query rows (decoding, speculative and
+// chunked steps): FlashDecoding on mma.sync, for sm_80 and Hopper alike. A
+// decoding step reads every cached key and value once and does little math
+// per byte, so the kernel is built to keep the memory system busy, not the
+// tensor cores.
+//
+// GQA packing: the query heads that share kv head hk, times the nq queries,
+// are the rows of one tile, packed row r = i * group + g for query i and head
+// hk * group + g; so each kv head's keys are read once per CTA for all of them.
+// A CTA takes BM packed rows of one (batch, kv head) and one split of its key
+// blocks (blockIdx = (split, row block, batch * Hk + hk)). K and V stream
+// through a STAGES-deep cp.async ring of BN keys. The 4 warps split the rows
+// WARPS_M ways and each stage's keys WARPS_N ways; each warp keeps its own
+// online softmax over its keys, and the warps' (max, sum, O) are merged
+// through shared memory at the end. With one split the CTA writes the output
+// and lse; with several, each split's normalised output and lse in fp32,
+// merged by combine_kernel (combine.cuh).
+//
+// The new keys of the call are read from k_new / v_new (rotated on the way
+// into shared memory), never from the cache: the CTAs of row block 0 write
+// them into the cache (kv_cache.cuh), split s taking new rows s, s + splits, ...,
+// and no CTA reads a position another writes.
+#pragma once
+#include "common.cuh"
+#include "kv_cache.cuh"
+#include "score_mods.cuh"
+#include "sm80_mma.cuh"
+#include "softmax_sm80.cuh"
+
+namespace cuflash {
+
+template <int D_, int WARPS_M_, int STAGES_>
+struct DecodeTraits {
+    static constexpr int D = D_;
+    static constexpr int WARPS_M = WARPS_M_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int WARPS = 4;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int WARPS_N = WARPS / WARPS_M;
+    static constexpr int BM = 16 * WARPS_M;    // packed rows per CTA
+    static constexpr int BN = 64;              // keys per stage
+    static constexpr int KW = BN / WARPS_N;    // keys per warp per stage
+    static constexpr int NTILES_S = KW / 8;
+    static constexpr int KSTEPS_PV = KW / 16;
+    static constexpr int KSTEPS_QK = D / 16;
+    static constexpr int NTILES_O = D / 8;
+    static constexpr int KV_ELEMS = BN * D;
+    // Shared memory (byte offsets; cuflash/config.py DecodeConfig.smem_layout): the Q tile,
+    // STAGES K tiles, STAGES V tiles. After the key loop the K/V ring holds the warps'
+    // fp32 outputs (WARPS_N x BM x D), then their row maxima and sums.
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_K = OFF_Q + 2 * BM * D;
+    static constexpr int OFF_V = OFF_K + 2 * STAGES * KV_ELEMS;
+    static constexpr int SMEM_BYTES = OFF_V + 2 * STAGES * KV_ELEMS;
+    static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (D + 2);
+
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
+    static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4, "1, 2 or 4 row warps");
+    static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
+    static_assert(MERGE_BYTES <= SMEM_BYTES - OFF_K, "the warps' outputs must fit in the K/V ring");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
+};
+
+template <int D, int WARPS_M, int STAGES, bool BF16, bool PAGED, bool CAUSAL, int MODS>
+__global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
+    using T = DecodeTraits<D, WARPS_M, STAGES>;
+    constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, CHUNKS = D / 8;
+    using Mods = ScoreMods<MODS, CAUSAL, false>;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
+    u16* sK = reinterpret_cast<u16*>(smem_raw + T::OFF_K);
+    u16* sV = reinterpret_cast<u16*>(smem_raw + T::OFF_V);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+    const int split = blockIdx.x, m0 = blockIdx.y * BM;
+    const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
+    const CacheSpan span = cache_span(a, b);
+    if (a.k_new != nullptr && blockIdx.y == 0)
+        append_new_keys<BF16, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS);
+
+    const int rows = a.nq * a.group;
+    const int nk = span.end - span.leftpad;  // attended keys; key column c is cache position leftpad + c
+    Mods mods(mod_args, a.nq, nk);
+    const int i_first = m0 / a.group, i_last = (min(m0 + BM, rows) - 1) / a.group;
+    const KeyBlocks blocks = mods.template key_blocks<BN>(i_first, i_last - i_first + 1);
+    const int per_split = (blocks.end - blocks.begin + a.num_splits - 1) / a.num_splits;
+    const int blk0 = blocks.begin + split * per_split;
+    const int n_steps = max(min(blocks.end, blk0 + per_split) - blk0, 0);
+
+    // Q, rotated at positions cache_len + i.
+    for (int c = tid; c < BM * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, chunk = c % CHUNKS, row = m0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (row < rows) {
+            const int i = row / a.group, h = hk * a.group + row % a.group;
+            const u16* q_row = a.q + b * a.q_sb + i * a.q_sn + h * a.q_sh;
+            if (a.rotary_dim > 0)
+                val = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
+            else if (8 * chunk < a.d)
+                val = *reinterpret_cast<const uint4*>(q_row + 8 * chunk);
+        }
+        *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(r, chunk)) = val;
+    }
+
+    // Keys and values of block `blk` into ring stage `stage`: cached positions by cp.async, new
+    // ones from k_new / v_new (keys rotated by this thread when rotary is on), zeros past the end.
+    // Each thread owns one 16-byte chunk column of every ROW_STEP-th row (when the threads cover
+    // whole rows). A paged cache's page ids of those rows are read one block ahead, while the
+    // block before is computed: read just before the copies that need them, their round trip
+    // (long, under a saturated memory system) halved the paged kernel's bandwidth. Pages hold
+    // a multiple of 16 positions, so one id serves the GROUP owned rows of a 16-row group.
+    constexpr bool ROW_OWNER = THREADS % CHUNKS == 0;
+    constexpr int ROW_STEP = ROW_OWNER ? THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
+    constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+    auto page_at = [&](int blk, int r) {
+        const int j = span.leftpad + blk * BN + r;
+        return PAGED && j < span.cache_len ? page_of(a, b, j) : 0;
+    };
+    int pages[OWNED_ROWS / GROUP];
+    auto fetch_pages = [&](int blk) {
+        if constexpr (PAGED && ROW_OWNER) {
+#pragma unroll
+            for (int g = 0; g < OWNED_ROWS / GROUP; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
+        }
+    };
+    auto load_row_chunk = [&](int blk, int r, int chunk, u32 k_dst, u32 v_dst, int page) {
+        const int j = span.leftpad + blk * BN + r;  // cache position
+        if (j >= span.end || 8 * chunk >= a.d) {
+            cp_async_16(k_dst, a.k_cache, false);
+            cp_async_16(v_dst, a.v_cache, false);
+        } else if (j < span.cache_len) {
+            const CachePos pos = cache_pos<PAGED>(a, span, j, page);
+            cp_async_16(k_dst, a.k_cache + pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh) + 8 * chunk, true);
+            cp_async_16(v_dst, a.v_cache + pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh) + 8 * chunk, true);
+        } else {
+            const int t = j - span.cache_len;
+            const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
+            if (a.rotary_dim > 0) {
+                const uint4 val = load_rotated_chunk<BF16>(a, k_row, 8 * chunk, j);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(k_dst), "r"(val.x), "r"(val.y),
+                             "r"(val.z), "r"(val.w)
+                             : "memory");
+            } else {
+                cp_async_16(k_dst, k_row + 8 * chunk, true);
+            }
+            cp_async_16(v_dst, a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh + 8 * chunk, true);
+        }
+    };
+    // Block `blk` into ring stage `stage` (a paged cache: with `pages` fetched for it).
+    auto load_block = [&](int blk, int stage) {
+        const u32 k_base = smem_addr(sK + stage * T::KV_ELEMS), v_base = smem_addr(sV + stage * T::KV_ELEMS);
+        if constexpr (ROW_OWNER) {
+            const int chunk = tid % CHUNKS, r0 = tid / CHUNKS;
+#pragma unroll
+            for (int it = 0; it < OWNED_ROWS; ++it) {
+                const int r = r0 + it * ROW_STEP, off = 2 * tile_offset<BN, D>(r, chunk);
+                load_row_chunk(blk, r, chunk, k_base + off, v_base + off, pages[it / GROUP]);
+            }
+        } else {
+            for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+                const int r = c / CHUNKS, chunk = c % CHUNKS, off = 2 * tile_offset<BN, D>(r, chunk);
+                load_row_chunk(blk, r, chunk, k_base + off, v_base + off, page_at(blk, r));
+            }
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_steps) {
+            fetch_pages(blk0 + s);
+            load_block(blk0 + s, s);
+        }
+        cp_async_commit();
+    }
+    if (STAGES - 1 < n_steps) fetch_pages(blk0 + STAGES - 1);
+
+    // This lane's two rows (lane / 4 and + 8 of the warp's 16): query index and ALiBi slope.
+    int query[2];
+    float slope[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = min(m0 + wm * 16 + (lane >> 2) + 8 * r, rows - 1);
+        query[r] = row / a.group;
+        slope[r] = Mods::ALIBI ? mod_args.alibi_slopes[b * mod_args.alibi_batch_stride + hk * a.group +
+                                                       row % a.group] * mod_args.alibi_unit
+                               : 0.f;
+    }
+
+    const LaneOffsets<BM, D> q_off(lane & 15, lane >> 4);
+    const u32 q_smem = smem_addr(sQ) + 2 * wm * 16 * LaneOffsets<BM, D>::PW;
+    const LaneOffsets<BN, D> k_off((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LaneOffsets<BN, D> v_off((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    float acc_o[T::NTILES_O][4];
+    zero(acc_o);
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+
+    for (int t = 0; t < n_steps; ++t) {
+        cp_async_wait<STAGES - 2>();  // block t landed
+        __syncthreads();              // and every warp is past block t - 1, whose stage is refilled now
+        if (t + STAGES - 1 < n_steps) load_block(blk0 + t + STAGES - 1, (t + STAGES - 1) % STAGES);
+        cp_async_commit();
+        if (t + STAGES < n_steps) fetch_pages(blk0 + t + STAGES);
+
+        const int blk = blk0 + t, stage = t % STAGES;
+        float acc_s[T::NTILES_S][4];
+        zero(acc_s);
+        gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, smem_addr(sK + stage * T::KV_ELEMS), k_off, wn * KW);
+
+        const bool whole = blk >= blocks.full_begin && blk < blocks.full_end;
+        if (Mods::ANY || !whole) {  // scores in the kernel's units, -inf where masked
+#pragma unroll
+            for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = query[e >> 1], col = blk * BN + wn * KW + j * 8 + 2 * (lane & 3) + (e & 1);
+                    float s = mods.transform(acc_s[j][e]);
+                    if constexpr (Mods::ALIBI) s = fmaf(-slope[e >> 1], fabsf(mods.distance(i, col)), s);
+                    acc_s[j][e] = whole || mods.visible(i, col) ? s : neg_inf();
+                }
+        }
+        online_softmax_sm80(acc_s, acc_o, row_max, row_sum, a.scale_log2);
+        u32 p_frag[T::KSTEPS_PV][4];
+        acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
+        gemm_rs_nn<BF16>(acc_o, p_frag, smem_addr(sV + stage * T::KV_ELEMS), v_off, wn * KW);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is free: it holds the warps' outputs now
+
+    // Merge the WARPS_N warps of each row: O = sum_w 2^((m_w - M) c) O_w / L, L likewise over l_w.
+    float* sO = reinterpret_cast<float*>(smem_raw + T::OFF_K);
+    float* sM = sO + T::WARPS_N * BM * D;
+    float* sL = sM + T::WARPS_N * BM;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wm * 16 + (lane >> 2) + 8 * r, slot = wn * BM + row;
+        const float l = quad_sum(row_sum[r]);
+        if ((lane & 3) == 0) {
+            sM[slot] = row_max[r];
+            sL[slot] = l;
+        }
+#pragma unroll
+        for (int j = 0; j < T::NTILES_O; ++j)
+            *reinterpret_cast<float2*>(sO + slot * D + j * 8 + 2 * (lane & 3)) =
+                make_float2(acc_o[j][2 * r], acc_o[j][2 * r + 1]);
+    }
+    __syncthreads();
+
+    const float c = a.scale_log2;
+    for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {
+        const int r = idx / (D / 4), col = 4 * (idx % (D / 4)), row = m0 + r;
+        if (row >= rows || col >= a.d) continue;
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < T::WARPS_N; ++w) m = fmaxf(m, sM[w * BM + r]);
+        float l = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < T::WARPS_N; ++w) {
+            const float mw = sM[w * BM + r];
+            const float weight = mw == neg_inf() ? 0.f : exp2_approx((mw - m) * c);
+            const float4 ow = *reinterpret_cast<const float4*>(sO + (w * BM + r) * D + col);
+            l = fmaf(weight, sL[w * BM + r], l);
+            o = make_float4(fmaf(weight, ow.x, o.x), fmaf(weight, ow.y, o.y), fmaf(weight, ow.z, o.z),
+                            fmaf(weight, ow.w, o.w));
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int i = row / a.group, h = hk * a.group + row % a.group;
+        const float lse = row_lse_of(m, l, c);
+        if (a.num_splits == 1) {
+            *reinterpret_cast<uint2*>(a.out + b * a.o_sb + i * a.o_sn + h * a.o_sh + col) =
+                make_uint2(pack2<BF16>(o.x * inv, o.y * inv), pack2<BF16>(o.z * inv, o.w * inv));
+            if (col == 0 && a.lse != nullptr) a.lse[((long long)b * a.nheads + h) * a.nq + i] = lse;
+        } else {
+            const long long prow = (((long long)split * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
+            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) =
+                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+            if (col == 0) a.partial_lse[prow] = lse;
+        }
+    }
+}
+
+}  // namespace cuflash

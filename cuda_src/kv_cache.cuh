@@ -1,0 +1,188 @@
+// Where a key of a KV cache lives, the in-place append of new keys and
+// values, and rotary embedding: the parts the decoding kernel
+// (decode_sm80.cuh) builds on.
+//
+// A cache is contiguous, (B_cache, N_max, Hk, D) with batch b in cache row
+// cache_batch_idx[b] (b without it), or paged, (num_pages, page_size, Hk, D)
+// with key j of batch b at row j % page_size of page block_table[b, j / page_size].
+// Batch b's keys are cache positions [leftpad, cache_len + n_new): the first
+// cache_len - leftpad are in the cache, the n_new new ones come from k_new and
+// v_new and are written to positions [cache_len, cache_len + n_new) by the same
+// launch. No position at or past the cache's capacity is read or written,
+// whatever the device-side lengths hold: they are clamped here.
+//
+// Rotary embedding (rotary_dim > 0) turns q row i and new key t, both at
+// position cache_len + i (+ t), with cos/sin tables (rows, rotary_dim / 2):
+//   interleaved  (x[2p], x[2p+1])        -> (x cos - y sin, x sin + y cos) at cos[pos, p];
+//   half-split   (x[p], x[p + rd / 2])   -> the same pair rotation, p < rd / 2.
+// Columns at or past rotary_dim are left as they are.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// Kernel parameter (cuflash/kv_cache.py packs it, field for field).
+struct KVCacheArgs {
+    const u16* q;            // (B, nq, H, D)
+    u16* k_cache;            // contiguous (B_cache, N_max, Hk, D) or paged (num_pages, page_size, Hk, D)
+    u16* v_cache;
+    const u16* k_new;        // (B, n_new, Hk, D); null without new keys
+    const u16* v_new;
+    u16* out;                // (B, nq, H, D)
+    float* lse;              // (B, H, nq)
+    float* partial_o;        // split keys: (num_splits, B, nq, H, D) fp32, each split's normalised output
+    float* partial_lse;      // (num_splits, B, nq, H)
+    const int* cache_seqlens;    // (B,): keys in the cache before the call; null: every batch has cache_len_all
+    const int* cache_batch_idx;  // (B,) contiguous cache row of batch b; null: b
+    const int* cache_leftpad;    // (B,) first attended position; null: 0
+    const int* block_table;      // paged: (B, max_pages) page ids
+    const u16* rotary_cos;       // (rotary_rows, rotary_dim / 2), q's dtype; null without rotary
+    const u16* rotary_sin;
+    long long q_sb, q_sn, q_sh;
+    long long kc_sb, kc_sn, kc_sh;   // k_cache strides: batch (paged: page), position, head
+    long long vc_sb, vc_sn, vc_sh;
+    long long kn_sb, kn_sn, kn_sh;   // k_new strides
+    long long vn_sb, vn_sn, vn_sh;
+    long long o_sb, o_sn, o_sh;
+    long long block_table_stride;
+    int nq, n_new, nheads, nheads_kv, group, d;
+    int cache_len_all;   // every batch's cache_len when cache_seqlens is null
+    int capacity;        // positions a batch may hold: N_max, or max_pages * page_size
+    int cache_rows;      // B_cache (contiguous) or num_pages (paged): bounds cache_batch_idx and page ids
+    int page_size;
+    unsigned page_mul;   // j / page_size = (umulhi(j, page_mul) + j) >> page_shift (cuflash/decode_launch.py)
+    int page_shift;
+    int rotary_dim, rotary_interleaved, rotary_rows;
+    int num_splits;
+    float scale_log2;
+};
+
+// Batch b's key positions: [leftpad, end) attended, [cache_len, end) new.
+struct CacheSpan {
+    int leftpad, cache_len, end;
+    int cache_row;  // contiguous cache: the batch's row
+};
+
+__device__ __forceinline__ CacheSpan cache_span(const KVCacheArgs& a, int b) {
+    CacheSpan s;
+    const int len = a.cache_seqlens ? __ldg(a.cache_seqlens + b) : a.cache_len_all;
+    s.cache_len = min(max(len, 0), a.capacity);
+    s.end = min(s.cache_len + a.n_new, a.capacity);
+    s.leftpad = a.cache_leftpad ? min(max(__ldg(a.cache_leftpad + b), 0), s.cache_len) : 0;
+    s.cache_row = a.cache_batch_idx ? min(max(__ldg(a.cache_batch_idx + b), 0), a.cache_rows - 1) : b;
+    return s;
+}
+
+// Where position j of batch b lies: `unit` (the batch's cache row, or the page)
+// and `row` within it; element offset unit * sb + row * sn + hk * sh. A paged
+// cache's page id comes from page_of, read ahead by the caller so that the
+// page-table loads of several rows are in flight together.
+struct CachePos {
+    long long unit;
+    int row;
+};
+// j / page_size for 0 <= j < 2^31 by a multiply (Granlund-Montgomery; an integer
+// division is ~20 instructions, and the paged loads are issue-bound).
+__device__ __forceinline__ int page_index(const KVCacheArgs& a, int j) {
+    return (__umulhi((u32)j, a.page_mul) + (u32)j) >> a.page_shift;
+}
+// The load is volatile asm, so that it issues where it is written: the compiler
+// otherwise sinks a read-ahead load to just before its use.
+__device__ __forceinline__ int page_of(const KVCacheArgs& a, int b, int j) {
+    int page;
+    asm volatile("ld.global.nc.s32 %0, [%1];\n"
+                 : "=r"(page)
+                 : "l"(a.block_table + b * a.block_table_stride + page_index(a, j))
+                 : "memory");
+    return page;
+}
+__device__ __forceinline__ int clamp_page(const KVCacheArgs& a, int page) { return min(max(page, 0), a.cache_rows - 1); }
+template <bool PAGED>
+__device__ __forceinline__ CachePos cache_pos(const KVCacheArgs& a, const CacheSpan& span, int j, int page) {
+    if constexpr (PAGED) {
+        return CachePos{clamp_page(a, page), j - page_index(a, j) * a.page_size};
+    } else {
+        return CachePos{span.cache_row, j};
+    }
+}
+__device__ __forceinline__ long long pos_offset(const CachePos& p, int hk, long long sb, long long sn, long long sh) {
+    return p.unit * sb + p.row * sn + hk * sh;
+}
+
+__device__ __forceinline__ float half_to_float(u16 x, bool bf16) {
+    if (bf16) return __uint_as_float((u32)x << 16);
+    float y;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
+    return y;
+}
+template <bool BF16>
+__device__ __forceinline__ u16 float_to_half(float x) {
+    const u32 two = pack2<BF16>(x, 0.f);
+    return (u16)(two & 0xffffu);
+}
+
+// The 8 elements at columns [col, col + 8) of a row, rotated at position `pos`
+// (columns at or past d read as 0). rotary_dim is a multiple of 16, so a chunk
+// lies wholly inside or outside the rotated columns, and a half-split chunk's
+// partner chunk is rotary_dim / 2 away.
+template <bool BF16>
+__device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const u16* row, int col, int pos) {
+    if (col >= a.d) return make_uint4(0, 0, 0, 0);
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + col);
+    if (col >= a.rotary_dim) return raw;
+    pos = min(pos, a.rotary_rows - 1);
+    const int half = a.rotary_dim / 2;
+    const u16* x = reinterpret_cast<const u16*>(&raw);
+    u16 y[8];
+    if (a.rotary_interleaved) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int f = pos * half + col / 2 + p;
+            const float c = half_to_float(a.rotary_cos[f], BF16), s = half_to_float(a.rotary_sin[f], BF16);
+            const float x0 = half_to_float(x[2 * p], BF16), x1 = half_to_float(x[2 * p + 1], BF16);
+            y[2 * p] = float_to_half<BF16>(x0 * c - x1 * s);
+            y[2 * p + 1] = float_to_half<BF16>(x0 * s + x1 * c);
+        }
+    } else {
+        const bool first = col < half;
+        const uint4 other_raw = *reinterpret_cast<const uint4*>(row + (first ? col + half : col - half));
+        const u16* other = reinterpret_cast<const u16*>(&other_raw);
+        const int f0 = pos * half + (first ? col : col - half);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float c = half_to_float(a.rotary_cos[f0 + e], BF16), s = half_to_float(a.rotary_sin[f0 + e], BF16);
+            const float xe = half_to_float(x[e], BF16), oe = half_to_float(other[e], BF16);
+            // first half: x cos - x[p + half] sin; second half: x cos + x[p - half] sin
+            y[e] = float_to_half<BF16>(first ? xe * c - oe * s : xe * c + oe * s);
+        }
+    }
+    return *reinterpret_cast<const uint4*>(y);
+}
+
+// Writes batch b's new keys (rotated) and values of kv head hk into the cache:
+// new rows t = first, first + step, ... (one CTA's share), skipping positions
+// at or past the capacity.
+template <bool BF16, bool PAGED>
+__device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int hk, const CacheSpan& span, int first,
+                                                int step, int tid, int threads) {
+    const int chunks = (a.d + 7) / 8;
+    const int rows = span.end - span.cache_len;
+    for (int t = first; t < rows; t += step) {
+        const int j = span.cache_len + t;
+        const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
+        const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
+        const CachePos pos = cache_pos<PAGED>(a, span, j, PAGED ? page_of(a, b, j) : 0);
+        u16* k_dst = a.k_cache + pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh);
+        u16* v_dst = a.v_cache + pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh);
+        for (int c = tid; c < 2 * chunks; c += threads) {
+            if (c < chunks) {
+                *reinterpret_cast<uint4*>(k_dst + 8 * c) = load_rotated_chunk<BF16>(a, k_row, 8 * c, j);
+            } else {
+                const int cv = c - chunks;
+                *reinterpret_cast<uint4*>(v_dst + 8 * cv) = *reinterpret_cast<const uint4*>(v_row + 8 * cv);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

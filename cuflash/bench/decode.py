@@ -1,0 +1,195 @@
+"""``python -m cuflash bench --decode``: one decoding step over a KV cache.
+
+A step attends seqlen_q new queries (1 by default, ``--decode-nq``; causal
+when more than 1) to a cache of N keys per sequence, 32 query heads of head
+dim 128 on 32 (MHA), 8 (GQA) or 1 (MQA) kv heads. The grid: batch 1, 8, 64
+by caches of 1k, 8k, 32k, 128k tokens (``--quick``: batch 1 and 8 by 1k and
+8k), skipping caches over 16 GiB.
+
+Columns: the cache's bytes (K and V), then per implementation GB/s of cache
+read (bytes / time) and microseconds per call:
+
+* ``cuflash``: ``attention_with_kvcache`` on the contiguous cache;
+* ``paged16`` / ``paged64`` / ``paged256``: the same on a paged cache with
+  pages of that many tokens, the page table shuffled;
+* ``torch-flash`` / ``torch-cudnn``: torch SDPA's backends on the same
+  contiguous cache (``enable_gqa``), the call a torch model makes;
+* ``copy``: the device's copy rate (bytes read + written per second of a
+  1 GiB device-to-device copy), the ceiling of a step that reads its cache.
+
+Every row first checks cuflash's output against torch-flash's (or the
+math backend's). ``--dtype`` picks fp16 (default) or bf16.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+import cupy
+
+import cuflash
+from cuflash import timing
+
+from .libs import Skip, TorchEvents
+from .measure import device_info, log
+
+GiB = 1 << 30
+NHEADS, HEADDIM = 32, 128
+KV_HEADS = {"MHA": 32, "GQA": 8, "MQA": 1}
+BATCHES, CACHES = (1, 8, 64), (1024, 8192, 32768, 131072)
+QUICK_BATCHES, QUICK_CACHES = (1, 8), (1024, 8192)
+PAGE_SIZES = (16, 64, 256)
+MAX_CACHE_BYTES = 16 * GiB
+CHECK_TOL = 2e-2
+MAX_INPUT_SETS = 64  # small caches rotate over copies so that L2 does not hold the next call's (MQA 1k: 0.5 MB)
+
+
+def copy_rate_gbs(repeats: int) -> float:
+    """GB/s (read + written) of a 1 GiB device copy."""
+    src = cupy.empty(GiB // 2, numpy.uint8)
+    dst = cupy.empty_like(src)
+    ms = timing.median_ms([lambda: dst.__setitem__(slice(None), src)], repeats)
+    return 2 * src.nbytes / (ms * 1e-3) / 1e9
+
+
+class Step:
+    """One batch's cache (contiguous, and paged copies on demand) and its new query."""
+
+    def __init__(self, batch: int, cache: int, nheads_kv: int, seqlen_q: int, dtype, seed: int):
+        rng = cupy.random.default_rng(seed)
+        shape = (batch, cache, nheads_kv, HEADDIM)
+        self.k, self.v = (rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(2))
+        self.q = rng.standard_normal((batch, seqlen_q, NHEADS, HEADDIM), dtype=cupy.float32).astype(dtype)
+        self.seqlens = cupy.full(batch, cache, cupy.int32)
+        self.causal = seqlen_q > 1
+        self.out = cupy.empty_like(self.q)
+        self.bytes = 2 * self.k.nbytes
+
+    def contiguous(self):
+        return lambda: cuflash.attention_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.seqlens,
+                                                      causal=self.causal, out=self.out)
+
+    def paged(self, page_size: int):
+        batch, cache, nheads_kv, _ = self.k.shape
+        pages = -(-cache // page_size)
+        order = cupy.asarray(numpy.random.default_rng(page_size).permutation(batch * pages).astype(numpy.int32))
+        table = order.reshape(batch, pages)
+        k_pages, v_pages = (cupy.zeros((batch * pages, page_size, nheads_kv, HEADDIM), x.dtype) for x in (self.k, self.v))
+        for src, dst in ((self.k, k_pages), (self.v, v_pages)):
+            padded = cupy.zeros((batch, pages * page_size, nheads_kv, HEADDIM), src.dtype)
+            padded[:, :cache] = src
+            dst[order.ravel()] = padded.reshape(batch * pages, page_size, nheads_kv, HEADDIM)
+        return lambda: cuflash.attention_with_kvcache(self.q, k_pages, v_pages, cache_seqlens=self.seqlens,
+                                                      block_table=table, causal=self.causal, out=self.out)
+
+
+def _torch_sdpa(torch, step: Step, backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "math": SDPBackend.MATH}[backend_name]
+    q = torch.from_dlpack(step.q).transpose(1, 2)
+    k = torch.from_dlpack(step.k).transpose(1, 2)
+    v = torch.from_dlpack(step.v).transpose(1, 2)
+    gqa = k.shape[1] != q.shape[1]
+    attention = torch.nn.functional.scaled_dot_product_attention
+    # Bottom-right causal alignment for several new queries: an explicit mask (SDPA's is_causal is top-left).
+    mask = None
+    if step.causal:
+        nq, nk = q.shape[2], k.shape[2]
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+
+    def run():
+        with sdpa_kernel(backend):
+            return attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+    try:
+        run()
+        torch.cuda.synchronize()
+    except (RuntimeError, TypeError) as exc:
+        raise Skip(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    return run
+
+
+def run(args) -> int:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    import ml_dtypes
+
+    log(f"device: {device_info()['name']}")
+    dtype = ml_dtypes.bfloat16 if args.dtypes[0] == "bfloat16" else numpy.float16
+    copy_gbs = copy_rate_gbs(args.repeats)
+    log(f"device copy rate: {copy_gbs:.0f} GB/s")
+    l2_bytes = device_info()["l2_bytes"]
+    batches, caches = (QUICK_BATCHES, QUICK_CACHES) if args.quick else (BATCHES, CACHES)
+    rows, failed = [], False
+    for kind, nheads_kv in KV_HEADS.items():
+        for batch in batches:
+            for cache in caches:
+                step_bytes = 2 * batch * cache * nheads_kv * HEADDIM * 2
+                if step_bytes > MAX_CACHE_BYTES:
+                    continue
+                sets = min(MAX_INPUT_SETS, timing.input_set_count(step_bytes, l2_bytes))
+                steps = [Step(batch, cache, nheads_kv, args.decode_nq, dtype, seed=s) for s in range(sets)]
+                step = steps[0]
+                entries = {"cuflash": timing.Calls([s.contiguous() for s in steps])}
+                for page_size in PAGE_SIZES:
+                    entries[f"paged{page_size}"] = timing.Calls([s.paged(page_size) for s in steps])
+                results = {}
+                if torch is not None and not args.no_peers:
+                    for backend in ("flash", "cudnn"):
+                        try:
+                            entries[f"torch-{backend}"] = timing.Calls(
+                                [_torch_sdpa(torch, s, backend) for s in steps], TorchEvents(torch))
+                        except Skip as exc:
+                            results[f"torch-{backend}"] = {"skipped": str(exc)}
+                    failed |= not _check(torch, step, entries, kind, batch, cache)
+                results.update(timing.time_calls(entries, args.repeats))
+                row = {"kv": kind, "batch": batch, "cache": cache, "MB": round(step.bytes / 1e6)}
+                for name, result in results.items():
+                    if "ms" in result:
+                        row[name] = (round(step.bytes / (result["ms"] * 1e-3) / 1e9), round(result["ms"] * 1e3, 1))
+                    else:
+                        row[name] = None
+                row["copy"] = round(copy_gbs)
+                rows.append(row)
+                log(str(row))
+                del step, steps, entries
+                timing.synchronize()
+                cupy.get_default_memory_pool().free_all_blocks()
+    _print(rows)
+    return 1 if failed else 0
+
+
+def _check(torch, step: Step, entries, kind, batch, cache) -> bool:
+    reference = entries.get("torch-flash")
+    run_reference = reference.fns[0] if reference else _torch_sdpa(torch, step, "math")
+    ours = entries["cuflash"].fns[0]().astype(cupy.float32)
+    theirs = cupy.from_dlpack(run_reference().contiguous()).astype(cupy.float32)
+    diff = float(cupy.abs(ours - theirs).max())
+    paged = entries["paged16"].fns[0]().astype(cupy.float32)
+    diff = max(diff, float(cupy.abs(paged - theirs).max()))
+    if not diff <= CHECK_TOL:
+        log(f"MISMATCH {kind} batch {batch} cache {cache}: max abs diff {diff:.3e}")
+        return False
+    return True
+
+
+def _print(rows) -> None:
+    from tabulate import tabulate
+
+    names = ["cuflash", "paged16", "paged64", "paged256", "torch-flash", "torch-cudnn"]
+    table = []
+    for row in rows:
+        line = [row["kv"], row["batch"], row["cache"], row["MB"]]
+        for name in names:
+            cell = row.get(name)
+            line.append("-" if cell is None else f"{cell[0]} / {cell[1]}")
+        best_peer = max((row[n][0] for n in ("torch-flash", "torch-cudnn") if row.get(n)), default=None)
+        ours = row.get("cuflash")
+        line.append(round(ours[0] / best_peer, 2) if ours and best_peer else "-")
+        line.append(round(ours[0] / row["copy"], 2) if ours else "-")
+        table.append(line)
+    print("GB/s of cache read / us per call")
+    print(tabulate(table, headers=["kv", "batch", "cache", "MB", *names, "vs best peer", "of copy"]))

@@ -1,0 +1,161 @@
+"""Launches of the decoding kernel (cuda_src/decode_sm80.cuh) and of the combine
+kernel (cuda_src/combine.cuh) that merges split partial results.
+
+`DecodeLaunch` holds what a call's shapes decide (kernel, grid, the packed
+`KVCacheArgs`); `run` writes the call's addresses and launches, then the
+combine when the keys are split. `CombineLaunch` merges partial outputs by
+their logsumexps, for decoding and for `cuflash.combine_partials`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy
+
+from .config import DecodeConfig, combine_name
+from .kernel_call import KernelArgs, kernel
+from .score_mods import ALIBI_SLOPES_WORD
+
+POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
+             "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos", "rotary_sin")
+_STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
+            "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
+_INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "cache_len_all", "capacity", "cache_rows",
+         "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "num_splits")
+# KVCacheArgs field for field (cuda_src/kv_cache.cuh).
+KV_CACHE_ARGS_DTYPE = numpy.dtype([*((p, "<u8") for p in POINTER_FIELDS), *((s, "<i8") for s in _STRIDES),
+                                   *((i, "<u4" if i == "page_mul" else "<i4") for i in _INTS), ("scale_log2", "<f4")],
+                                  align=True)
+# The pointers are the struct's first words, in POINTER_FIELDS order.
+_WORD0 = KV_CACHE_ARGS_DTYPE.fields[POINTER_FIELDS[0]][1] // 8
+_OUT, _LSE, _PARTIAL_O, _PARTIAL_LSE = (POINTER_FIELDS.index(n) for n in ("out", "lse", "partial_o", "partial_lse"))
+_CACHE_LEN_ALL_WORD, _CACHE_LEN_ALL_HALF = divmod(KV_CACHE_ARGS_DTYPE.fields["cache_len_all"][1], 8)
+
+# CombineArgs field for field (cuda_src/combine.cuh).
+COMBINE_ARGS_DTYPE = numpy.dtype([
+    ("partial_o", "<u8"), ("partial_lse", "<u8"), ("out", "<u8"), ("lse", "<u8"),
+    *((f"{a}_{s}", "<i8") for a in ("po", "pl") for s in ("ss", "sb", "sn", "sh")),
+    *((f"{a}_{s}", "<i8") for a in ("o", "l") for s in ("sb", "sn", "sh")),
+    ("num_splits", "<i4"), ("batch", "<i4"), ("seqlen", "<i4"), ("nheads", "<i4"), ("d", "<i4"),
+], align=True)
+COMBINE_ROWS_PER_CTA = 4  # one warp a row
+
+
+def division_magic(divisor: int) -> tuple[int, int]:
+    """(mul, shift) with n // divisor == (umulhi(n, mul) + n) >> shift for 0 <= n < 2^31
+    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994)."""
+    shift = (divisor - 1).bit_length()
+    return (1 << 32) * ((1 << shift) - divisor) // divisor + 1, shift
+
+
+def _words(record) -> numpy.ndarray:
+    return numpy.frombuffer(record.tobytes(), numpy.uint64).copy()
+
+
+class CombineLaunch:
+    """combine_kernel over (S, B, N, H, d) partial outputs and (S, B, N, H) logsumexps (by strides)."""
+
+    def __init__(self, out_dtype_name: str, num_splits: int, batch: int, seqlen: int, nheads: int, d: int,
+                 po_strides, pl_strides, o_strides, l_strides, device_id: int):
+        self.kernel = kernel("combine", combine_name(out_dtype_name), 0, device_id)
+        rows = batch * seqlen * nheads
+        self.grid = (-(-rows // COMBINE_ROWS_PER_CTA), 1, 1)
+        record = numpy.zeros((), COMBINE_ARGS_DTYPE)
+        for prefix, strides in (("po", po_strides), ("pl", pl_strides)):
+            for suffix, s in zip(("ss", "sb", "sn", "sh"), strides):
+                record[f"{prefix}_{suffix}"] = s
+        for prefix, strides in (("o", o_strides), ("l", l_strides)):
+            for suffix, s in zip(("sb", "sn", "sh"), strides):
+                record[f"{prefix}_{suffix}"] = s
+        record["num_splits"], record["batch"], record["seqlen"], record["nheads"], record["d"] = (
+            num_splits, batch, seqlen, nheads, d)
+        self.args = KernelArgs([_words(record)])
+
+    def run(self, partial_o: int, partial_lse: int, out: int, lse: int, stream: int) -> None:
+        """Addresses: lse 0 when not wanted."""
+        args = self.args
+        for word, address in enumerate((partial_o, partial_lse, out, lse)):
+            args.set_address(0, address, word)
+        self.kernel.launch(self.grid, COMBINE_ROWS_PER_CTA * 32, args, stream)
+
+
+class DecodeLaunch:
+    """decode_kernel for one call signature; the split outputs merged by a CombineLaunch.
+
+    shapes: q (B, nq, H, D); cache (rows, N, Hk, D), paged when `paged`;
+    new keys (B, n_new, Hk, D) or n_new = 0.
+    """
+
+    def __init__(self, cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, q_shape, k_cache,
+                 n_new: int, strides: dict, block_table, rotary, num_splits: int, scale: float, device_id: int):
+        """strides: element strides of "q", "kc", "vc", "o" and, with new keys, "kn", "vn" (as the kernel
+        will see those arrays: an aligned copy's where one is made)."""
+        batch, nq, nheads, headdim = q_shape
+        cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
+        group = nheads // nheads_kv
+        self.kernel = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits),
+                             cfg.smem_bytes(), device_id)
+        self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
+        self.threads = cfg.threads
+        self.num_splits = num_splits
+        self.partial_o_floats = num_splits * batch * nq * nheads * headdim
+        self.partial_floats = self.partial_o_floats + num_splits * batch * nq * nheads
+        record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
+        for prefix, array_strides in strides.items():
+            for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):
+                record[f"{prefix}_{suffix}"] = s
+        if paged:
+            page_size = cache_n
+            capacity = block_table.shape[1] * page_size
+            record["block_table_stride"] = block_table.strides[0] // block_table.itemsize
+            record["page_size"] = page_size
+            record["page_mul"], record["page_shift"] = division_magic(page_size)
+        else:
+            capacity = cache_n
+        record["nq"], record["n_new"], record["nheads"], record["nheads_kv"] = nq, n_new, nheads, nheads_kv
+        record["group"], record["d"], record["capacity"], record["cache_rows"] = group, headdim, capacity, cache_rows
+        if rotary is not None:
+            cos, interleaved = rotary
+            record["rotary_dim"], record["rotary_rows"] = 2 * cos.shape[1], cos.shape[0]
+            record["rotary_interleaved"] = int(interleaved)
+        record["num_splits"] = num_splits
+        record["scale_log2"] = mods.score_log2(scale)
+        self.args = KernelArgs([_words(record), mods.kernel_args(nq, capacity, scale)])
+        self.combine = None
+        if num_splits > 1:
+            o_strides = tuple(strides["o"][:3])
+            rows = batch * nq * nheads
+            self.combine = CombineLaunch(
+                dtype_name, num_splits, batch, nq, nheads, headdim,
+                (rows * headdim, nq * nheads * headdim, nheads * headdim, headdim),
+                (rows, nq * nheads, nheads, 1), o_strides, (nheads * nq, 1, nq), device_id)
+        self.last = None
+        self.lock = threading.Lock()
+
+    def run(self, addresses: tuple, cache_len_all: int, slopes: int, partials: int, stream: int) -> None:
+        """addresses: the device addresses of KVCacheArgs' pointer fields in POINTER_FIELDS order (0: absent;
+        partial_o and partial_lse are taken from `partials`, the address of partial_floats float32
+        values when the keys are split)."""
+        if self.combine is not None:
+            addresses = (*addresses[:_PARTIAL_O], partials, partials + 4 * self.partial_o_floats,
+                         *addresses[_PARTIAL_LSE + 1:])
+        with self.lock:
+            args = self.args
+            # A decoding loop calls with the same arrays step after step: the packed arguments then stand.
+            if (addresses, cache_len_all, slopes) != self.last:
+                for word, address in enumerate(addresses):
+                    args.set_address(0, address, _WORD0 + word)
+                self._set_cache_len_all(cache_len_all)
+                args.set_address(1, slopes, ALIBI_SLOPES_WORD)
+                self.last = (addresses, cache_len_all, slopes)
+            self.kernel.launch(self.grid, self.threads, args, stream)
+            if self.combine is not None:
+                self.combine.run(addresses[_PARTIAL_O], addresses[_PARTIAL_LSE], addresses[_OUT],
+                                 addresses[_LSE], stream)
+
+    def _set_cache_len_all(self, value: int) -> None:
+        buffer = self.args.buffer
+        w = self.args.words[0] + _CACHE_LEN_ALL_WORD
+        halves = buffer[w:w + 1].view(numpy.int32)
+        halves[_CACHE_LEN_ALL_HALF // 4] = value

@@ -1,0 +1,384 @@
+"""`attention_with_kvcache`: attention of a few new queries over a KV cache, flash-attn's
+`flash_attn_with_kvcache` call.
+
+One launch appends the new keys and values to the cache in place (rotated,
+with rotary tables), and attends q (rotated) to the cache's keys plus the new
+ones; when the (batch, kv head) pairs would not fill the GPU, the keys are
+split across CTAs and a second launch merges the splits (cuda_src/combine.cuh).
+Semantics and limits: docs/kv_cache.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy
+
+from . import dispatch, score_mods, validate
+from .arrays import aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous
+from .decode_launch import DecodeLaunch
+from .device import SMEM_RESERVED_PER_CTA, cupy, max_smem_per_block, max_smem_per_sm, sm_count
+from .launch import require_not_capturing, stream_state
+from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
+
+PAGE_MULTIPLE = 16  # page_size granularity (the kernel's 16-row MMA key tiles never straddle pages)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, causal=False, softmax_scale=None, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, out=None):
+    """Attention of q over a KV cache, appending new keys and values in place first.
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16.
+    k_cache, v_cache: a contiguous cache (batch_cache, seqlen_cache, nheads_kv, headdim), or
+    with block_table a paged one (num_pages, page_size, nheads_kv, headdim), page_size a
+    multiple of 16; last dim contiguous, 16-byte aligned rows. nheads % nheads_kv == 0 (GQA/MQA).
+    k, v: optional new keys and values (batch, seqlen_new, nheads_kv, headdim), written into
+    the cache at positions cache_seqlens[b] .. + seqlen_new before attention.
+    cache_seqlens: an int, or int32 (batch,) (CuPy, or NumPy: checked and copied): keys in
+    each batch's cache before the call (None: the whole cache). Attention runs over
+    positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new).
+    cache_batch_idx: int32 (batch,), the cache row of each batch (contiguous caches).
+    cache_leftpad: int32 (batch,), each batch's first position (contiguous caches).
+    block_table: int32 (batch, max_pages), the pages of each batch's positions.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, rotary_dim a multiple
+    of 16 <= headdim: q row i and new key t are rotated at positions cache_seqlens[b] + i
+    and + t; interleaved pairs (GPT-J) or halves (GPT-NeoX) with rotary_interleaved.
+    causal, window_size, softcap, alibi_slopes, softmax_scale: as `cuflash.attention`, with
+    seqlen_k = the attended keys of each batch (bottom-right aligned).
+    num_splits: 0 chooses; n >= 1 splits each batch's keys n ways.
+    out: optional output (q's shape and dtype, 16-byte aligned).
+    Returns out, or (out, lse) with return_lse (lse float32 (batch, nheads, seqlen_q)).
+    """
+    key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                    rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
+                    alibi_slopes, num_splits, return_lse, out)
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                         rotary_cos, rotary_sin, alibi_slopes, return_lse, out)
+    call = _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                      rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
+                      alibi_slopes, num_splits, out)
+    plan = _Plan(call)
+    result = plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                       rotary_cos, rotary_sin, alibi_slopes, return_lse, out)
+    if key is not None:
+        _plans.store(key, plan)
+    return result
+
+
+_plans = PlanCache()
+
+
+@dataclasses.dataclass
+class _Call:
+    """What validation and dispatch decided for a call signature."""
+
+    launch: DecodeLaunch | None  # None: nothing to compute (an empty q)
+    device_id: int
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: numpy.dtype
+    capacity: int
+    n_new: int
+    seqlen_q: int
+    copy_q: bool
+    copy_new: bool
+    copy_rotary: bool
+
+
+class _Plan:
+    def __init__(self, call: _Call):
+        self.c = call
+
+    def call(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+             rotary_cos, rotary_sin, slopes, return_lse, out):
+        c = self.c
+        cp = cupy()
+        if cp.cuda.runtime.getDevice() != c.device_id:
+            with cp.cuda.Device(c.device_id):
+                return self.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                 block_table, rotary_cos, rotary_sin, slopes, return_lse, out)
+        cache_len_all, seqlens = _cache_lengths(cache_seqlens, c)
+        if type(cache_batch_idx) is numpy.ndarray:
+            cache_batch_idx = cp.asarray(cache_batch_idx)
+        if type(cache_leftpad) is numpy.ndarray:
+            cache_leftpad = cp.asarray(cache_leftpad)
+        if out is None:
+            require_not_capturing("attention_with_kvcache without out=")
+            out = cp.empty(c.out_shape, c.dtype)
+        lse = None
+        if return_lse:
+            require_not_capturing("attention_with_kvcache with return_lse=True")
+            lse = cp.empty(c.lse_shape, numpy.float32)
+        launch = c.launch
+        if launch is None:
+            if lse is not None:
+                lse.fill(-numpy.inf)
+            return (out, lse) if return_lse else out
+        if c.copy_q:
+            q = aligned_copy(q)
+        if c.copy_new:
+            k, v = aligned_copy(k), aligned_copy(v)
+        if c.copy_rotary:
+            rotary_cos, rotary_sin = aligned_copy(rotary_cos), aligned_copy(rotary_sin)
+        # POINTER_FIELDS order; partial_o and partial_lse are the launch's.
+        addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
+                     _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), _ptr(rotary_cos),
+                     _ptr(rotary_sin))
+        stream = cp.cuda.get_current_stream().ptr
+        partials = 0
+        if launch.combine is not None:
+            partials = stream_state(c.device_id, stream).partials_for(launch.partial_floats)
+        launch.run(addresses, cache_len_all, _ptr(slopes), partials, stream)
+        return (out, lse) if return_lse else out
+
+
+def _ptr(x) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+def _cache_lengths(cache_seqlens, c: _Call):
+    """(every batch's length when one int is given, the device int32 array otherwise or None)."""
+    if cache_seqlens is None:
+        cache_seqlens = c.capacity - c.n_new
+    if type(cache_seqlens) is int or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
+        _check_host_lengths(cache_seqlens, c.capacity, c.n_new)
+        if isinstance(cache_seqlens, numpy.ndarray):
+            return 0, cupy().asarray(cache_seqlens)
+        return int(cache_seqlens), None
+    return 0, cache_seqlens
+
+
+def _check_host_lengths(cache_seqlens, capacity: int, n_new: int) -> None:
+    """Host cache lengths (an int or a NumPy array) must leave room for the new keys."""
+    lengths = numpy.asarray(cache_seqlens, numpy.int64).reshape(-1)
+    if lengths.min(initial=0) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
+    if lengths.max(initial=0) + n_new > capacity:
+        raise ValueError(f"cache_seqlens + {n_new} new keys must fit the cache's capacity {capacity}, "
+                         f"got cache_seqlens up to {int(lengths.max())}")
+
+
+def _int_vector(name: str, x, batch: int, upper: int | None = None):
+    """Validate an optional int32 (batch,) array, NumPy (values checked in [lower, upper)) or CuPy."""
+    if x is None:
+        return
+    if not isinstance(x, (numpy.ndarray, cupy().ndarray)):
+        raise TypeError(f"{name} must be an int32 numpy.ndarray or cupy.ndarray of shape (batch,), "
+                        f"got {type(x).__module__}.{type(x).__name__}")
+    if x.dtype != numpy.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
+    if isinstance(x, numpy.ndarray):
+        bad = (x < 0) | ((x >= upper) if upper is not None else False)
+        if numpy.any(bad):
+            at = int(numpy.argmax(bad))
+            raise ValueError(f"{name}[{at}] = {int(x[at])} is out of range [0, {upper if upper is not None else 'inf'})")
+    elif x.strides[0] != x.itemsize and batch > 1:
+        raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
+
+
+def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+               rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
+               num_splits, out) -> _Call:
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        validate.require_cupy_array(name, x)
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims, got shape {x.shape}")
+    name = dtype_name(q.dtype)
+    if name not in ("float16", "bfloat16"):
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    if headdim % 8 != 0 or not 8 <= headdim <= validate.MAX_HEADDIM:
+        raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {validate.MAX_HEADDIM}, got {headdim}")
+    if not last_dim_contiguous(q):
+        raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
+    for cname, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{cname} must have q's dtype {q.dtype}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{cname} is on device {x.device.id}, q on device {q.device.id}")
+        if not last_dim_contiguous(x):
+            raise ValueError(f"{cname} must be contiguous in its last dim (headdim), got strides {x.strides}")
+        if not is_aligned(x):
+            raise ValueError(f"{cname} must be 16-byte aligned with strides that are multiples of 8 elements "
+                             "(it is written in place, never copied)")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache must have q's head dim {headdim}, got shape {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape}")
+    cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_kv ({nheads_kv})")
+    if cache_rows == 0:
+        raise ValueError(f"k_cache must hold at least one {'page' if block_table is not None else 'batch row'}, "
+                         f"got shape {k_cache.shape}")
+
+    paged = block_table is not None
+    if paged:
+        validate.require_cupy_array("block_table", block_table)
+        if block_table.dtype != numpy.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+            raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, >= 1), "
+                             f"got {block_table.shape}")
+        if not last_dim_contiguous(block_table):
+            raise ValueError(f"block_table must be contiguous in its last dim, got strides {block_table.strides}")
+        if cache_n % PAGE_MULTIPLE != 0:
+            raise ValueError(f"page_size (k_cache.shape[1] of a paged cache) must be a multiple of {PAGE_MULTIPLE}, "
+                             f"got {cache_n}")
+        for name_, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if x is not None:
+                raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
+        capacity = block_table.shape[1] * cache_n
+    else:
+        capacity = cache_n
+        if cache_batch_idx is None and cache_rows < batch:
+            raise ValueError(f"k_cache must have at least q's batch size {batch} rows without cache_batch_idx, "
+                             f"got shape {k_cache.shape}")
+
+    n_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    copy_new = False
+    if k is not None:
+        for name_, x in (("k", k), ("v", v)):
+            validate.require_cupy_array(name_, x)
+            expected = (batch, x.shape[1] if x.ndim == 4 else -1, nheads_kv, headdim)
+            if x.ndim != 4 or x.shape != expected:
+                raise ValueError(f"{name_} must have shape (batch, seqlen_new, nheads_kv, headdim) = "
+                                 f"({batch}, seqlen_new, {nheads_kv}, {headdim}), got {x.shape}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
+            if not last_dim_contiguous(x):
+                raise ValueError(f"{name_} must be contiguous in its last dim (headdim), got strides {x.strides}")
+        if v.shape != k.shape:
+            raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+        n_new = k.shape[1]
+        copy_new = not (is_aligned(k) and is_aligned(v))
+    if n_new > capacity:
+        raise ValueError(f"k: {n_new} new keys exceed the cache's capacity {capacity}")
+
+    _int_vector("cache_batch_idx", cache_batch_idx, batch, upper=cache_rows)
+    if cache_seqlens is not None and not validate.is_int(cache_seqlens):
+        _int_vector("cache_seqlens", cache_seqlens, batch)
+    if cache_seqlens is None or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
+        _check_host_lengths(capacity - n_new if cache_seqlens is None else cache_seqlens, capacity, n_new)
+    host_lengths = cache_seqlens if isinstance(cache_seqlens, numpy.ndarray) else None
+    if cache_leftpad is not None:
+        if isinstance(cache_leftpad, numpy.ndarray) and validate.is_int(cache_seqlens):
+            host_lengths = numpy.full(batch, int(cache_seqlens), numpy.int32)
+        _int_vector("cache_leftpad", cache_leftpad, batch, upper=capacity + 1)
+        if isinstance(cache_leftpad, numpy.ndarray) and host_lengths is not None:
+            over = cache_leftpad > host_lengths
+            if numpy.any(over):
+                at = int(numpy.argmax(over))
+                raise ValueError(f"cache_leftpad[{at}] = {int(cache_leftpad[at])} exceeds cache_seqlens[{at}] = "
+                                 f"{int(host_lengths[at])}")
+
+    rotary = None
+    copy_rotary = False
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name_, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            validate.require_cupy_array(name_, x)
+            if x.ndim != 2 or x.shape[1] == 0 or x.shape[0] == 0:
+                raise ValueError(f"{name_} must have shape (seqlen_ro, rotary_dim / 2), got {x.shape}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin must have rotary_cos's shape {rotary_cos.shape}, got {rotary_sin.shape}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim % 16 != 0 or rotary_dim > headdim:
+            raise ValueError(f"rotary_cos: rotary_dim = 2 * shape[1] must be a multiple of 16 and at most headdim "
+                             f"{headdim}, got {rotary_dim}")
+        if host_lengths is not None or validate.is_int(cache_seqlens):
+            longest = (int(numpy.max(host_lengths, initial=0)) if host_lengths is not None
+                       else int(cache_seqlens)) + max(seqlen_q, n_new)
+            if rotary_cos.shape[0] < longest:
+                raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, "
+                                 f"got shape {rotary_cos.shape}")
+        rotary = (rotary_cos, bool(rotary_interleaved))
+        copy_rotary = not (rotary_cos.flags.c_contiguous and rotary_sin.flags.c_contiguous)
+
+    scale = validate.softmax_scale(softmax_scale, headdim)
+    window = validate.window_size(window_size, bool(causal))
+    cap = validate.softcap(softcap)
+    slopes_stride = validate.alibi_slopes(alibi_slopes, batch, nheads)
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, capacity)
+
+    if isinstance(num_splits, bool) or not validate.is_int(num_splits) or not 0 <= num_splits <= \
+            dispatch.MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {dispatch.MAX_DECODE_SPLITS}] (0: chosen), "
+                         f"got {num_splits!r}")
+    if out is not None:
+        validate.output("out", out, q, "q")
+    device_id = validate.cuda_device(q)
+    for name_, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if isinstance(x, cupy().ndarray) and x.device != q.device:
+            raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
+
+    call = _Call(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, seqlen_q,
+                 not is_aligned(q), copy_new, copy_rotary)
+    rows = seqlen_q * (nheads // nheads_kv)
+    if batch == 0 or (rows == 0 and n_new == 0):
+        return call
+    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id))
+    row_blocks = -(-max(rows, 1) // cfg.block_m)
+    if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
+        raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
+                         f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
+    per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
+    splits = num_splits or dispatch.decode_splits(batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N),
+                                                  per_sm * sm_count(device_id))
+    def kernel_strides(x, copied: bool):
+        return contiguous_strides(x.shape) if copied else elem_strides(x)
+
+    strides = {"q": kernel_strides(q, call.copy_q), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
+               "o": elem_strides(out) if out is not None else contiguous_strides(q.shape)}
+    if k is not None:
+        strides["kn"], strides["vn"] = kernel_strides(k, copy_new), kernel_strides(v, copy_new)
+    call.launch = DecodeLaunch(cfg, name, paged, causal, mods, q.shape, k_cache, n_new, strides, block_table,
+                               rotary, splits, scale, device_id)
+    return call
+
+
+def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+              rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes, num_splits,
+              return_lse, out):
+    """The plan key of a call, or None where only the full path applies."""
+    ndarray = ndarray_type()
+    if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray:
+        return None
+    options = option_key(window_size, softcap, softmax_scale)
+    if options is None or type(num_splits) is not int:
+        return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lengths = type(cache_seqlens)
+    elif type(cache_seqlens) is ndarray:
+        lengths = optional_layout(cache_seqlens)
+    else:
+        return None  # NumPy lengths: checked per call on the full path
+    arrays = []
+    for x in (q, k_cache, v_cache, k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
+              alibi_slopes, out):
+        if x is None:
+            arrays.append(None)
+        elif type(x) is ndarray:
+            arrays.append(layout(x))
+        else:
+            return None
+    arrays = tuple(arrays)
+    return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits)

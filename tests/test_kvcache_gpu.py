@@ -1,0 +1,271 @@
+"""Attention over a KV cache: cuflash.attention_with_kvcache against cuflash.reference's float64
+function with the 2x rule, the cache after the call against the reference append, and
+cuflash.combine_partials against whole attention.
+
+Cases draw random cache lengths (0 included), shuffled page tables, GQA
+ratios 1 to 32, 1 to 16 queries, both rotary modes; outputs start poisoned,
+and cache positions the call must not write hold poison that has to survive.
+"""
+
+import cupy
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from tests.numerics import ATOL, DTYPES, assert_close_2x, check_lse, mentions, randn
+
+pytestmark = pytest.mark.gpu
+
+POISON = 1e4
+
+
+def _ulp_distance(a, b):
+    """Largest distance in units of the last place between two 16-bit arrays of one dtype."""
+    ai = a.view(np.int16).astype(np.int32)
+    bi = b.view(np.int16).astype(np.int32)
+    return int(np.abs(ai - bi).max(initial=0))
+
+
+def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, headdim=128, capacity=300,
+             n_new=1, page_size=None, rotary=None, leftpad=False, batch_idx=False, lengths="random",
+             num_splits=0, host_lengths=False, **options):
+    group_rows = batch + 2 if batch_idx else batch
+    q = randn(rng, (batch, seqlen_q, nheads, headdim), dtype)
+    if page_size is None:
+        cache_shape = (group_rows, capacity, nheads_kv, headdim)
+        block_table = None
+    else:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = batch * pages_per_seq + 3
+        cache_shape = (num_pages, page_size, nheads_kv, headdim)
+        block_table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
+        block_table = block_table.astype(np.int32)
+        capacity = pages_per_seq * page_size
+    k_cache = randn(rng, cache_shape, dtype)
+    v_cache = randn(rng, cache_shape, dtype)
+    k_new = randn(rng, (batch, n_new, nheads_kv, headdim), dtype) if n_new else None
+    v_new = randn(rng, (batch, n_new, nheads_kv, headdim), dtype) if n_new else None
+    if lengths == "random":
+        seqlens = rng.integers(0, capacity - n_new + 1, batch).astype(np.int32)
+        seqlens[0] = 0  # an empty cache plus the new keys
+        seqlens[-1] = capacity - n_new  # a full one
+    else:
+        seqlens = np.full(batch, lengths, np.int32)
+    pad = np.array([rng.integers(0, max(s, 1)) if s else 0 for s in seqlens], np.int32) if leftpad else None
+    idx = rng.permutation(group_rows)[:batch].astype(np.int32) if batch_idx else None
+    cos = sin = None
+    if rotary is not None:
+        rotary_dim = headdim if rotary == "full" else headdim // 2
+        angles = rng.uniform(0, 2 * np.pi, (capacity + seqlen_q, rotary_dim // 2))
+        cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    slopes = None
+    if options.pop("alibi", False):
+        slopes = rng.uniform(0.01, 0.3, (batch, nheads)).astype(np.float32)
+    interleaved = options.pop("interleaved", True)
+
+    host = dict(cache_seqlens=seqlens, cache_batch_idx=idx, cache_leftpad=pad, block_table=block_table,
+                rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, alibi_slopes=slopes, **options)
+    ref, ref_lse, k_after, v_after = reference.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **host)
+    naive, _, _, _ = reference.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, lowp_dtype=dtype, **host)
+
+    dev = {name: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in host.items()}
+    if host_lengths:
+        dev["cache_seqlens"] = seqlens
+    kc, vc = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    out = cupy.full(q.shape, POISON, dtype)
+    result, lse = cuflash.attention_with_kvcache(
+        cupy.asarray(q), kc, vc, None if k_new is None else cupy.asarray(k_new),
+        None if v_new is None else cupy.asarray(v_new), out=out, return_lse=True, num_splits=num_splits, **dev)
+    assert result is out
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
+    check_lse(lse, ref_lse)
+    if rotary is None:
+        np.testing.assert_array_equal(kc.get().view(np.int16), k_after.view(np.int16))
+    else:  # rotated in fp32 by the kernel, in float64 by the reference: at most one rounding apart
+        assert _ulp_distance(kc.get(), k_after) <= 1
+    np.testing.assert_array_equal(vc.get().view(np.int16), v_after.view(np.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("group", [1, 4, 8, 32])
+def test_decode_gqa(dtype, group):
+    rng = np.random.default_rng(group)
+    run_case(rng, dtype=dtype, nheads=2 * group if group < 32 else 32, nheads_kv=2 if group < 32 else 1,
+             capacity=1025)
+
+
+@pytest.mark.parametrize("headdim", [32, 64, 80, 96, 128, 256])
+def test_head_dims(headdim):
+    run_case(np.random.default_rng(headdim), headdim=headdim, capacity=257, n_new=2, seqlen_q=2, causal=True)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2, 8, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_speculative_causal(seqlen_q, group):
+    run_case(np.random.default_rng(seqlen_q * 100 + group), seqlen_q=seqlen_q, n_new=seqlen_q, nheads=2 * group,
+             nheads_kv=2, capacity=97 * 3, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_paged(page_size, dtype):
+    run_case(np.random.default_rng(page_size), dtype=dtype, page_size=page_size, capacity=700, batch=4, n_new=3,
+             seqlen_q=3, causal=True)
+
+
+@pytest.mark.parametrize("rotary", ["full", "half"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("paged", [False, True])
+def test_rotary(rotary, interleaved, paged):
+    run_case(np.random.default_rng(7), rotary=rotary, interleaved=interleaved, page_size=32 if paged else None,
+             seqlen_q=4, n_new=4, causal=True, capacity=200)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("window", dict(window_size=(40, -1), causal=True)),
+    ("window_both", dict(window_size=(30, 5))),
+    ("softcap", dict(softcap=5.0)),
+    ("alibi", dict(alibi=True)),
+    ("all", dict(window_size=(64, -1), causal=True, softcap=3.0, alibi=True)),
+])
+def test_score_options(name, options):
+    run_case(np.random.default_rng(len(name)), seqlen_q=3, n_new=3, capacity=400, **options)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 17])
+def test_forced_splits(num_splits):
+    run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=1100, batch=2, seqlen_q=2,
+             n_new=2, causal=True)
+
+
+def test_leftpad_and_batch_idx():
+    rng = np.random.default_rng(3)
+    run_case(rng, leftpad=True, seqlen_q=2, n_new=2, causal=True, capacity=333)
+    run_case(rng, batch_idx=True, capacity=333)
+    run_case(rng, leftpad=True, batch_idx=True, rotary="half", capacity=333, host_lengths=True)
+
+
+def test_no_new_keys_and_whole_cache():
+    rng = np.random.default_rng(4)
+    run_case(rng, n_new=0, capacity=129)
+    run_case(rng, n_new=0, capacity=129, lengths=0)  # an empty cache: out 0, lse -inf
+    run_case(rng, n_new=0, capacity=129, lengths=129)
+
+
+def test_int_cache_seqlens_and_strided_q():
+    rng = np.random.default_rng(5)
+    q_full = cupy.asarray(randn(rng, (2, 3, 16, 64), np.float16))
+    q = q_full[:, :, ::2]  # a strided view (nheads 8)
+    kc = cupy.asarray(randn(rng, (2, 100, 2, 64), np.float16))
+    vc = cupy.asarray(randn(rng, (2, 100, 2, 64), np.float16))
+    ref, ref_lse, _, _ = reference.attention_with_kvcache(q.get(), kc.get(), vc.get(), cache_seqlens=60, causal=True)
+    naive, _, _, _ = reference.attention_with_kvcache(q.get(), kc.get(), vc.get(), cache_seqlens=60, causal=True,
+                                                      lowp_dtype=np.float16)
+    for _ in range(2):  # the second call takes the plan
+        out, lse = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=60, causal=True, return_lse=True)
+        assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
+        check_lse(lse, ref_lse)
+
+
+def test_graph_replay_with_new_lengths():
+    """A decoding step captured once, replayed with new cache_seqlens values and new tokens."""
+    rng = np.random.default_rng(6)
+    batch, nheads, nheads_kv, headdim, capacity = 2, 8, 2, 128, 512
+    kc = cupy.asarray(randn(rng, (batch, capacity, nheads_kv, headdim), np.float16))
+    vc = cupy.asarray(randn(rng, (batch, capacity, nheads_kv, headdim), np.float16))
+    q = cupy.zeros((batch, 1, nheads, headdim), np.float16)
+    k_new = cupy.zeros((batch, 1, nheads_kv, headdim), np.float16)
+    v_new = cupy.zeros_like(k_new)
+    seqlens = cupy.zeros(batch, np.int32)
+    out = cupy.empty_like(q)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out)
+        stream.begin_capture()
+        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out)
+        graph = stream.end_capture()
+    for step, lengths in enumerate(([5, 300], [6, 301], [200, 0])):
+        host_q, host_k, host_v = (randn(rng, x.shape, np.float16) for x in (q, k_new, v_new))
+        before_k, before_v = kc.get(), vc.get()
+        with stream:
+            q.set(host_q, stream)
+            k_new.set(host_k, stream)
+            v_new.set(host_v, stream)
+            seqlens.set(np.array(lengths, np.int32), stream)
+            graph.launch(stream)
+        stream.synchronize()
+        ref, _, k_after, v_after = reference.attention_with_kvcache(
+            host_q, before_k, before_v, host_k, host_v, cache_seqlens=np.array(lengths))
+        naive, _, _, _ = reference.attention_with_kvcache(
+            host_q, before_k, before_v, host_k, host_v, cache_seqlens=np.array(lengths), lowp_dtype=np.float16)
+        assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
+        np.testing.assert_array_equal(kc.get().view(np.int16), k_after.view(np.int16))
+        np.testing.assert_array_equal(vc.get().view(np.int16), v_after.view(np.int16))
+
+
+def test_device_lengths_past_capacity_write_nothing_outside():
+    """Device cache_seqlens past the capacity: the kernel clamps; guard rows around the cache keep their poison."""
+    rng = np.random.default_rng(8)
+    capacity, headdim = 64, 64
+    store = cupy.asarray(randn(rng, (3, capacity, 2, headdim), np.float16))
+    before = store.get()
+    kc, vc = store[1:2], cupy.asarray(randn(rng, (1, capacity, 2, headdim), np.float16))
+    q = cupy.asarray(randn(rng, (1, 1, 4, headdim), np.float16))
+    k_new = cupy.asarray(randn(rng, (1, 4, 2, headdim), np.float16))
+    for length in (capacity - 2, capacity, 10**6, -5):
+        out = cuflash.attention_with_kvcache(q, kc, vc, k_new, k_new, cache_seqlens=cupy.array([length], np.int32))
+        assert not cupy.isnan(out).any()
+    after = store.get()
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[2], before[2])
+
+
+def test_combine_partials():
+    """Attention over three key chunks, merged, equals attention over all keys."""
+    rng = np.random.default_rng(9)
+    (q, k, v) = (cupy.asarray(randn(rng, s, np.float16)) for s in ((2, 33, 4, 64), (2, 300, 4, 64), (2, 300, 4, 64)))
+    bounds = [0, 100, 100, 300]  # an empty chunk included
+    outs, lses = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            o, l = cuflash.attention(q, k[:, lo:hi], v[:, lo:hi], return_lse=True)
+        else:
+            o, l = cupy.zeros(q.shape, np.float16), cupy.full((2, 4, 33), -np.inf, np.float32)
+        outs.append(o.astype(np.float32))
+        lses.append(l)
+    merged, lse = cuflash.combine_partials(cupy.stack(outs), cupy.stack(lses), out_dtype=np.float16,
+                                           return_lse=True)
+    whole, whole_lse = cuflash.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(merged.get().astype(np.float32), whole.get().astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(lse.get(), whole_lse.get(), rtol=1e-5, atol=1e-5)
+    assert merged.dtype == np.float16
+
+
+@pytest.mark.parametrize("change, arg", [
+    (dict(k_cache=lambda c: c[..., ::2]), "k_cache"),
+    (dict(paged_page_size=24), "page_size"),
+    (dict(block_table=lambda t: t.astype(np.int64)), "block_table"),
+    (dict(block_table=lambda t: t[:1]), "block_table"),
+    (dict(cache_seqlens=lambda s: s[:1]), "cache_seqlens"),
+    (dict(cache_seqlens=lambda s: np.array([-1, 3], np.int32)), "cache_seqlens"),
+    (dict(cache_seqlens=lambda s: np.array([1000, 3], np.int32)), "cache_seqlens"),
+    (dict(v=None), "v"),
+    (dict(rotary_cos=lambda c: c[:, :3]), "rotary_cos"),
+    (dict(rotary_sin=None), "rotary_sin"),
+])
+def test_bad_input(change, arg):
+    rng = np.random.default_rng(10)
+    page_size = change.get("paged_page_size", 16)
+    kc = cupy.asarray(randn(rng, (8, page_size, 2, 64), np.float16))
+    args = dict(q=cupy.asarray(randn(rng, (2, 1, 4, 64), np.float16)), k_cache=kc, v_cache=kc.copy(),
+                k=cupy.asarray(randn(rng, (2, 1, 2, 64), np.float16)), v=cupy.asarray(randn(rng, (2, 1, 2, 64), np.float16)),
+                block_table=cupy.arange(8, dtype=np.int32).reshape(2, 4), cache_seqlens=np.array([3, 5], np.int32),
+                rotary_cos=cupy.ones((80, 16), np.float16), rotary_sin=cupy.zeros((80, 16), np.float16))
+    for name, fn in change.items():
+        if name == "paged_page_size":
+            continue
+        args[name] = fn(args[name]) if callable(fn) else fn
+    with pytest.raises((ValueError, TypeError), match=mentions(arg)):
+        cuflash.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("k"),
+                                       args.pop("v"), **args)
