@@ -8,7 +8,8 @@ fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
 the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
-options, on both kernel families, forward and backward). Each call runs
+options, on both kernel families, forward and backward), kvcache (decoding
+over contiguous and paged caches with appends, rotary and split keys). Each call runs
 twice, the second time on its launch plan. Without arguments, all of them.
 """
 
@@ -109,7 +110,32 @@ def varlen():
                                                   deterministic=deterministic, **opts)
 
 
-FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods, varlen)}
+def kvcache():
+    """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
+    capacity, split keys with their combine, GQA and several queries."""
+    gen = cupy.random.default_rng(3)
+
+    def randn(*shape):
+        return gen.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+    batch, capacity, nheads, nheads_kv, headdim = 3, 200, 8, 2, 64
+    cos, sin = randn(capacity + 8, 16), randn(capacity + 8, 16)
+    lengths = cupy.asarray([0, 97, capacity + 50], dtype=cupy.int32)  # empty, middle, past the capacity
+    contiguous = (randn(batch, capacity, nheads_kv, headdim), randn(batch, capacity, nheads_kv, headdim))
+    table = cupy.asarray([[5, 0, 7, 2, 9, 11, 1], [3, 4, 6, 8, 10, 12, 13], [14, 15, 16, 17, 18, 19, 20]],
+                         dtype=cupy.int32)
+    paged = (randn(21, 32, nheads_kv, headdim), randn(21, 32, nheads_kv, headdim))
+    for (k_cache, v_cache), pages in ((contiguous, None), (paged, table)):
+        for seqlen_q, splits in ((1, 0), (3, 4)):
+            q = randn(batch, seqlen_q, nheads, headdim)
+            k_new, v_new = randn(batch, seqlen_q, nheads_kv, headdim), randn(batch, seqlen_q, nheads_kv, headdim)
+            for _ in range(2):
+                cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                               block_table=pages, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                               num_splits=splits, return_lse=True)
+
+
+FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods, varlen, kvcache)}
 
 
 def main(names) -> None:

@@ -27,9 +27,14 @@ struct CombineArgs {
     int num_splits, batch, seqlen, nheads, d;
 };
 
-// One warp per row, 4 rows per CTA of 128 threads.
+// One warp per row, 4 rows per CTA of 128 threads. A decoding step combines few
+// rows over many splits, so the kernel is latency-bound: each lane turns one
+// split's lse into its weight, and the loop over the splits' outputs takes the
+// weights by shuffle and has no load that depends on another (unrolled, the
+// loads of 8 splits are in flight at once; a loop that read each split's lse
+// before its output took ~1 us a split).
 template <int OUT>
-__global__ void __launch_bounds__(128) combine_kernel(const CombineArgs a) {
+__global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= (long long)a.batch * a.seqlen * a.nheads) return;
@@ -52,13 +57,18 @@ __global__ void __launch_bounds__(128) combine_kernel(const CombineArgs a) {
     const long long o_off = b * a.o_sb + n * a.o_sn + h * a.o_sh;
     for (int col = 4 * lane; col < a.d; col += 128) {
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (lse != neg_inf()) {
-            for (int s = 0; s < a.num_splits; ++s) {
-                const float ls = lse_row[s * a.pl_ss];
-                if (ls == neg_inf()) continue;
-                const float w = exp2_approx((ls - lse) * LOG2E);
-                const float4 os = *reinterpret_cast<const float4*>(o_row + s * a.po_ss + col);
-                o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
+        for (int base = 0; base < a.num_splits && lse != neg_inf(); base += 32) {
+            const int mine = base + lane;
+            const float ls = mine < a.num_splits ? lse_row[mine * a.pl_ss] : neg_inf();
+            const float weight = ls == neg_inf() ? 0.f : exp2_approx((ls - lse) * LOG2E);
+            const int count = min(32, a.num_splits - base);
+            const float* o_split = o_row + (long long)base * a.po_ss + col;
+#pragma unroll 8
+            for (int j = 0; j < count; ++j) {
+                const float w = __shfl_sync(0xffffffffu, weight, j);
+                const float4 os = *reinterpret_cast<const float4*>(o_split + j * a.po_ss);
+                if (w != 0.f)  // a set without keys adds nothing, whatever its output holds
+                    o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
             }
         }
         if constexpr (OUT == COMBINE_OUT_F32) {

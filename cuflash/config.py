@@ -448,6 +448,9 @@ class DecodeConfig:
                 _cpp_bool(causal), mods]
         return "cuflash::decode_kernel<" + ", ".join(str(a) for a in args) + ">"
 
+    def short_name(self) -> str:
+        return f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_s{self.stages}"
+
 
 # combine_kernel's OUT template argument per output dtype (cuda_src/combine.cuh).
 COMBINE_OUT = {"float16": cpp_int_constant("combine.cuh", "COMBINE_OUT_F16"),

@@ -8,7 +8,7 @@ import pytest
 
 from cuflash import compile as cf_compile
 from cuflash.cli.check import shipped_specialisations
-from cuflash.config import FP8_DTYPE_NAME, SM90_DTYPES, SM90_SMEM_LIMIT, BwdConfig, FwdConfig, FwdSm90Config
+from cuflash.config import FP8_DTYPE_NAME, SM90_DTYPES, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig, FwdSm90Config
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -47,7 +47,10 @@ def _traits_and_layout(cfg, name: str):
     if kernel in ("bwd_dq_kernel", "bwd_sm90_dq_kernel"):
         assert isinstance(cfg, BwdConfig)
         return cfg.dq_traits(), cfg.dq_smem_layout()
-    return None  # row-wise helpers and the fp8 V transpose: no dynamic shared memory
+    if kernel == "decode_kernel":
+        assert isinstance(cfg, DecodeConfig)
+        return cfg.traits(), cfg.smem_layout()
+    return None  # row-wise helpers, the combine and the fp8 V transpose: no dynamic shared memory
 
 
 def _layout_checks():
@@ -71,7 +74,7 @@ def test_launch_smem_is_the_layout_size():
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not available")
-@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90"])
+@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90", "decode_sm80"])
 def test_cpp_layout_matches_python(family):
     per_family, _ = _layout_checks()
     layouts = per_family[family]

@@ -4,7 +4,7 @@ A step attends seqlen_q new queries (1 by default, ``--decode-nq``; causal
 when more than 1) to a cache of N keys per sequence, 32 query heads of head
 dim 128 on 32 (MHA), 8 (GQA) or 1 (MQA) kv heads. The grid: batch 1, 8, 64
 by caches of 1k, 8k, 32k, 128k tokens (``--quick``: batch 1 and 8 by 1k and
-8k), skipping caches over 16 GiB.
+8k), skipping caches over 8 GiB (the paged copies sit next to the contiguous one).
 
 Columns: the cache's bytes (K and V), then per implementation GB/s of cache
 read (bytes / time) and microseconds per call:
@@ -12,10 +12,13 @@ read (bytes / time) and microseconds per call:
 * ``cuflash``: ``attention_with_kvcache`` on the contiguous cache;
 * ``paged16`` / ``paged64`` / ``paged256``: the same on a paged cache with
   pages of that many tokens, the page table shuffled;
+* ``append+rotary``: the same step as ``cuflash`` (over the same N keys) with
+  its last seqlen_q keys and values new: rotated (half-split rotary over the
+  whole head dim) and appended in place by the same call;
 * ``torch-flash`` / ``torch-cudnn``: torch SDPA's backends on the same
   contiguous cache (``enable_gqa``), the call a torch model makes;
 * ``copy``: the device's copy rate (bytes read + written per second of a
-  1 GiB device-to-device copy), the ceiling of a step that reads its cache.
+  512 MiB device-to-device copy), the ceiling of a step that reads its cache.
 
 Every row first checks cuflash's output against torch-flash's (or the
 math backend's). ``--dtype`` picks fp16 (default) or bf16.
@@ -39,13 +42,13 @@ KV_HEADS = {"MHA": 32, "GQA": 8, "MQA": 1}
 BATCHES, CACHES = (1, 8, 64), (1024, 8192, 32768, 131072)
 QUICK_BATCHES, QUICK_CACHES = (1, 8), (1024, 8192)
 PAGE_SIZES = (16, 64, 256)
-MAX_CACHE_BYTES = 16 * GiB
+MAX_CACHE_BYTES = 8 * GiB
 CHECK_TOL = 2e-2
 MAX_INPUT_SETS = 64  # small caches rotate over copies so that L2 does not hold the next call's (MQA 1k: 0.5 MB)
 
 
 def copy_rate_gbs(repeats: int) -> float:
-    """GB/s (read + written) of a 1 GiB device copy."""
+    """GB/s (read + written) of a 512 MiB device copy."""
     src = cupy.empty(GiB // 2, numpy.uint8)
     dst = cupy.empty_like(src)
     ms = timing.median_ms([lambda: dst.__setitem__(slice(None), src)], repeats)
@@ -64,9 +67,21 @@ class Step:
         self.causal = seqlen_q > 1
         self.out = cupy.empty_like(self.q)
         self.bytes = 2 * self.k.nbytes
+        # The new keys of append(): the last seqlen_q positions, rotated at their positions.
+        new_shape = (batch, seqlen_q, nheads_kv, HEADDIM)
+        self.k_new, self.v_new = (rng.standard_normal(new_shape, dtype=cupy.float32).astype(dtype) for _ in range(2))
+        angles = cupy.arange(cache)[:, None] * 10000.0 ** (-cupy.arange(HEADDIM // 2) / (HEADDIM // 2))
+        self.cos, self.sin = cupy.cos(angles).astype(dtype), cupy.sin(angles).astype(dtype)
+        self.old_seqlens = cupy.full(batch, cache - seqlen_q, cupy.int32)
 
     def contiguous(self):
         return lambda: cuflash.attention_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.seqlens,
+                                                      causal=self.causal, out=self.out)
+
+    def append(self):
+        return lambda: cuflash.attention_with_kvcache(self.q, self.k, self.v, self.k_new, self.v_new,
+                                                      cache_seqlens=self.old_seqlens, rotary_cos=self.cos,
+                                                      rotary_sin=self.sin, rotary_interleaved=False,
                                                       causal=self.causal, out=self.out)
 
     def paged(self, page_size: int):
@@ -133,7 +148,8 @@ def run(args) -> int:
                 sets = min(MAX_INPUT_SETS, timing.input_set_count(step_bytes, l2_bytes))
                 steps = [Step(batch, cache, nheads_kv, args.decode_nq, dtype, seed=s) for s in range(sets)]
                 step = steps[0]
-                entries = {"cuflash": timing.Calls([s.contiguous() for s in steps])}
+                entries = {"cuflash": timing.Calls([s.contiguous() for s in steps]),
+                           "append+rotary": timing.Calls([s.append() for s in steps])}
                 for page_size in PAGE_SIZES:
                     entries[f"paged{page_size}"] = timing.Calls([s.paged(page_size) for s in steps])
                 results = {}
@@ -179,7 +195,7 @@ def _check(torch, step: Step, entries, kind, batch, cache) -> bool:
 def _print(rows) -> None:
     from tabulate import tabulate
 
-    names = ["cuflash", "paged16", "paged64", "paged256", "torch-flash", "torch-cudnn"]
+    names = ["cuflash", "append+rotary", "paged16", "paged64", "paged256", "torch-flash", "torch-cudnn"]
     table = []
     for row in rows:
         line = [row["kv"], row["batch"], row["cache"], row["MB"]]

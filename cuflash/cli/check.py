@@ -3,9 +3,9 @@ NVRTC (no GPU needed) and report registers, shared memory and spills.
 
 Exits non-zero on any compile error, or on any spill in a kernel of a fast
 path: the forward kernels at head dims 64 and 128, the Hopper forward at 256
-too, the Hopper backward, and the sm_80 backward built for sm_80 (on Hopper
-the sm_90a backward replaces its head-dim 64/128 dK/dV tiles). Other spills
-are reported.
+too, the Hopper backward, the sm_80 backward built for sm_80 (on Hopper the
+sm_90a backward replaces its head-dim 64/128 dK/dV tiles), and the decoding
+kernel at head dims 64 and 128. Other spills are reported.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from .. import compile as _compile
-from ..config import DTYPE_NAMES, FP8_DTYPE_NAME, BwdConfig
-from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, hopper_bwd_plans,
+from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS, SM90_SMEM_LIMIT, BwdConfig,
+                      combine_name)
+from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
@@ -33,7 +34,8 @@ SM90_ENTRY_REGISTERS = _compile.cpp_int_constant("sm90_tiles.cuh", "SM90_ENTRY_R
 SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
-SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128)}
+SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128),
+              "decode_sm80": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 # Score options compiled for every table config, in two length variants (dtype and head-dim
 # evenness do not change what the options add). fp8 takes no ALiBi.
@@ -44,7 +46,9 @@ MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
-                "bwd_sm90_dq_kernel")
+                "bwd_sm90_dq_kernel", "decode_kernel")
+# Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
+DECODE_ROWS = (1, 32, 64)
 
 
 def shipped_specialisations():
@@ -99,6 +103,7 @@ def shipped_specialisations():
         for causal, mods in itertools.product((False, True), varlen_variants):
             add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
     _add_score_option_variants(add)
+    _add_decode_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     add(HEURISTIC_FP8[128], TRANSPOSE_V_VARLEN_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
@@ -130,6 +135,19 @@ def _add_score_option_variants(add) -> None:
         if deterministic:
             add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes(),
                 family=cfg.kernel_family)
+
+
+def _add_decode_variants(add) -> None:
+    """The decoding kernel at every head dim and row tile, both dtypes, contiguous and paged caches,
+    causal or not; with score options for one dtype and the paged cache; the combine kernels."""
+    for kd, rows in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS):
+        cfg = decode_config(kd, rows, SM90_SMEM_LIMIT)
+        for dtype_name, paged, causal in itertools.product(DTYPE_NAMES, (False, True), (False, True)):
+            add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
+        for causal, mods in itertools.product((False, True), MODS_VARIANTS):
+            add(cfg, cfg.name_expression("bfloat16", True, causal, mods), cfg.smem_bytes())
+    for out_dtype_name in COMBINE_OUT:
+        add(cfg, combine_name(out_dtype_name), 0, family="combine")
 
 
 def score_mods_of(name: str) -> int:
