@@ -80,9 +80,11 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, con
     if (a.k_new != nullptr && blockIdx.y == 0)
         append_new_keys<BF16, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS);
 
-    const int rows = a.nq * a.group;
+    const QuerySpan queries = query_span(a, b);
+    const int rows = queries.nq * a.group;
+    if (m0 >= rows) return;  // a packed batch's shorter sequence
     const int nk = span.end - span.leftpad;  // attended keys; key column c is cache position leftpad + c
-    Mods mods(mod_args, a.nq, nk);
+    Mods mods(mod_args, queries.nq, nk);
     const int i_first = m0 / a.group, i_last = (min(m0 + BM, rows) - 1) / a.group;
     const KeyBlocks blocks = mods.template key_blocks<BN>(i_first, i_last - i_first + 1);
     const int per_split = (blocks.end - blocks.begin + a.num_splits - 1) / a.num_splits;
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, con
         uint4 val = make_uint4(0, 0, 0, 0);
         if (row < rows) {
             const int i = row / a.group, h = hk * a.group + row % a.group;
-            const u16* q_row = a.q + b * a.q_sb + i * a.q_sn + h * a.q_sh;
+            const u16* q_row = a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn + h * a.q_sh;
             if (a.rotary_dim > 0)
                 val = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
             else if (8 * chunk < a.d)
@@ -269,9 +271,11 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, con
         const int i = row / a.group, h = hk * a.group + row % a.group;
         const float lse = row_lse_of(m, l, c);
         if (a.num_splits == 1) {
-            *reinterpret_cast<uint2*>(a.out + b * a.o_sb + i * a.o_sn + h * a.o_sh + col) =
+            *reinterpret_cast<uint2*>(a.out + b * a.o_sb + (long long)(queries.q0 + i) * a.o_sn + h * a.o_sh + col) =
                 make_uint2(pack2<BF16>(o.x * inv, o.y * inv), pack2<BF16>(o.z * inv, o.w * inv));
-            if (col == 0 && a.lse != nullptr) a.lse[((long long)b * a.nheads + h) * a.nq + i] = lse;
+            if (col == 0 && a.lse != nullptr)
+                a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + queries.q0 + i
+                                     : ((long long)b * a.nheads + h) * a.nq + i] = lse;
         } else {
             const long long prow = (((long long)split * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
             *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) =

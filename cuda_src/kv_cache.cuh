@@ -36,6 +36,9 @@ struct KVCacheArgs {
     const int* cache_batch_idx;  // (B,) contiguous cache row of batch b; null: b
     const int* cache_leftpad;    // (B,) first attended position; null: 0
     const int* block_table;      // paged: (B, max_pages) page ids
+    const int* cu_seqlens_q;     // a packed batch (paged prefill): q (total_q, H, D), sequence b from row
+                                 // cu_seqlens_q[b]; lse (H, total_q); null: q (B, nq, H, D)
+    const int* cu_seqlens_k;     // with it, batch b's cache holds cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
     const u16* rotary_cos;       // (rotary_rows, rotary_dim / 2), q's dtype; null without rotary
     const u16* rotary_sin;
     long long q_sb, q_sn, q_sh;
@@ -45,7 +48,8 @@ struct KVCacheArgs {
     long long vn_sb, vn_sn, vn_sh;
     long long o_sb, o_sn, o_sh;
     long long block_table_stride;
-    int nq, n_new, nheads, nheads_kv, group, d;
+    int nq, n_new, nheads, nheads_kv, group, d;  // nq: the longest sequence's queries in a packed batch
+    int total_q;
     int cache_len_all;   // every batch's cache_len when cache_seqlens is null
     int capacity;        // positions a batch may hold: N_max, or max_pages * page_size
     int cache_rows;      // B_cache (contiguous) or num_pages (paged): bounds cache_batch_idx and page ids
@@ -63,9 +67,22 @@ struct CacheSpan {
     int cache_row;  // contiguous cache: the batch's row
 };
 
+// Batch b's queries: rows [q0, q0 + nq) of q (q0 = 0 unless packed).
+struct QuerySpan {
+    int q0, nq;
+};
+
+__device__ __forceinline__ QuerySpan query_span(const KVCacheArgs& a, int b) {
+    if (a.cu_seqlens_q == nullptr) return QuerySpan{0, a.nq};
+    const int q0 = min(max(__ldg(a.cu_seqlens_q + b), 0), a.total_q);
+    const int q1 = min(max(__ldg(a.cu_seqlens_q + b + 1), q0), a.total_q);
+    return QuerySpan{q0, min(q1 - q0, a.nq)};
+}
+
 __device__ __forceinline__ CacheSpan cache_span(const KVCacheArgs& a, int b) {
     CacheSpan s;
-    const int len = a.cache_seqlens ? __ldg(a.cache_seqlens + b) : a.cache_len_all;
+    const int len = a.cu_seqlens_k ? __ldg(a.cu_seqlens_k + b + 1) - __ldg(a.cu_seqlens_k + b)
+                                   : (a.cache_seqlens ? __ldg(a.cache_seqlens + b) : a.cache_len_all);
     s.cache_len = min(max(len, 0), a.capacity);
     s.end = min(s.cache_len + a.n_new, a.capacity);
     s.leftpad = a.cache_leftpad ? min(max(__ldg(a.cache_leftpad + b), 0), s.cache_len) : 0;

@@ -18,10 +18,11 @@ from .kernel_call import KernelArgs, kernel
 from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
-             "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos", "rotary_sin")
+             "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "cu_seqlens_q", "cu_seqlens_k",
+             "rotary_cos", "rotary_sin")
 _STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
             "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
-_INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "cache_len_all", "capacity", "cache_rows",
+_INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "total_q", "cache_len_all", "capacity", "cache_rows",
          "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "num_splits")
 # KVCacheArgs field for field (cuda_src/kv_cache.cuh).
 KV_CACHE_ARGS_DTYPE = numpy.dtype([*((p, "<u8") for p in POINTER_FIELDS), *((s, "<i8") for s in _STRIDES),
@@ -88,9 +89,11 @@ class DecodeLaunch:
     """
 
     def __init__(self, cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, q_shape, k_cache,
-                 n_new: int, strides: dict, block_table, rotary, num_splits: int, scale: float, device_id: int):
+                 n_new: int, strides: dict, block_table, rotary, num_splits: int, scale: float, device_id: int,
+                 total_q: int = 0):
         """strides: element strides of "q", "kc", "vc", "o" and, with new keys, "kn", "vn" (as the kernel
-        will see those arrays: an aligned copy's where one is made)."""
+        will see those arrays: an aligned copy's where one is made). A packed batch (paged prefill):
+        q_shape (num_seqs, longest, H, D) and total_q, the packed rows; one split."""
         batch, nq, nheads, headdim = q_shape
         cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
         group = nheads // nheads_kv
@@ -115,6 +118,7 @@ class DecodeLaunch:
             capacity = cache_n
         record["nq"], record["n_new"], record["nheads"], record["nheads_kv"] = nq, n_new, nheads, nheads_kv
         record["group"], record["d"], record["capacity"], record["cache_rows"] = group, headdim, capacity, cache_rows
+        record["total_q"] = total_q
         if rotary is not None:
             cos, interleaved = rotary
             record["rotary_dim"], record["rotary_rows"] = 2 * cos.shape[1], cos.shape[0]

@@ -126,8 +126,8 @@ class _Plan:
             rotary_cos, rotary_sin = aligned_copy(rotary_cos), aligned_copy(rotary_sin)
         # POINTER_FIELDS order; partial_o and partial_lse are the launch's.
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
-                     _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), _ptr(rotary_cos),
-                     _ptr(rotary_sin))
+                     _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), 0, 0,
+                     _ptr(rotary_cos), _ptr(rotary_sin))
         stream = cp.cuda.get_current_stream().ptr
         partials = 0
         if launch.combine is not None:
@@ -152,14 +152,14 @@ def _cache_lengths(cache_seqlens, c: _Call):
     return 0, cache_seqlens
 
 
-def _check_host_lengths(cache_seqlens, capacity: int, n_new: int) -> None:
+def _check_host_lengths(cache_seqlens, capacity: int, n_new: int, name: str = "cache_seqlens") -> None:
     """Host cache lengths (an int or a NumPy array) must leave room for the new keys."""
     lengths = numpy.asarray(cache_seqlens, numpy.int64).reshape(-1)
     if lengths.min(initial=0) < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
+        raise ValueError(f"{name} must be >= 0, got {int(lengths.min())}")
     if lengths.max(initial=0) + n_new > capacity:
-        raise ValueError(f"cache_seqlens + {n_new} new keys must fit the cache's capacity {capacity}, "
-                         f"got cache_seqlens up to {int(lengths.max())}")
+        raise ValueError(f"{name} + {n_new} new keys must fit the cache's capacity {capacity}, "
+                         f"got {name} up to {int(lengths.max())}")
 
 
 def _int_vector(name: str, x, batch: int, upper: int | None = None):
@@ -182,22 +182,24 @@ def _int_vector(name: str, x, batch: int, upper: int | None = None):
         raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
 
 
-def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-               rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
-               num_splits, out) -> _Call:
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_idx=None, cache_leftpad=None,
+                     names=("k_cache", "v_cache")) -> tuple[str, bool, int]:
+    """(dtype name, paged, capacity) of valid q (4 dims) and cache arrays: `batch` sequences, block_table
+    (batch, max_pages) for a paged cache."""
+    kname, vname = names
+    for name, x in (("q", q), (kname, k_cache), (vname, v_cache)):
         validate.require_cupy_array(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dims, got shape {x.shape}")
     name = dtype_name(q.dtype)
     if name not in ("float16", "bfloat16"):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    batch, seqlen_q, nheads, headdim = q.shape
+    nheads, headdim = q.shape[2:]
     if headdim % 8 != 0 or not 8 <= headdim <= validate.MAX_HEADDIM:
         raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {validate.MAX_HEADDIM}, got {headdim}")
     if not last_dim_contiguous(q):
         raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
-    for cname, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for cname, x in ((kname, k_cache), (vname, v_cache)):
         if x.dtype != q.dtype:
             raise TypeError(f"{cname} must have q's dtype {q.dtype}, got {x.dtype}")
         if x.device != q.device:
@@ -206,40 +208,63 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
             raise ValueError(f"{cname} must be contiguous in its last dim (headdim), got strides {x.strides}")
         if not is_aligned(x):
             raise ValueError(f"{cname} must be 16-byte aligned with strides that are multiples of 8 elements "
-                             "(it is written in place, never copied)")
+                             "(it is read in place, never copied)")
     if k_cache.shape[3] != headdim:
-        raise ValueError(f"k_cache must have q's head dim {headdim}, got shape {k_cache.shape}")
+        raise ValueError(f"{kname} must have q's head dim {headdim}, got shape {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape}")
+        raise ValueError(f"{vname} must have {kname}'s shape {k_cache.shape}, got {v_cache.shape}")
     cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
     if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_kv ({nheads_kv})")
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of {kname}'s nheads_kv ({nheads_kv})")
     if cache_rows == 0:
-        raise ValueError(f"k_cache must hold at least one {'page' if block_table is not None else 'batch row'}, "
+        raise ValueError(f"{kname} must hold at least one {'page' if block_table is not None else 'batch row'}, "
                          f"got shape {k_cache.shape}")
-
-    paged = block_table is not None
-    if paged:
-        validate.require_cupy_array("block_table", block_table)
-        if block_table.dtype != numpy.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
-            raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, >= 1), "
-                             f"got {block_table.shape}")
-        if not last_dim_contiguous(block_table):
-            raise ValueError(f"block_table must be contiguous in its last dim, got strides {block_table.strides}")
-        if cache_n % PAGE_MULTIPLE != 0:
-            raise ValueError(f"page_size (k_cache.shape[1] of a paged cache) must be a multiple of {PAGE_MULTIPLE}, "
-                             f"got {cache_n}")
-        for name_, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-            if x is not None:
-                raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
-        capacity = block_table.shape[1] * cache_n
-    else:
-        capacity = cache_n
+    if block_table is None:
         if cache_batch_idx is None and cache_rows < batch:
-            raise ValueError(f"k_cache must have at least q's batch size {batch} rows without cache_batch_idx, "
+            raise ValueError(f"{kname} must have at least q's batch size {batch} rows without cache_batch_idx, "
                              f"got shape {k_cache.shape}")
+        return name, False, cache_n
+    validate.require_cupy_array("block_table", block_table)
+    if block_table.dtype != numpy.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, >= 1), got {block_table.shape}")
+    if not last_dim_contiguous(block_table):
+        raise ValueError(f"block_table must be contiguous in its last dim, got strides {block_table.strides}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on device {block_table.device.id}, q on device {q.device.id}")
+    if cache_n % PAGE_MULTIPLE != 0:
+        raise ValueError(f"page_size ({kname}.shape[1] of a paged cache) must be a multiple of {PAGE_MULTIPLE}, "
+                         f"got {cache_n}")
+    for name_, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
+    return name, True, block_table.shape[1] * cache_n
+
+
+def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, alibi_slopes, seqlen_q: int,
+                   capacity: int):
+    """(causal, ScoreMods, scale) of a call, normalised at seqlen_q queries and at most `capacity` keys."""
+    nheads, headdim = q.shape[-2:]
+    scale = validate.softmax_scale(softmax_scale, headdim)
+    window = validate.window_size(window_size, bool(causal))
+    cap = validate.softcap(softcap)
+    slopes_stride = validate.alibi_slopes(alibi_slopes, batch, nheads)
+    if alibi_slopes is not None and alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, capacity)
+    return causal, mods, scale
+
+
+def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+               rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
+               num_splits, out) -> _Call:
+    validate.require_cupy_array("q", q)
+    batch = q.shape[0] if q.ndim == 4 else 0
+    name, paged, capacity = _query_and_cache(q, k_cache, v_cache, block_table, batch, cache_batch_idx,
+                                             cache_leftpad)
+    batch, seqlen_q, nheads, headdim = q.shape
+    cache_rows, nheads_kv = k_cache.shape[0], k_cache.shape[2]
 
     n_new = 0
     if (k is None) != (v is None):
@@ -310,14 +335,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         rotary = (rotary_cos, bool(rotary_interleaved))
         copy_rotary = not (rotary_cos.flags.c_contiguous and rotary_sin.flags.c_contiguous)
 
-    scale = validate.softmax_scale(softmax_scale, headdim)
-    window = validate.window_size(window_size, bool(causal))
-    cap = validate.softcap(softcap)
-    slopes_stride = validate.alibi_slopes(alibi_slopes, batch, nheads)
-    if alibi_slopes is not None and alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
-    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, capacity)
-
+    causal, mods, scale = _score_options(q, batch, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                                         seqlen_q, capacity)
     if isinstance(num_splits, bool) or not validate.is_int(num_splits) or not 0 <= num_splits <= \
             dispatch.MAX_DECODE_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {dispatch.MAX_DECODE_SPLITS}] (0: chosen), "
@@ -325,8 +344,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if out is not None:
         validate.output("out", out, q, "q")
     device_id = validate.cuda_device(q)
-    for name_, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
-                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+    for name_, x in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                     ("cache_leftpad", cache_leftpad)):
         if isinstance(x, cupy().ndarray) and x.device != q.device:
             raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
 
@@ -382,3 +401,41 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
             return None
     arrays = tuple(arrays)
     return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits)
+
+
+def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, *,
+                           causal, window_size, softcap, alibi_slopes, softmax_scale, out, lse, host_key_lengths=None):
+    """`attention_varlen` over a paged cache (chunked prefill): q (total_q, H, D) packed by cu_seqlens_q,
+    sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its pages in
+    block_table. The offsets arrive validated and on q's device (host_key_lengths: the keys per
+    sequence where the caller had them on the host); out and lse too where given.
+    Returns (out, lse (H, total_q))."""
+    total_q, nheads, headdim = q.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    name, _, capacity = _query_and_cache(q[None], k_cache, v_cache, block_table, num_seqs, names=("k", "v"))
+    causal, mods, scale = _score_options(q, num_seqs, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                                         max_seqlen_q, capacity)
+    if host_key_lengths is not None:
+        _check_host_lengths(host_key_lengths, capacity, 0, "cu_seqlens_k (keys per sequence)")
+    device_id = validate.cuda_device(q)
+    group = nheads // k_cache.shape[2]
+    cfg = dispatch.decode_config(headdim, max_seqlen_q * group, max_smem_per_block(device_id))
+    if -(-max_seqlen_q * group // cfg.block_m) > validate.MAX_GRID_YZ:
+        raise ValueError(f"max_seqlen_q * nheads / nheads_kv ({max_seqlen_q * group}) is too large for the paged "
+                         "kernel's grid")
+    cp = cupy()
+    with q.device:
+        if out is None or lse is None:
+            require_not_capturing("attention_varlen with block_table, without out= and lse=")
+        out = cp.empty(q.shape, q.dtype) if out is None else out
+        lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
+        if total_q == 0:
+            return out, lse
+        q_ = q if is_aligned(q[None]) else aligned_copy(q)
+        launch = DecodeLaunch(cfg, name, True, causal, mods, (num_seqs, max_seqlen_q, nheads, headdim), k_cache, 0,
+                              {"q": elem_strides(q_[None]), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
+                               "o": elem_strides(out[None])}, block_table, None, 1, scale, device_id, total_q=total_q)
+        addresses = (q_.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0, 0, out.data.ptr, lse.data.ptr, 0, 0, 0, 0, 0,
+                     block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0)
+        launch.run(addresses, 0, _ptr(alibi_slopes), 0, cp.cuda.get_current_stream().ptr)
+    return out, lse

@@ -196,13 +196,13 @@ def is_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, numpy.integer))
 
 
-def cu_seqlens(name: str, x, total: int, batch: int | None = None) -> int:
+def cu_seqlens(name: str, x, total: int | None, batch: int | None = None) -> int:
     """The batch size B of valid cumulative sequence lengths x (B + 1 offsets into a packed dim of `total` rows).
 
     x: an int32 array of shape (B + 1,), B >= 1 (and B == batch when batch is
     given), as a NumPy array or a CuPy array (contiguous, as kernels read
     it).  On the host its values are checked too: x[0] == 0, non-decreasing,
-    x[-1] == total.  A CuPy array's values are not read here (that would
+    x[-1] == total (where total is given).  A CuPy array's values are not read here (that would
     synchronise with the device): they are the caller's contract, or get
     checked on the host where the caller has them there.
     """
@@ -228,7 +228,7 @@ def cu_seqlens(name: str, x, total: int, batch: int | None = None) -> int:
     if numpy.any(steps < 0):
         at = int(numpy.argmax(steps < 0))
         raise ValueError(f"{name} must be non-decreasing, got {int(x[at])} then {int(x[at + 1])} at index {at}")
-    if int(x[-1]) != total:
+    if total is not None and int(x[-1]) != total:
         raise ValueError(f"{name} must end at the total length {total}, got {int(x[-1])}")
     return count
 

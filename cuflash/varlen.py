@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy
 
-from . import dispatch, fp8, launch, validate
+from . import dispatch, fp8, kv_cache, launch, validate
 from .arrays import aligned_copy, is_aligned, out_dtype
 from .backward import gradient_outputs
 from .config import FP8_DTYPE_NAME
@@ -37,7 +37,7 @@ def _require_3d(**arrays) -> None:
             raise ValueError(f"{name} must have 3 dims (total, nheads, headdim), got shape {x.shape}")
 
 
-def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int, device):
+def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None, device):
     """(cu_seqlens_q, cu_seqlens_k) on q's device, after validation, and the sequence count.
 
     Host (NumPy) offsets are checked value by value and copied to the device;
@@ -93,7 +93,7 @@ def _output(name: str, x, ref, ref_name: str, dtype=None) -> None:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, return_lse=False,
-                     out=None, lse=None, q_descale=None, k_descale=None, v_descale=None):
+                     out=None, lse=None, q_descale=None, k_descale=None, v_descale=None, block_table=None):
     """Exact attention of a packed batch of sequences of different lengths.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), cupy
@@ -107,8 +107,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     softmax_scale: as `attention`, per sequence.
     out, lse: optional arrays to write: q's shape and dtype (16-byte aligned),
     float32 (nheads, total_q) C-contiguous.
+    block_table: int32 (batch, max_pages): k and v are then a paged KV cache (num_pages,
+    page_size, nheads_kv, headdim) as `attention_with_kvcache` takes, sequence b's keys its
+    first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions (chunked prefill; 16-bit, forward only).
     Returns out; with return_lse=True, (out, lse).
     """
+    if block_table is not None:
+        return _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                      window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse,
+                      (q_descale, k_descale, v_descale))
     key = None
     if q_descale is None and k_descale is None and v_descale is None:  # fp8 calls take the full path
         key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -156,6 +163,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes, cu_seqlens)
     if key is not None and not is_fp8:
         _fwd_plans.store(key, _FwdPlan(prepared, device_id))
+    return (out, lse) if return_lse else out
+
+
+def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+           window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse, descales):
+    """attention_varlen over a paged KV cache (cuflash.kv_cache.attention_paged_varlen)."""
+    if any(x is not None for x in descales):
+        raise ValueError("block_table: a paged cache takes float16 or bfloat16, not fp8 with descales")
+    _require_3d(q=q)
+    host_lengths = numpy.diff(cu_seqlens_k) if isinstance(cu_seqlens_k, numpy.ndarray) else None
+    total_k = int(cu_seqlens_k[-1]) if host_lengths is not None else None
+    cu_seqlens, _ = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], total_k, q.device)
+    if out is not None:
+        _output("out", out, q, "q")
+    if lse is not None:
+        validate.lse_array("lse", lse, q, writable=True, varlen=True)
+    out, lse = kv_cache.attention_paged_varlen(
+        q, k_cache, v_cache, *cu_seqlens, max_seqlen_q, block_table, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, out=out, lse=lse,
+        host_key_lengths=host_lengths)
     return (out, lse) if return_lse else out
 
 

@@ -269,3 +269,55 @@ def test_bad_input(change, arg):
     with pytest.raises((ValueError, TypeError), match=mentions(arg)):
         cuflash.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("k"),
                                        args.pop("v"), **args)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("name, options", [
+    ("causal", dict(causal=True)),
+    ("plain", dict()),
+    ("window_softcap_alibi", dict(window_size=(40, -1), causal=True, softcap=4.0, alibi=True)),
+])
+def test_paged_varlen_prefill(page_size, name, options):
+    """attention_varlen with block_table: each sequence's last queries (a prefill chunk) over its paged keys,
+    against the float64 varlen reference on the same keys laid out contiguously."""
+    rng = np.random.default_rng(page_size + len(name))
+    lengths_k, lengths_q = [300, 17, 0, 129, 1, 64], [64, 17, 0, 1, 1, 33]
+    nheads, nheads_kv, headdim, dtype = 8, 2, 128, np.float16
+    batch = len(lengths_k)
+    pages_per = max(-(-n // page_size) for n in lengths_k)
+    num_pages = batch * pages_per + 2
+    table = rng.permutation(num_pages)[:batch * pages_per].reshape(batch, pages_per).astype(np.int32)
+    k_pages, v_pages = (randn(rng, (num_pages, page_size, nheads_kv, headdim), dtype) for _ in range(2))
+    k_packed, v_packed = (np.concatenate([pages[table[b]].reshape(-1, nheads_kv, headdim)[:n]
+                                          for b, n in enumerate(lengths_k)]) for pages in (k_pages, v_pages))
+    q = randn(rng, (sum(lengths_q), nheads, headdim), dtype)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.01, 0.3, (batch, nheads)).astype(np.float32)
+    ref, ref_lse = reference.attention_varlen(q, k_packed, v_packed, cu_q, cu_k, return_lse=True, **options)
+    naive = reference.attention_varlen_naive_lowp(q, k_packed, v_packed, cu_q, cu_k, dtype=dtype, **options)
+    dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+    out = cupy.full(q.shape, POISON, dtype)
+    for cu_qd, cu_kd in ((cu_q, cu_k), (cupy.asarray(cu_q), cupy.asarray(cu_k))):  # host, then device offsets
+        result, lse = cuflash.attention_varlen(cupy.asarray(q), cupy.asarray(k_pages), cupy.asarray(v_pages), cu_qd,
+                                               cu_kd, max(lengths_q), max(lengths_k), block_table=cupy.asarray(table),
+                                               return_lse=True, out=out, **dev)
+        assert result is out
+        assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
+        check_lse(lse, ref_lse)
+
+
+def test_paged_varlen_bad_input():
+    rng = np.random.default_rng(11)
+    q = cupy.asarray(randn(rng, (10, 4, 64), np.float16))
+    pages = cupy.asarray(randn(rng, (4, 24, 2, 64), np.float16))
+    cu = np.array([0, 10], np.int32)
+    with pytest.raises(ValueError, match=mentions("page_size")):
+        cuflash.attention_varlen(q, pages, pages, cu, cu, 10, 10, block_table=cupy.zeros((1, 4), np.int32))
+    pages = cupy.asarray(randn(rng, (4, 16, 2, 64), np.float16))
+    with pytest.raises(ValueError, match=mentions("block_table")):
+        cuflash.attention_varlen(q, pages, pages, cu, cu, 10, 10, block_table=cupy.zeros((2, 4), np.int32))
+    with pytest.raises(ValueError, match=mentions("cu_seqlens_k")):
+        cuflash.attention_varlen(q, pages, pages, cu, np.array([0, 65], np.int32), 10, 65,
+                                 block_table=cupy.zeros((1, 4), np.int32))
