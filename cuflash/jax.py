@@ -3,6 +3,7 @@
     import cuflash.jax
     out = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True))(q, k, v)
     out = cuflash.jax.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed batches
+    out, k_cache, v_cache = cuflash.jax.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n)
 
 The kernels run through `jax.experimental.buffer_callback` (JAX 0.7 and
 later): XLA hands the callback its device buffers and its CUDA stream, and
@@ -34,6 +35,7 @@ import numpy
 
 from . import backward as _backward
 from . import forward as _forward
+from . import kv_cache as _kv_cache
 from . import varlen as _varlen
 from .device import cupy, external_stream
 
@@ -205,3 +207,46 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
     options = _option_items(causal, softmax_scale, window_size, softcap)
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lengths, options, bool(deterministic))
+
+
+# ---------------------------------------------------------------- KV cache
+
+# The optional array arguments of attention_with_kvcache, in the order the callback receives them.
+_KVCACHE_ARRAYS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos",
+                   "rotary_sin", "alibi_slopes")
+
+
+def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays):
+    out, k_out, v_out = outputs  # the caches' outputs alias their inputs: the append lands there
+    given = {name: _cupy_view(x, x.shape) for name, x in zip(names, arrays)}
+    with _on_xla_stream(ctx):
+        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape), _cupy_view(k_out, k_out.shape),
+                                         _cupy_view(v_out, v_out.shape), out=_cupy_view(out, out.shape),
+                                         **given, **options)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, causal=False, softmax_scale=None, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, num_splits=0):
+    """`cuflash.attention_with_kvcache` on JAX arrays inside `jax.jit`: returns (out, k_cache, v_cache),
+    the caches with the new keys and values appended.
+
+    The caches' outputs alias their inputs (buffer_callback's input_output_aliases): donate them
+    (`jax.jit(step, donate_argnums=...)`) and XLA appends in place; otherwise XLA copies each cache
+    first. cache_seqlens: an int32 (batch,) JAX array or a Python int. The other arrays are JAX
+    arrays, their values the caller's contract as for device arrays in cuflash.attention_with_kvcache.
+    Not differentiable; `jax.vmap` is not supported (batch the call instead).
+    """
+    _require_gpu_backend()
+    options = dict(_option_items(causal, softmax_scale, window_size, softcap))
+    options.update(rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits))
+    arrays = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    if isinstance(cache_seqlens, int):
+        options["cache_seqlens"] = arrays.pop("cache_seqlens")
+    names = tuple(name for name in _KVCACHE_ARRAYS if arrays.get(name) is not None)
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_cache, v_cache))
+    call = _buffer_callback(functools.partial(_kvcache_callback, names, options), shapes,
+                            input_output_aliases={1: 1, 2: 2})
+    return call(q, k_cache, v_cache, *(arrays[name] for name in names))

@@ -27,7 +27,7 @@ PAGE_MULTIPLE = 16  # page_size granularity (the kernel's 16-row MMA key tiles n
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, out=None):
+                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, out=None, lse=None):
     """Attention of q over a KV cache, appending new keys and values in place first.
 
     q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16.
@@ -49,21 +49,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     seqlen_k = the attended keys of each batch (bottom-right aligned).
     num_splits: 0 chooses; n >= 1 splits each batch's keys n ways.
     out: optional output (q's shape and dtype, 16-byte aligned).
-    Returns out, or (out, lse) with return_lse (lse float32 (batch, nheads, seqlen_q)).
+    lse: optional float32 (batch, nheads, seqlen_q) C-contiguous array to write the logsumexp to.
+    Returns out, or (out, lse) with return_lse or lse= (lse float32 (batch, nheads, seqlen_q)).
     """
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                     rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, num_splits, return_lse, out)
+                    alibi_slopes, num_splits, return_lse, out, lse)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         return plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                         rotary_cos, rotary_sin, alibi_slopes, return_lse, out)
+                         rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
     call = _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                       rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                      alibi_slopes, num_splits, out)
+                      alibi_slopes, num_splits, out, lse)
     plan = _Plan(call)
     result = plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                       rotary_cos, rotary_sin, alibi_slopes, return_lse, out)
+                       rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
     if key is not None:
         _plans.store(key, plan)
     return result
@@ -94,13 +95,13 @@ class _Plan:
         self.c = call
 
     def call(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-             rotary_cos, rotary_sin, slopes, return_lse, out):
+             rotary_cos, rotary_sin, slopes, return_lse, out, lse):
         c = self.c
         cp = cupy()
         if cp.cuda.runtime.getDevice() != c.device_id:
             with cp.cuda.Device(c.device_id):
                 return self.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                                 block_table, rotary_cos, rotary_sin, slopes, return_lse, out)
+                                 block_table, rotary_cos, rotary_sin, slopes, return_lse, out, lse)
         cache_len_all, seqlens = _cache_lengths(cache_seqlens, c)
         if type(cache_batch_idx) is numpy.ndarray:
             cache_batch_idx = cp.asarray(cache_batch_idx)
@@ -109,9 +110,9 @@ class _Plan:
         if out is None:
             require_not_capturing("attention_with_kvcache without out=")
             out = cp.empty(c.out_shape, c.dtype)
-        lse = None
-        if return_lse:
-            require_not_capturing("attention_with_kvcache with return_lse=True")
+        return_lse = return_lse or lse is not None
+        if return_lse and lse is None:
+            require_not_capturing("attention_with_kvcache with return_lse=True and no lse=")
             lse = cp.empty(c.lse_shape, numpy.float32)
         launch = c.launch
         if launch is None:
@@ -258,7 +259,7 @@ def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, a
 
 def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
                rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
-               num_splits, out) -> _Call:
+               num_splits, out, lse=None) -> _Call:
     validate.require_cupy_array("q", q)
     batch = q.shape[0] if q.ndim == 4 else 0
     name, paged, capacity = _query_and_cache(q, k_cache, v_cache, block_table, batch, cache_batch_idx,
@@ -343,6 +344,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                          f"got {num_splits!r}")
     if out is not None:
         validate.output("out", out, q, "q")
+    if lse is not None:
+        validate.lse_array("lse", lse, q, writable=True)
     device_id = validate.cuda_device(q)
     for name_, x in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                      ("cache_leftpad", cache_leftpad)):
@@ -376,7 +379,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
               rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes, num_splits,
-              return_lse, out):
+              return_lse, out, lse):
     """The plan key of a call, or None where only the full path applies."""
     ndarray = ndarray_type()
     if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray:
@@ -392,7 +395,7 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
         return None  # NumPy lengths: checked per call on the full path
     arrays = []
     for x in (q, k_cache, v_cache, k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-              alibi_slopes, out):
+              alibi_slopes, out, lse):
         if x is None:
             arrays.append(None)
         elif type(x) is ndarray:

@@ -1,6 +1,6 @@
 """cuflash for PyTorch: flash-attn's function names, as torch custom ops that `torch.compile` traces.
 
-    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 `flash_attn_func(q, k, v, ...)` takes flash-attn's layout (batch, seqlen,
 nheads, headdim) and keywords, so that a flash-attn user changes one import.
@@ -16,6 +16,7 @@ import torch
 
 from . import backward as _backward
 from . import forward as _forward
+from . import kv_cache as _kv_cache
 from . import varlen as _varlen
 from .device import cupy, external_stream
 
@@ -173,3 +174,48 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
     out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *options)
     return (out, lse, None) if return_attn_probs else out
+
+
+# ---------------------------------------------------------------- KV cache
+
+@torch.library.custom_op("cuflash::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                 cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+                 rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, rotary_interleaved: bool,
+                 causal: bool, softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
+                 alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _kv_cache.attention_with_kvcache(
+            _cp(q), _cp(k_cache), _cp(v_cache), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
+            cache_batch_idx=_cp(cache_batch_idx), cache_leftpad=_cp(cache_leftpad), block_table=_cp(block_table),
+            rotary_cos=_cp(rotary_cos), rotary_sin=_cp(rotary_sin), rotary_interleaved=rotary_interleaved,
+            alibi_slopes=_cp(alibi_slopes), num_splits=num_splits, out=_cp(out), lse=_cp(lse),
+            **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return out, lse
+
+
+@_kvcache_fwd.register_fake
+def _kvcache_fwd_fake(q, *rest):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's `flash_attn_with_kvcache` (cuflash.attention_with_kvcache): appends k, v to the caches
+    in place and attends. cache_seqlens: an int or an int32 CUDA tensor (batch,). Returns out; with
+    return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                            rotary_cos, rotary_sin, bool(rotary_interleaved), bool(causal),
+                            None if softmax_scale is None else float(softmax_scale), left, right, float(softcap),
+                            alibi_slopes, int(num_splits))
+    return (out, lse) if return_softmax_lse else out

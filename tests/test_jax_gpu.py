@@ -114,3 +114,28 @@ def test_varlen_in_jit_with_grad(rng):
     naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, causal=True, dtype=np.float16)
     for g, r, n in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
+
+
+def test_kvcache_decoding_steps_in_jit(rng):
+    """Three jitted decoding steps with donated caches: each appends in place and matches the reference."""
+    import cuflash.jax
+
+    batch, capacity, nheads, nheads_kv, headdim = 2, 256, 8, 2, 64
+    k_cache, v_cache = (randn(rng, (batch, capacity, nheads_kv, headdim), np.float16) for _ in range(2))
+    lengths = np.array([5, 100], np.int32)
+    step = jax.jit(lambda q, kc, vc, k, v, n: cuflash.jax.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n,
+                                                                              causal=True),
+                   donate_argnums=(1, 2))
+    kc, vc = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    for _ in range(3):
+        q = randn(rng, (batch, 1, nheads, headdim), np.float16)
+        k, v = (randn(rng, (batch, 1, nheads_kv, headdim), np.float16) for _ in range(2))
+        ref, _, k_cache, v_cache = reference.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                                    causal=True)
+        naive, _, _, _ = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths + 1, causal=True,
+                                                          lowp_dtype=np.float16)
+        out, kc, vc = step(jnp.asarray(q), kc, vc, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+        assert_close_2x(np.asarray(out), ref, naive, ATOL[np.dtype(np.float16)])
+        np.testing.assert_array_equal(np.asarray(kc).view(np.int16), k_cache.view(np.int16))
+        np.testing.assert_array_equal(np.asarray(vc).view(np.int16), v_cache.view(np.int16))
+        lengths = lengths + 1

@@ -84,3 +84,31 @@ def test_dropout_is_refused():
     q = torch.zeros((1, 8, 1, 64), dtype=torch.float16, device="cuda")
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_func(q, q, q, dropout_p=0.1)
+
+
+def test_flash_attn_with_kvcache_eager_and_compiled(rng):
+    """Appends in place under torch.compile(fullgraph=True) too, and matches the reference step by step."""
+    from cuflash.torch import flash_attn_with_kvcache
+
+    def tensor(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda()
+
+    batch, capacity, nheads, nheads_kv, headdim = 2, 192, 8, 2, 64
+    k_host, v_host = (randn(rng, (batch, capacity, nheads_kv, headdim), np.float16) for _ in range(2))
+    k_cache, v_cache = tensor(k_host), tensor(v_host)
+    lengths = np.array([0, 77], np.int32)
+    compiled = torch.compile(flash_attn_with_kvcache, fullgraph=True)
+    for fn in (flash_attn_with_kvcache, compiled):
+        q = randn(rng, (batch, 2, nheads, headdim), np.float16)
+        k, v = (randn(rng, (batch, 2, nheads_kv, headdim), np.float16) for _ in range(2))
+        ref, ref_lse, k_host, v_host = reference.attention_with_kvcache(q, k_host, v_host, k, v,
+                                                                        cache_seqlens=lengths, causal=True)
+        naive, _, _, _ = reference.attention_with_kvcache(q, k_host, v_host, cache_seqlens=lengths + 2, causal=True,
+                                                          lowp_dtype=np.float16)
+        out, lse = fn(tensor(q), k_cache, v_cache, tensor(k), tensor(v), cache_seqlens=torch.from_numpy(lengths).cuda(),
+                      causal=True, return_softmax_lse=True)
+        assert_close_2x(as_numpy(out), ref, naive, ATOL[np.dtype(np.float16)])
+        np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-3, atol=1e-3)
+        np.testing.assert_array_equal(k_cache.cpu().view(torch.int16).numpy(), k_host.view(np.int16))
+        np.testing.assert_array_equal(v_cache.cpu().view(torch.int16).numpy(), v_host.view(np.int16))
+        lengths = lengths + 2
