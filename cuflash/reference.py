@@ -532,7 +532,8 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     Returns (k_cache_after, v_cache_after, sequences): the caches after the call,
     copies in the caches' dtype with the new keys (rotated in float64, then
     rounded) and values written at positions cache_seqlens[b] ...; and per batch
-    (q rotated at positions cache_seqlens[b] + i in float64, keys and values at
+    (q rotated at positions cache_seqlens[b] + i, in float64 then rounded to q's dtype as
+    flash-attn's reference does, as float64; keys and values at
     positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new) in the cache's
     dtype, (1, nheads) ALiBi slopes or None). A paged cache is (num_pages,
     page_size, nheads_kv, headdim) with block_table (batch, max_pages).
@@ -569,8 +570,9 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
         keys = np.array([k_after[u, r] for u, r in attended], k_cache.dtype).reshape(-1, *k_cache.shape[2:])
         values = np.array([v_after[u, r] for u, r in attended], v_cache.dtype).reshape(-1, *v_cache.shape[2:])
         qb = q[b].astype(np.float64)
-        if rotary_cos is not None:
+        if rotary_cos is not None:  # rounded to q's dtype, as the new keys are in the cache
             qb = apply_rotary(qb, rotary_cos, rotary_sin, length + np.arange(seqlen_q), rotary_interleaved)
+            qb = qb.astype(q.dtype).astype(np.float64)
         slopes = None
         if alibi_slopes is not None:
             slopes = (alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b])[None]

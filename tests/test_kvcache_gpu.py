@@ -7,6 +7,8 @@ ratios 1 to 32, 1 to 16 queries, both rotary modes; outputs start poisoned,
 and cache positions the call must not write hold poison that has to survive.
 """
 
+import os
+
 import cupy
 import numpy as np
 import pytest
@@ -321,3 +323,48 @@ def test_paged_varlen_bad_input():
     with pytest.raises(ValueError, match=mentions("cu_seqlens_k")):
         cuflash.attention_varlen(q, pages, pages, cu, np.array([0, 65], np.int32), 10, 65,
                                  block_table=cupy.zeros((1, 4), np.int32))
+
+
+# Seeded fuzz cases of attention_with_kvcache, a quarter of tests/test_fuzz_gpu.py's count (same variables).
+FUZZ_SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", 0x5EED_F1A5))
+FUZZ_CASES = max(1, int(os.environ.get("CUFLASH_FUZZ_CASES", 200)) // 4)
+
+
+def draw_fuzz_case(index):
+    """run_case's arguments for case `index`, from its own generator."""
+    rng = np.random.default_rng(FUZZ_SEED + 1_000_003 * (index + 1))
+    headdim = int(rng.choice([64, 128])) if rng.random() < 0.6 else 8 * int(rng.integers(1, 33))
+    nheads_kv = int(rng.integers(1, 5))
+    seqlen_q = int(rng.choice([1, 1, 1, 2, 4, 8, 16, int(rng.integers(1, 20))]))
+    paged = rng.random() < 0.4
+    case = dict(dtype=DTYPES[int(rng.integers(2))], batch=int(rng.integers(1, 5)), seqlen_q=seqlen_q,
+                nheads_kv=nheads_kv, nheads=nheads_kv * int(rng.choice([1, 2, 4, 8, 16])), headdim=headdim,
+                capacity=int(rng.integers(1, 1500)), num_splits=int(rng.choice([0, 0, 1, int(rng.integers(2, 20))])),
+                host_lengths=bool(rng.random() < 0.3))
+    case["n_new"] = int(rng.integers(0, min(seqlen_q, case["capacity"]) + 1))
+    if paged:
+        case["page_size"] = 16 * int(rng.integers(1, 17))
+    else:
+        case["leftpad"] = bool(rng.random() < 0.3)
+        case["batch_idx"] = bool(rng.random() < 0.3)
+    rotary = [None, "full", "half"][int(rng.integers(3))]
+    if rotary == "full" and headdim % 16 == 0 or rotary == "half" and headdim % 32 == 0:
+        case["rotary"], case["interleaved"] = rotary, bool(rng.random() < 0.5)
+    if rng.random() < 0.5:
+        case["causal"] = True
+    if rng.random() < 0.25:
+        case["window_size"] = (int(rng.integers(-1, 300)), int(rng.integers(-1, 20)))
+    if rng.random() < 0.25:
+        case["softcap"] = float(rng.uniform(1, 50))
+    if rng.random() < 0.25:
+        case["alibi"] = True
+    return case
+
+
+@pytest.mark.parametrize("index", range(FUZZ_CASES))
+def test_fuzz_kvcache(index):
+    case = draw_fuzz_case(index)
+    try:
+        run_case(np.random.default_rng(FUZZ_SEED + index), **case)
+    except AssertionError as exc:
+        raise AssertionError(f"kvcache fuzz case {index} (CUFLASH_FUZZ_SEED={FUZZ_SEED}): {case}\n{exc}") from None
