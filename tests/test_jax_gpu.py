@@ -139,3 +139,32 @@ def test_kvcache_decoding_steps_in_jit(rng):
         np.testing.assert_array_equal(np.asarray(kc).view(np.int16), k_cache.view(np.int16))
         np.testing.assert_array_equal(np.asarray(vc).view(np.int16), v_cache.view(np.int16))
         lengths = lengths + 1
+
+
+def test_shard_map_runs_each_device_on_its_shard(rng):
+    """jax.shard_map over the devices present, batch-sharded: forward and gradients against the reference."""
+    import cuflash.jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("d",))
+    host, dout_host = inputs(rng, batch=2 * len(devices), nq=130, nk=130)
+    q, k, v = (jnp.asarray(x) for x in host)
+    dout = jnp.asarray(dout_host)
+    spec = PartitionSpec("d")
+    # check_vma=False: the callback's outputs carry no varying-manual-axes annotation for JAX to check.
+    sharded = jax.shard_map(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True), mesh=mesh,
+                            in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+
+    def loss(q, k, v):
+        out = sharded(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    atol = ATOL[np.dtype(np.float16)]
+    ref = reference.attention(*host, causal=True)
+    assert_close_2x(np.asarray(out), ref, reference.attention_naive_lowp(*host, causal=True, dtype=np.float16), atol)
+    refs = reference.attention_backward(dout_host, *host, causal=True)
+    naives = reference.attention_backward_naive_lowp(dout_host, *host, causal=True, dtype=np.float16)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, atol)
