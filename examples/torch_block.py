@@ -4,7 +4,7 @@ One pre-norm block (LayerNorm, QKV projection, causal attention, output projecti
 MLP), bf16, hidden 2048 in heads of --headdim, batch x seqlen = 16k tokens. Each variant is compiled
 with fullgraph=True (a graph break fails the compile), checked against the eager cuflash block
 (outputs and gradients), then timed: forward+backward ms per step between CUDA events, median of
---steps after warm-up, the SDPA variants pinned to their backend.
+--steps after warm-up, the SDPA variants pinned to their backend; the SDPA cuDNN block also eager.
 
     python examples/torch_block.py [--seqlen 2048] [--headdim 128] [--steps 30]
 """
@@ -97,7 +97,8 @@ def main():
                         [(p.grad - g).abs().max().item() for p, g in zip(model.parameters(), eager_grads)])
             print(f"{name:12s} compiled (fullgraph) against eager: max abs difference {worst:.3e}")
         results[name] = ms
-    # The same SDPA cuDNN block uncompiled: a check that the backend pin holds under compile.
+    # The same SDPA cuDNN block uncompiled: on torch 2.11 the compiled block ran at SDPA flash's
+    # speed whichever backend was pinned, and the eager cuDNN block faster than both.
     model = Block(args.headdim, "sdpa").cuda().bfloat16()
     model.load_state_dict(reference.state_dict())
     try:
@@ -106,8 +107,9 @@ def main():
         print(f"SDPA cuDNN eager skipped: {str(exc).splitlines()[0]}")
     print(f"batch {TOKENS // args.seqlen} x seqlen {args.seqlen}, hidden {HIDDEN}, head dim {args.headdim}, bf16, "
           "causal; forward+backward ms per step (median):")
+    best_sdpa = min((ms for name, ms in results.items() if name.startswith("SDPA")), default=None)
     for name, ms in results.items():
-        ratio = f"   {results['SDPA cuDNN'] / ms:.2f}x SDPA cuDNN" if "SDPA cuDNN" in results else ""
+        ratio = f"   {best_sdpa / ms:.2f}x the fastest SDPA block" if best_sdpa else ""
         print(f"{name:16s} {ms:8.3f} ms{ratio}")
 
 
