@@ -14,6 +14,7 @@
 //                          (deterministic mode; recomputes S and dP).
 #pragma once
 #include "common.cuh"
+#include "dropout.cuh"
 #include "score_mods.cuh"
 #include "seq_span.cuh"
 #include "sm80_mma.cuh"
@@ -307,10 +308,24 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 
             // P^T rounded to 16 bits: the A operand of dV += P^T dO, and the P of
             // dS below (as in the naive computation in the input dtype); the
-            // fp32 scores die here.
+            // fp32 scores die here. Dropout: dV += (P o M / (1 - p))^T dO, and
+            // dS = P o (dP o M / (1 - p) - delta) with the keep mask M.
             u32 p_frag[KS_C][4];
             acc_to_a<BF16, NT_C>(p_frag, acc_s);
-            gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, qc);
+            unsigned long long kept = ~0ull;
+            if constexpr (Mods::DROPOUT) {
+                kept = dropout_bits_t<NT_C>(mod_args, b * nheads + h, mc, n0 + warp_key0, lane);
+#pragma unroll
+                for (int j = 0; j < NT_C; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[j][e] = (kept >> (4 * j + e)) & 1 ? acc_s[j][e] * mod_args.dropout_scale : 0.f;
+                u32 dropped_frag[KS_C][4];
+                acc_to_a<BF16, NT_C>(dropped_frag, acc_s);
+                gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, dropped_frag, do_smem, q_bt_off, qc);
+            } else {
+                gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, p_frag, do_smem, q_bt_off, qc);
+            }
 
             // dP^T = V dO^T
             float acc_dp[NT_C][4];
@@ -324,6 +339,13 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const float2 p = unpack2<BF16>(p_frag[j / 2][2 * (j % 2) + r]);
+                    if constexpr (Mods::DROPOUT) {
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int e = 2 * r + c;
+                            acc_dp[j][e] = (kept >> (4 * j + e)) & 1 ? acc_dp[j][e] * mod_args.dropout_scale : 0.f;
+                        }
+                    }
                     acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);
                     acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dl.y);
                     if constexpr (Mods::SOFTCAP) {
@@ -509,10 +531,12 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
                 acc_s[j][e] = p;
             }
 
-        // dP = dO V^T, dS = P o (dP - delta[row])
+        // dP = dO V^T, dS = P o (dP - delta[row]); dropout: dP o M / (1 - p) in place of dP
         float acc_dp[NT_K][4];
         zero(acc_dp);
         gemm_ss_nt<BF16, KS_D, NT_K>(acc_dp, smem_addr(sdO), a_off, warp_row0, v_smem, b_off, 0);
+        if constexpr (Mods::DROPOUT)
+            dropout_tile(acc_dp, mod_args, b * nheads + h, m0 + warp_row0, kn0, lane, mod_args.dropout_scale);
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
 #pragma unroll

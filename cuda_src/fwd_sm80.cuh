@@ -9,6 +9,7 @@
 // FMA. P stays in registers and is fed back as the A operand of P V.
 #pragma once
 #include "common.cuh"
+#include "dropout.cuh"
 #include "sm80_mma.cuh"
 #include "score_mods.cuh"
 #include "seq_span.cuh"
@@ -199,6 +200,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             online_softmax_sm80(acc_s[mt], acc_o[mt], row_max[mt], row_sum[mt], scale_log2);
+            // Dropout after the row sums: the softmax normalises the undropped P.
+            if constexpr (decltype(mods)::DROPOUT)
+                dropout_tile(acc_s[mt], mod_args, b * nheads + h, m0 + warp_row0 + mt * 16, n0, lane);
             acc_to_a<BF16, T::NTILES_S>(p_frag[mt], acc_s[mt]);
         }
 
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[mt][r]);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const float inv = l > 0.f ? (decltype(mods)::DROPOUT ? mod_args.dropout_scale : 1.f) / l : 0.f;
             const int row = warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
             if ((lane & 3) == 0 && row < rows_valid)
                 lse_rows[row] = row_lse_of(row_max[mt][r], l, scale_log2);

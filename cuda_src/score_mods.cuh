@@ -28,6 +28,7 @@ constexpr int MOD_WINDOW = 1;   // a left bound, or a right bound other than cau
 constexpr int MOD_SOFTCAP = 2;
 constexpr int MOD_ALIBI = 4;
 constexpr int MOD_VARLEN = 8;
+constexpr int MOD_DROPOUT = 16;  // dropout.cuh; not a score option: applied to P
 
 // Kernel parameter (cuflash/score_mods.py packs it, field for field).
 struct ScoreModArgs {
@@ -41,6 +42,10 @@ struct ScoreModArgs {
     const int* cu_seqlens_k;        // and of the packed k and v at cu_seqlens_k[b]
     int total_q, total_k;           // varlen: rows of the packed q (the lse's row stride) and k
     int num_seqs;                   // varlen: sequences in the batch
+    unsigned dropout_seed_lo, dropout_seed_hi;      // dropout (dropout.cuh): the Philox key
+    unsigned dropout_offset_lo, dropout_offset_hi;  // and the stream's offset
+    unsigned dropout_threshold;                     // keep a draw below this (of 2^16)
+    float dropout_scale;                            // 1 / (1 - p)
 };
 
 __device__ __forceinline__ float tanh_approx(float x) {
@@ -63,6 +68,7 @@ struct ScoreMods {
     static constexpr bool SOFTCAP = MODS & MOD_SOFTCAP;
     static constexpr bool ALIBI = MODS & MOD_ALIBI;
     static constexpr bool VARLEN = MODS & MOD_VARLEN;
+    static constexpr bool DROPOUT = MODS & MOD_DROPOUT;
     static constexpr bool RIGHT_BOUND = CAUSAL || WINDOW;
 
     int nq, nk, diag;
@@ -124,7 +130,7 @@ struct ScoreMods {
         const float u = fmaf(log2_approx(p) + lse2, inv_score_log2, -bias(0.f, dist));
         return score_grad(fminf(fmaxf(u, -1.f), 1.f));
     }
-    static constexpr bool ANY = (MODS & ~MOD_VARLEN) != 0;  // an option that touches scores
+    static constexpr bool ANY = (MODS & ~(MOD_VARLEN | MOD_DROPOUT)) != 0;  // an option that touches scores
 
     // Key blocks seen by query rows [m0, m0 + rows) (rows past nq included).
     template <int BC>

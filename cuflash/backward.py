@@ -18,9 +18,9 @@ from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
 
 
 def _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name: str,
-             device_id: int) -> dispatch.BwdProblem:
-    """The backward problem of validated arrays, after checking the score options."""
-    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes)
+             device_id: int, dropout=(0.0, 0, 0)) -> dispatch.BwdProblem:
+    """The backward problem of validated arrays, after checking the score options; dropout: (p, seed, offset)."""
+    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes, *dropout)
     return dispatch.BwdProblem(dtype_name, q.shape[3], causal, q.shape[1], k.shape[1],
                                q.shape[2] // k.shape[2], bool(deterministic), max_smem_per_block(device_id),
                                compute_capability(device_id), mods)
@@ -28,11 +28,12 @@ def _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dt
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
-                       workspace=None, tune=False):
+                       workspace=None, tune=False, dropout_p=0.0, seed=0, offset=0):
     """Gradients (dq, dk, dv) of attention(q, k, v) given dout = dL/d(out).
 
     out and lse are the forward's results (`attention(..., return_lse=True)`),
-    with the same causal, window_size, softcap, alibi_slopes and softmax_scale. GQA: dk and dv sum over the query
+    with the same causal, window_size, softcap, alibi_slopes, softmax_scale and dropout_p, seed,
+    offset (the mask is regenerated, not stored). GQA: dk and dv sum over the query
     heads that share a kv head. deterministic=True computes dq in a separate
     pass without atomics, so repeated calls give identical bits.
     dq, dk, dv: optional output arrays (shapes and dtype of q, k, v).
@@ -42,7 +43,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
     has it (also on with CUFLASH_AUTOTUNE=1), as `attention(..., tune=True)`.
     """
     key = None
-    if not tune:
+    if not tune and not dropout_p:
         key = _plan_key(dout, q, k, v, out, lse, causal, (window_size, softcap, alibi_slopes), softmax_scale,
                         deterministic, dq, dk, dv, workspace)
         plan = _plans.get(key) if key is not None else None
@@ -60,7 +61,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
         raise TypeError(f"workspace must come from cuflash.backward_workspace, got {type(workspace).__name__}")
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
     device_id = validate.cuda_device(q)
-    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id)
+    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id,
+                       (dropout_p, seed, offset))
     if workspace is not None and workspace.device_id != device_id:
         raise ValueError(f"workspace is on device {workspace.device_id}, q on device {device_id}")
 
@@ -152,7 +154,7 @@ def _plan_key(dout, q, k, v, out, lse, causal, mods, softmax_scale, deterministi
 
 
 def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       deterministic=False):
+                       deterministic=False, dropout_p=0.0):
     """Scratch memory for `attention_backward` calls with these shapes, dtype and options.
 
     Passing it (with dq, dk, dv) makes a backward call allocate nothing, which
@@ -161,14 +163,15 @@ def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0
     """
     dtype_name = validate.qkv(q, k, v)
     device_id = validate.cuda_device(q)
-    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id)
+    problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id,
+                       (dropout_p, 0, 0))
     cfg, _ = dispatch.bwd_config(problem)
     floats = launch.BackwardWorkspace.floats_for(cfg, launch.buffer_rows(problem, q.shape)[1], problem.deterministic)
     return launch.BackwardWorkspace(floats, device_id)
 
 
 def attention_vjp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  softmax_scale=None):
+                  softmax_scale=None, dropout_p=0.0, seed=0, offset=0):
     """out = attention(q, k, v) and a function dout -> (dq, dk, dv).
 
     Keeps only q, k, v, out and the logsumexp alive (O(N) extra memory): the
@@ -176,7 +179,7 @@ def attention_vjp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, a
     """
     validate.qkv(q, k, v)  # 16-bit only: no fp8 backward
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   softmax_scale=softmax_scale)
+                   softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout, *, deterministic=False):

@@ -189,8 +189,9 @@ def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
+    # Dropout runs on the sm_80 kernels only so far (on every GPU, Hopper included).
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal)
-            if problem.arch == 90 else None)
+            if problem.arch == 90 and problem.mods.dropout is None else None)
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
@@ -212,7 +213,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
     """The forward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled:
+    if _tuned is not None and _cache_enabled and problem.mods.dropout is None:
         cfg = _tuned.fwd(problem)
         if cfg is not None:
             return cfg, "cache"
@@ -322,12 +323,13 @@ def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
-    return bwd_tiles(problem.headdim, problem.max_smem, problem.arch, problem.deterministic)
+    arch = problem.arch if problem.mods.dropout is None else 80  # dropout: the sm_80 kernels only so far
+    return bwd_tiles(problem.headdim, problem.max_smem, arch, problem.deterministic)
 
 
 def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
     """The backward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled:
+    if _tuned is not None and _cache_enabled and problem.mods.dropout is None:
         cfg = _tuned.bwd(problem)
         if cfg is not None:
             return cfg, "cache"

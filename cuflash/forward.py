@@ -32,7 +32,8 @@ def autotune_requested(tune: bool) -> bool:
 
 
 def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
-              return_lse=False, out=None, lse=None, tune=False, q_descale=None, k_descale=None, v_descale=None):
+              return_lse=False, out=None, lse=None, tune=False, q_descale=None, k_descale=None, v_descale=None,
+              dropout_p=0.0, seed=0, offset=0):
     """Exact attention softmax(q k^T * softmax_scale) v, FlashAttention style.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
@@ -51,6 +52,10 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     alibi_slopes: float32 (nheads,) or (batch, nheads): adds -slope * |i + seqlen_k - seqlen_q - j|
     to the (softcapped) scaled score. fp8 takes window_size and softcap, not alibi_slopes.
     softmax_scale: defaults to 1 / sqrt(headdim).
+    dropout_p, seed, offset: dropout on the attention probabilities, out = (P o M / (1 - p)) v,
+    the keep mask M a pure function of (seed, offset) and the position (b, h, i, j)
+    (`cuflash.reference.dropout_keep_mask` gives it); lse stays the undropped softmax's. The
+    backward takes the same three to regenerate M. 16-bit inputs; the sm_80 kernels run it.
     out, lse: optional arrays to write (q's shape, the output dtype, 16-byte
     aligned; float32 (batch, nheads, seqlen_q), C-contiguous). With both given
     the call allocates nothing, so it can be captured in a CUDA graph.
@@ -61,7 +66,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     """
     key = None
     descales = (q_descale, k_descale, v_descale)
-    if not tune:
+    if not tune and not dropout_p:  # dropout calls take the full path (seed and offset change per call)
         key = _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale, out, lse, descales)
         plan = _plans.get(key) if key is not None else None
         if plan is not None:
@@ -71,7 +76,9 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
     if is_fp8 and alibi_slopes is not None:
         raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
-    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes)
+    causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes, dropout_p, seed, offset)
+    if is_fp8 and mods.dropout is not None:
+        raise ValueError("dropout_p: fp8 attention takes no dropout")
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
         validate.output("out", out, q, "q", result_dtype)
@@ -102,7 +109,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
         cfg, _ = dispatch.fwd_config(problem)
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out, lse, scale, device_id)
         prepared.run(q_, k_, v_, out, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes)
-    if key is not None and not autotune:  # under autotuning every call may tune
+    if key is not None and not autotune:  # under autotuning every call may tune (dropout: no key)
         _plans.store(key, _Plan(prepared, copies, result_dtype, device_id, lse.shape, lse.size, descale))
     return (out, lse) if return_lse else out
 

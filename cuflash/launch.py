@@ -273,6 +273,8 @@ class FwdSm90Launch:
 
 def prepare_fwd(cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
     """The forward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
+    if cfg.family == "fwd_sm90" and problem.mods.dropout is not None:
+        raise RuntimeError("cuflash: the Hopper forward has no dropout (dispatch picks the sm_80 kernel for it)")
     launch = FwdSm90Launch if cfg.family == "fwd_sm90" else FwdSm80Launch
     return launch(cfg, problem, q, k, v, out, lse, scale, device_id)
 
@@ -457,6 +459,8 @@ class BwdLaunch:
 def prepare_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv,
                 device_id: int) -> BwdLaunch:
     """The backward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
+    if cfg.hopper and problem.mods.dropout is not None:
+        raise RuntimeError("cuflash: the Hopper backward has no dropout (dispatch picks the sm_80 kernels for it)")
     return BwdLaunch(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
 
 

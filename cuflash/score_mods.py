@@ -1,5 +1,5 @@
-"""The score options beyond softmax(Q K^T * scale): sliding window, softcap, ALiBi, and the
-block-diagonal mask of a packed batch of sequences (varlen).
+"""The score options beyond softmax(Q K^T * scale): sliding window, softcap, ALiBi, the
+block-diagonal mask of a packed batch of sequences (varlen), and dropout on P.
 
 `ScoreMods` is what a call asked for, normalised, as dispatch and launch read
 it: the kernels' MODS template bits and their `ScoreModArgs` parameter
@@ -21,6 +21,7 @@ MOD_WINDOW = cpp_int_constant("score_mods.cuh", "MOD_WINDOW")
 MOD_SOFTCAP = cpp_int_constant("score_mods.cuh", "MOD_SOFTCAP")
 MOD_ALIBI = cpp_int_constant("score_mods.cuh", "MOD_ALIBI")
 MOD_VARLEN = cpp_int_constant("score_mods.cuh", "MOD_VARLEN")
+MOD_DROPOUT = cpp_int_constant("score_mods.cuh", "MOD_DROPOUT")
 
 LOG2E = math.log2(math.e)
 
@@ -29,6 +30,8 @@ KERNEL_ARGS_DTYPE = numpy.dtype([
     ("window_left", "<i4"), ("window_right", "<i4"), ("tanh_scale", "<f4"), ("inv_score_log2", "<f4"),
     ("alibi_unit", "<f4"), ("alibi_slopes", "<u8"), ("alibi_batch_stride", "<i8"),
     ("cu_seqlens_q", "<u8"), ("cu_seqlens_k", "<u8"), ("total_q", "<i4"), ("total_k", "<i4"), ("num_seqs", "<i4"),
+    ("dropout_seed_lo", "<u4"), ("dropout_seed_hi", "<u4"), ("dropout_offset_lo", "<u4"), ("dropout_offset_hi", "<u4"),
+    ("dropout_threshold", "<u4"), ("dropout_scale", "<f4"),
 ], align=True)
 # The 8-byte words of the packed struct that hold addresses (rewritten per call).
 ALIBI_SLOPES_WORD = KERNEL_ARGS_DTYPE.fields["alibi_slopes"][1] // 8
@@ -46,6 +49,25 @@ class Varlen:
 
 
 @dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Dropout with keep mask M of (seed, offset) (cuda_src/dropout.cuh): P o M / (1 - p)."""
+
+    p: float
+    seed: int
+    offset: int
+
+    @property
+    def threshold(self) -> int:
+        """Draws (16 bits) below this are kept."""
+        return round((1.0 - self.p) * (1 << DROPOUT_DRAW_BITS))
+
+
+# Bits of each element's uniform draw (eight draws per Philox call; 8 bits would leave the keep rate
+# up to 1/512 off 1 - p, beyond 4 sigma of a million elements).
+DROPOUT_DRAW_BITS = 16
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreMods:
     """window: (left, right) key offsets from a query's diagonal, -1 unbounded, None without a
     window (a causal mask is the call's `causal`, with right = 0); softcap: 0 = off; alibi: slopes
@@ -57,12 +79,14 @@ class ScoreMods:
     alibi: bool = False
     alibi_batch_stride: int = 0
     varlen: Varlen | None = None
+    dropout: Dropout | None = None
 
     @property
     def bits(self) -> int:
         """The kernels' MODS template argument."""
         return ((MOD_WINDOW if self.window is not None else 0) | (MOD_SOFTCAP if self.softcap else 0)
-                | (MOD_ALIBI if self.alibi else 0) | (MOD_VARLEN if self.varlen is not None else 0))
+                | (MOD_ALIBI if self.alibi else 0) | (MOD_VARLEN if self.varlen is not None else 0)
+                | (MOD_DROPOUT if self.dropout is not None else 0))
 
     def score_log2(self, scale: float) -> float:
         """c, the kernels' exponent factor: P = 2^(u c - m c) for a score u in the kernels' units."""
@@ -84,6 +108,12 @@ class ScoreMods:
         if self.varlen is not None:
             args["total_q"], args["total_k"], args["num_seqs"] = (self.varlen.total_q, self.varlen.total_k,
                                                                   self.varlen.num_seqs)
+        if self.dropout is not None:
+            d = self.dropout
+            args["dropout_seed_lo"], args["dropout_seed_hi"] = d.seed & 0xFFFFFFFF, d.seed >> 32
+            args["dropout_offset_lo"], args["dropout_offset_hi"] = d.offset & 0xFFFFFFFF, d.offset >> 32
+            args["dropout_threshold"] = d.threshold
+            args["dropout_scale"] = 1.0 / (1.0 - d.p)
         return numpy.frombuffer(args.tobytes(), numpy.uint64).copy()
 
 
@@ -91,7 +121,8 @@ NONE = ScoreMods()
 
 
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
-              seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None) -> tuple[bool, ScoreMods]:
+              seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None,
+              dropout: Dropout | None = None) -> tuple[bool, ScoreMods]:
     """(causal, ScoreMods) for validated options at these lengths (varlen: the longest sequence's).
 
     A bound that every (query, key) pair passes is dropped (left >= seqlen_k - 1,
@@ -109,4 +140,4 @@ def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch
         causal = True
     window = None if left < 0 and (right < 0 or causal) else (left, right)
     alibi = alibi_batch_stride is not None
-    return causal, ScoreMods(window, float(softcap), alibi, alibi_batch_stride or 0, varlen)
+    return causal, ScoreMods(window, float(softcap), alibi, alibi_batch_stride or 0, varlen, dropout)

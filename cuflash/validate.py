@@ -89,15 +89,22 @@ def alibi_slopes(x, batch: int, nheads: int) -> int | None:
     return 0 if x.ndim == 1 else x.strides[0] // x.itemsize
 
 
-def score_options(q, k, causal, window, cap, slopes) -> tuple[bool, score_mods.ScoreMods]:
-    """(causal, ScoreMods) of a call on validated q and k with these window_size, softcap and
-    alibi_slopes arguments: each checked, then normalised (cuflash.score_mods.normalise)."""
+def score_options(q, k, causal, window, cap, slopes, dropout_p=0.0, seed=0, offset=0):
+    """(causal, ScoreMods) of a call on validated q and k with these window_size, softcap,
+    alibi_slopes and dropout arguments: each checked, then normalised (cuflash.score_mods.normalise)."""
     window = window_size(window, bool(causal))
     cap = softcap(cap)
     slopes_stride = alibi_slopes(slopes, q.shape[0], q.shape[2])
     if slopes is not None and slopes.device != q.device:
         raise ValueError(f"alibi_slopes is on device {slopes.device.id}, q on device {q.device.id}")
-    return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1])
+    return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1],
+                                dropout=dropout_option(dropout_p, seed, offset))
+
+
+def dropout_option(p, seed, offset):
+    """The call's score_mods.Dropout, None for dropout_p = 0 (after `dropout`'s checks)."""
+    prob, seed, offset = dropout(p, seed, offset)
+    return score_mods.Dropout(prob, seed, offset) if prob > 0 else None
 
 
 def qkv(q, k, v, allow_fp8: bool = False) -> str:

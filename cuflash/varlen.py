@@ -64,15 +64,17 @@ def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: in
     return tuple(on_device), num_seqs
 
 
-def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs):
-    """(causal, ScoreMods) of a varlen call: the options normalised at the longest lengths."""
+def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
+             dropout=(0.0, 0, 0)):
+    """(causal, ScoreMods) of a varlen call: the options normalised at the longest lengths; dropout:
+    (p, seed, offset), the mask over each sequence's own positions with b its index."""
     window = validate.window_size(window_size, bool(causal))
     cap = validate.softcap(softcap)
     slopes_stride = validate.alibi_slopes(alibi_slopes, num_seqs, q.shape[1])
     if alibi_slopes is not None and alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
     return normalise(bool(causal), window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
-                     Varlen(num_seqs, q.shape[0], k.shape[0]))
+                     Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout))
 
 
 def _packed(*arrays):
@@ -93,7 +95,8 @@ def _output(name: str, x, ref, ref_name: str, dtype=None) -> None:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, return_lse=False,
-                     out=None, lse=None, q_descale=None, k_descale=None, v_descale=None, block_table=None):
+                     out=None, lse=None, q_descale=None, k_descale=None, v_descale=None, block_table=None,
+                     dropout_p=0.0, seed=0, offset=0):
     """Exact attention of a packed batch of sequences of different lengths.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), cupy
@@ -110,14 +113,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     block_table: int32 (batch, max_pages): k and v are then a paged KV cache (num_pages,
     page_size, nheads_kv, headdim) as `attention_with_kvcache` takes, sequence b's keys its
     first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions (chunked prefill; 16-bit, forward only).
+    dropout_p, seed, offset: as `attention`'s, the mask over each sequence's own positions with b
+    the sequence's index.
     Returns out; with return_lse=True, (out, lse).
     """
     if block_table is not None:
+        if dropout_p:
+            raise ValueError("dropout_p: the paged prefill takes no dropout")
         return _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
                       window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse,
                       (q_descale, k_descale, v_descale))
     key = None
-    if q_descale is None and k_descale is None and v_descale is None:  # fp8 calls take the full path
+    if q_descale is None and k_descale is None and v_descale is None and not dropout_p:  # fp8, dropout: full path
         key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                         (window_size, softcap, alibi_slopes), softmax_scale)
     plan = _fwd_plans.get(key) if key is not None else None
@@ -135,7 +142,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_k, nheads_kv = k.shape[:2]
     cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
                                     q.device)
-    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
+    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
+                            (dropout_p, seed, offset))
+    if is_fp8 and mods.dropout is not None:
+        raise ValueError("dropout_p: fp8 attention takes no dropout")
     descale = fp8.validate_descales(q_descale, k_descale, v_descale, num_seqs, nheads_kv, is_fp8, q.device)
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
@@ -234,14 +244,16 @@ class _FwdPlan:
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+                              softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
+                              seed=0, offset=0):
     """Gradients (dq, dk, dv) of `attention_varlen` given dout = dL/d(out).
 
     out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
-    with the same offsets and options; deterministic, dq, dk, dv as `attention_backward`.
+    with the same offsets and options (dropout's too); deterministic, dq, dk, dv as `attention_backward`.
     """
-    key = _plan_key((dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    causal, (window_size, softcap, alibi_slopes), softmax_scale, bool(deterministic))
+    key = None if dropout_p else _plan_key((dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k, causal, (window_size, softcap, alibi_slopes),
+                                           softmax_scale, bool(deterministic))
     plan = _bwd_plans.get(key) if key is not None else None
     if plan is not None:
         return plan.call(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
@@ -259,7 +271,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     total_k, nheads_kv = k.shape[:2]
     cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
                                     q.device)
-    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs)
+    causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
+                            (dropout_p, seed, offset))
     cp = cupy()
     with q.device:
         dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
@@ -302,11 +315,12 @@ class _BwdPlan:
 
 
 def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None):
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, dropout_p=0.0,
+                         seed=0, offset=0):
     """out = attention_varlen(...) and a function dout -> (dq, dk, dv), as `attention_vjp`."""
     offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   softmax_scale=softmax_scale)
+                   softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = attention_varlen(q, k, v, *offsets, return_lse=True, **options)
 
     def vjp(dout, *, deterministic=False):

@@ -25,7 +25,7 @@ from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS,
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
-from ..score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
+from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
@@ -45,6 +45,8 @@ MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 # Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
+# Dropout: the sm_80 kernels only (dispatch sends it there on every GPU), alone, packed, and with every option.
+DROPOUT_VARIANTS = (MOD_DROPOUT, MOD_DROPOUT | MOD_VARLEN, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
@@ -121,11 +123,12 @@ def _add_score_option_variants(add) -> None:
     forward tiles, the backward tables (sm_80 and Hopper)."""
     variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
     variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
+    sm80_variants = variants + [(("float16", False), mods) for mods in DROPOUT_VARIANTS]
     for (_, general), causal, ((dtype_name, even_n), mods) in itertools.product(
-            HEURISTIC_FWD.values(), (False, True), variants):
+            HEURISTIC_FWD.values(), (False, True), sm80_variants):
         add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
     for cfg, causal, ((dtype_name, even_n), mods) in itertools.product(
-            HEURISTIC_BWD.values(), (False, True), variants):
+            HEURISTIC_BWD.values(), (False, True), sm80_variants):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
         add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
     for (cfg, deterministic), causal, ((dtype_name, even_n), mods) in itertools.product(

@@ -1,0 +1,89 @@
+// Dropout's keep mask, a pure function of (seed, offset, b, h, i, j): every
+// kernel family, tiling and pass regenerates the same mask from Philox4x32-10
+// (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011), and
+// cuflash.reference.dropout_keep_mask computes it on the host.
+//
+// One Philox call gives eight 16-bit draws: those of a unit of rows {r, r + 8}
+// x columns {c, c + 1, c + 8, c + 9} of head bh = b * nheads + h (r with bit 3
+// clear, c with bits 0 and 3 clear; a sequence's own positions under varlen).
+// The draw of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
+// output for counter (r, c, bh, offset_lo) and key (seed_lo, seed_hi ^ offset_hi).
+// In an mma accumulator a thread holds exactly one unit of each 16 x 16 tile
+// (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}); the dK/dV
+// kernels, holding S^T, take two units for eight elements. Element (i, j) is
+// kept when its draw is below dropout_threshold = round((1 - p) 2^16), and
+// kept values are scaled by 1 / (1 - p).
+#pragma once
+#include "score_mods.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 key) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const u32 lo0 = c.x * 0xD2511F53u, hi0 = __umulhi(c.x, 0xD2511F53u);
+        const u32 lo1 = c.z * 0xCD9E8D57u, hi1 = __umulhi(c.z, 0xCD9E8D57u);
+        c = make_uint4(hi1 ^ c.y ^ key.x, lo1, hi0 ^ c.w ^ key.y, lo0);
+        key.x += 0x9E3779B9u;
+        key.y += 0xBB67AE85u;
+    }
+    return c;
+}
+
+// The draws of the unit at (r, c) of head bh.
+__device__ __forceinline__ uint4 dropout_unit(const ScoreModArgs& args, int bh, int r, int c) {
+    return philox4x32_10(make_uint4((u32)r, (u32)c, (u32)bh, args.dropout_offset_lo),
+                         make_uint2(args.dropout_seed_lo, args.dropout_seed_hi ^ args.dropout_offset_hi));
+}
+
+// Whether the element with draw half `half` of word `word` (a compile-time constant) is kept.
+__device__ __forceinline__ bool dropout_keeps(const ScoreModArgs& args, const uint4& unit, int word, int half) {
+    const u32 w = word == 0 ? unit.x : word == 1 ? unit.y : word == 2 ? unit.z : unit.w;
+    return ((w >> (16 * half)) & 0xffffu) < args.dropout_threshold;
+}
+
+// Dropout on a warp's 16-row tile in the mma accumulator layout of S (rows are queries): tile
+// row0 and first column col0 (multiples of 16); dropped elements become 0, kept ones x `kept`.
+template <int NT>
+__device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
+                                             int lane, float kept = 1.f) {
+    static_assert(NT % 2 == 0, "units span two n8 tiles");
+    const int r = row0 + (lane >> 2);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+        const uint4 unit = dropout_unit(args, bh, r, col0 + 16 * jj + 2 * (lane & 3));
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                x[2 * jj + t][e] = dropout_keeps(args, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
+    }
+}
+
+// The keep bits (bit 4 j + e for element e of n8 tile j) of a warp's 16 keys x 8 NT queries of S^T
+// in the mma accumulator layout: keys key0 + lane / 4 + 8 (e / 2), queries query0 + 8 j + 2 (lane % 4)
+// + e % 2 (key0 and query0 multiples of 16). Two units per pair of n8 tiles.
+template <int NT>
+__device__ __forceinline__ unsigned long long dropout_bits_t(const ScoreModArgs& args, int bh, int query0, int key0,
+                                                             int lane) {
+    static_assert(NT % 2 == 0 && NT <= 16, "units span two n8 tiles; 64 bits");
+    const int c = key0 + ((lane >> 2) & ~1), half = (lane >> 2) & 1;
+    unsigned long long bits = 0;
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+        const int q0 = query0 + 16 * jj + 2 * (lane & 3);
+#pragma unroll
+        for (int e0 = 0; e0 < 2; ++e0) {  // the unit of query q0 + e0 (and q0 + e0 + 8)
+            const uint4 unit = dropout_unit(args, bh, q0 + e0, c);
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; ++e1)
+                    if (dropout_keeps(args, unit, 2 * t + e1, half))
+                        bits |= 1ull << (4 * (2 * jj + t) + 2 * e1 + e0);
+        }
+    }
+    return bits;
+}
+
+}  // namespace cuflash

@@ -1,0 +1,122 @@
+"""Dropout: cuflash.attention, attention_backward and the varlen entry points with dropout_p, against
+cuflash.reference given the keep mask that cuflash.reference.dropout_keep_mask draws (the kernels'
+Philox stream, regenerated in the backward), the keep rate, and bitwise reproducibility."""
+
+import cupy
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from tests.numerics import ATOL, DTYPES, assert_close_2x, check_lse, mentions, randn
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "awkward": dict(batch=2, nq=97, nk=257, nheads=4, nheads_kv=2, headdim=64),
+    "causal_gqa": dict(batch=1, nq=257, nk=130, nheads=8, nheads_kv=2, headdim=128, causal=True),
+    "window_softcap": dict(batch=2, nq=17, nk=300, nheads=2, nheads_kv=1, headdim=96, window_size=(40, 8),
+                           softcap=5.0),
+    "one_row": dict(batch=3, nq=1, nk=1025, nheads=2, nheads_kv=2, headdim=128),
+}
+
+
+def _grads_close(grads, refs, naives, dtype):
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(g.get(), r, n, ATOL[np.dtype(dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_backward_match_the_reference_given_the_mask(dtype, name):
+    case = dict(CASES[name])
+    batch, nq, nk, nheads, nheads_kv, headdim = (case.pop(x) for x in
+                                                 ("batch", "nq", "nk", "nheads", "nheads_kv", "headdim"))
+    rng = np.random.default_rng(len(name))
+    q, k, v = (randn(rng, (batch, n, h, headdim), dtype) for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv)))
+    dout = randn(rng, (batch, nq, nheads, headdim), dtype)
+    p, seed, offset = 0.17, 1234 + len(name), 99
+    mask = reference.dropout_keep_mask(seed, offset, batch, nheads, nq, nk, p)
+    drop = dict(dropout_mask=mask, dropout_p=p)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **case, **drop)
+    naive = reference.attention_naive_lowp(q, k, v, dtype=dtype, **case, **drop)
+    dq_, dk_, dv_ = (cupy.asarray(x) for x in (q, k, v))
+    options = dict(case, dropout_p=p, seed=seed, offset=offset)
+    out = cupy.full(q.shape, np.nan, dtype)
+    _, lse = cuflash.attention(dq_, dk_, dv_, out=out, return_lse=True, **options)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
+    check_lse(lse, ref_lse)
+
+    refs = reference.attention_backward(dout, q, k, v, **case, **drop)
+    naives = reference.attention_backward_naive_lowp(dout, q, k, v, dtype=dtype, **case, **drop)
+    for deterministic in (False, True):
+        grads = cuflash.attention_backward(cupy.asarray(dout), dq_, dk_, dv_, out, lse, deterministic=deterministic,
+                                           **options)
+        _grads_close(grads, refs, naives, dtype)
+
+
+def test_keep_rate_and_reproducibility():
+    """Over 8M draws the keep rate is within 4 sigma of 1 - p; the same (seed, offset) gives the same
+    bits, another seed or offset another output."""
+    rng = np.random.default_rng(5)
+    batch, nheads, n, headdim = 2, 8, 1024, 64
+    q, k = (cupy.asarray(randn(rng, (batch, n, nheads, headdim), np.float16)) for _ in range(2))
+    v = cupy.ones((batch, n, nheads, headdim), np.float16)
+    p = 0.1
+    # With v = 1 and softmax_scale tiny, P = 1/n and out = (kept keys in the row) / (n (1 - p)).
+    out = cuflash.attention(q, k, v, softmax_scale=1e-6, dropout_p=p, seed=7, offset=3)
+    kept = out[..., 0].astype(cupy.float64) * n * (1 - p)
+    rate = float(kept.mean()) / n
+    sigma = np.sqrt(p * (1 - p) / (batch * nheads * n * n))
+    assert abs(rate - (1 - p)) < 4 * sigma + 1 / 2048, (rate, sigma)  # + the fp16 rounding of out
+    mask = reference.dropout_keep_mask(7, 3, 1, 1, 64, n, p)  # the host stream agrees on a slice
+    np.testing.assert_allclose(kept[0, :64, 0].get(), mask[0, 0].sum(axis=1), atol=0.6)
+
+    again = cuflash.attention(q, k, v, softmax_scale=1e-6, dropout_p=p, seed=7, offset=3)
+    assert bool((again == out).all())
+    for seed, offset in ((8, 3), (7, 4)):
+        other = cuflash.attention(q, k, v, softmax_scale=1e-6, dropout_p=p, seed=seed, offset=offset)
+        assert not bool((other == out).all())
+
+
+def test_varlen_causal_dropout():
+    rng = np.random.default_rng(9)
+    lengths_q, lengths_k = [17, 0, 130, 64], [40, 5, 129, 64]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    q, k, v = (randn(rng, (sum(n), h, 64), np.float16) for n, h in ((lengths_q, 4), (lengths_k, 2), (lengths_k, 2)))
+    dout = randn(rng, q.shape, np.float16)
+    p, seed, offset = 0.3, 11, 2**40 + 5
+    mask = reference.dropout_keep_mask(seed, offset, len(lengths_q), 4, max(lengths_q), max(lengths_k), p)
+    drop = dict(dropout_mask=mask, dropout_p=p, causal=True)
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **drop)
+    naive = reference.attention_varlen_naive_lowp(q, k, v, cu_q, cu_k, dtype=np.float16, **drop)
+    dev = [cupy.asarray(x) for x in (q, k, v)]
+    options = dict(causal=True, dropout_p=p, seed=seed, offset=offset)
+    lengths = (max(lengths_q), max(lengths_k))
+    out, lse = cuflash.attention_varlen(*dev, cu_q, cu_k, *lengths, return_lse=True, **options)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(np.float16)])
+    check_lse(lse, ref_lse)
+    grads = cuflash.attention_varlen_backward(cupy.asarray(dout), *dev, out, lse, cu_q, cu_k, *lengths, **options)
+    refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **drop)
+    naives = reference.attention_varlen_backward_naive_lowp(dout, q, k, v, cu_q, cu_k, dtype=np.float16, **drop)
+    _grads_close(grads, refs, naives, np.float16)
+
+
+def test_vjp_regenerates_the_mask():
+    rng = np.random.default_rng(12)
+    q, k, v = (cupy.asarray(randn(rng, (1, 70, 2, 64), np.float16)) for _ in range(3))
+    dout = cupy.asarray(randn(rng, (1, 70, 2, 64), np.float16))
+    options = dict(causal=True, dropout_p=0.25, seed=3, offset=0)
+    out, vjp = cuflash.attention_vjp(q, k, v, **options)
+    out2, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    assert bool((out == out2).all())
+    for a, b in zip(vjp(dout, deterministic=True),
+                    cuflash.attention_backward(dout, q, k, v, out2, lse, deterministic=True, **options)):
+        assert bool((a == b).all())
+
+
+@pytest.mark.parametrize("p, error", [(1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError)])
+def test_bad_dropout_p(p, error):
+    q = cupy.zeros((1, 16, 2, 64), np.float16)
+    with pytest.raises(error, match=mentions("dropout_p")):
+        cuflash.attention(q, q, q, dropout_p=p)
