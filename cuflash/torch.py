@@ -39,7 +39,8 @@ def _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, 
     """flash-attn's keywords as the custom ops take them: (causal, softmax_scale, window_left,
     window_right, softcap, deterministic); dropout and ALiBi refused."""
     if dropout_p:
-        raise NotImplementedError(f"dropout_p: cuflash has no dropout yet, got {dropout_p!r}")
+        raise NotImplementedError(f"dropout_p: cuflash.torch takes no dropout yet (cuflash.attention does), "
+                                  f"got {dropout_p!r}")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
