@@ -24,6 +24,7 @@
 // score scale by q_descale * k_descale, O by v_descale; the output is bf16.
 #pragma once
 #include "common.cuh"
+#include "dropout.cuh"
 #include "fwd_sm90_epilogue.cuh"
 #include "fwd_sm90_mainloop.cuh"
 #include "fwd_sm90_producer.cuh"
@@ -210,9 +211,14 @@ __global__ void __launch_bounds__(384, 1)
                 if (i == n_blocks - 1) warp_arrive(sm.empty_q(), lane);
             };
             const int row0 = m0 + warp_row0;
-            auto softmax = [&](float (&acc_s)[NT_S * 4]) {
+            // Dropout after the row sums (the softmax normalises the undropped P): kept P
+            // scaled by 1 / (1 - p) here, so that the epilogue stays as it is.
+            auto softmax = [&](float (&acc_s)[NT_S * 4], int n0) {
                 turns.begin_softmax();
                 online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
+                if constexpr (Mods::DROPOUT)
+                    dropout_tile(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args, tile.b * nheads + tile.h, row0,
+                                 n0, lane, mod_args.dropout_scale);
                 turns.end_softmax();
             };
 
@@ -232,7 +238,7 @@ __global__ void __launch_bounds__(384, 1)
                     apply_score_mods<true, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
                 else
                     apply_score_mods<false, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
-                softmax(acc_s);
+                softmax(acc_s, (hi - 1) * BC);
                 p_frag.pack(acc_s);
             }
 
@@ -256,7 +262,7 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 apply_score_mods<decltype(masked)::value, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane);
-                softmax(acc_s);
+                softmax(acc_s, (hi - 1 - i) * BC);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it
                 // (+3-5% at head dims 128 and 256, fp8 at 256 +5-9%; head dim 64,

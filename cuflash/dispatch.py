@@ -189,9 +189,8 @@ def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
-    # Dropout runs on the sm_80 kernels only so far (on every GPU, Hopper included).
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal)
-            if problem.arch == 90 and problem.mods.dropout is None else None)
+            if problem.arch == 90 else None)
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
@@ -323,7 +322,7 @@ def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
-    arch = problem.arch if problem.mods.dropout is None else 80  # dropout: the sm_80 kernels only so far
+    arch = problem.arch if problem.mods.dropout is None else 80  # dropout: the sm_80 backward only so far
     return bwd_tiles(problem.headdim, problem.max_smem, arch, problem.deterministic)
 
 

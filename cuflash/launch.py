@@ -273,8 +273,6 @@ class FwdSm90Launch:
 
 def prepare_fwd(cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
     """The forward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
-    if cfg.family == "fwd_sm90" and problem.mods.dropout is not None:
-        raise RuntimeError("cuflash: the Hopper forward has no dropout (dispatch picks the sm_80 kernel for it)")
     launch = FwdSm90Launch if cfg.family == "fwd_sm90" else FwdSm80Launch
     return launch(cfg, problem, q, k, v, out, lse, scale, device_id)
 

@@ -45,7 +45,7 @@ MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 # Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
-# Dropout: the sm_80 kernels only (dispatch sends it there on every GPU), alone, packed, and with every option.
+# Dropout (16-bit), alone, packed, and with every option: the sm_80 kernels and the Hopper forward.
 DROPOUT_VARIANTS = (MOD_DROPOUT, MOD_DROPOUT | MOD_VARLEN, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
@@ -101,7 +101,7 @@ def shipped_specialisations():
         for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
             for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
                 add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
-        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS
+        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS + DROPOUT_VARIANTS
         for causal, mods in itertools.product((False, True), varlen_variants):
             add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
     _add_score_option_variants(add)
