@@ -31,6 +31,7 @@
 // bwd_sm90_dq_kernel (below) computes dQ.
 #pragma once
 #include "common.cuh"
+#include "dropout.cuh"
 #include "named_barriers.cuh"
 #include "score_mods.cuh"
 #include "seq_span.cuh"
@@ -281,6 +282,14 @@ __global__ void __launch_bounds__(384, 1)
                         acc_s[j * 4 + e] = 0.f;
         }
         wgmma_wait<0>();
+        // Dropout (dropout.cuh): dP^T o M / (1 - p) in place of dP^T below, and (P o M / (1 - p))^T for dV.
+        unsigned long long kept = ~0ull;
+        if constexpr (Mods::DROPOUT) {
+            kept = dropout_bits_t<NT_S>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0, lane);
+#pragma unroll
+            for (int i = 0; i < NT_S * 4; ++i)
+                acc_dp[i] = (kept >> i) & 1 ? acc_dp[i] * mod_args.dropout_scale : 0.f;
+        }
         // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
@@ -295,6 +304,10 @@ __global__ void __launch_bounds__(384, 1)
                     acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, dist);
                 }
             }
+        }
+        if constexpr (Mods::DROPOUT) {
+#pragma unroll
+            for (int i = 0; i < NT_S * 4; ++i) acc_s[i] = (kept >> i) & 1 ? acc_s[i] * mod_args.dropout_scale : 0.f;
         }
         AFragments<DTYPE, BM> p_frag, ds_frag;
         p_frag.pack(acc_s);
@@ -542,6 +555,10 @@ __global__ void __launch_bounds__(384, 1)
                             acc_s[j * 4 + e] = 0.f;
             }
             wgmma_wait<0>();
+            // Dropout (dropout.cuh): dP o M / (1 - p) in place of dP.
+            if constexpr (Mods::DROPOUT)
+                dropout_tile(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), mod_args, b * nheads + h, m0 + warp_row0, n0,
+                             lane, mod_args.dropout_scale);
             // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)

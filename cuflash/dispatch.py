@@ -322,8 +322,7 @@ def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
-    arch = problem.arch if problem.mods.dropout is None else 80  # dropout: the sm_80 backward only so far
-    return bwd_tiles(problem.headdim, problem.max_smem, arch, problem.deterministic)
+    return bwd_tiles(problem.headdim, problem.max_smem, problem.arch, problem.deterministic)
 
 
 def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:

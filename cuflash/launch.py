@@ -457,8 +457,6 @@ class BwdLaunch:
 def prepare_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv,
                 device_id: int) -> BwdLaunch:
     """The backward launch of `cfg` for arrays shaped and strided as these (validated, 16-byte aligned)."""
-    if cfg.hopper and problem.mods.dropout is not None:
-        raise RuntimeError("cuflash: the Hopper backward has no dropout (dispatch picks the sm_80 kernels for it)")
     return BwdLaunch(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
 
 

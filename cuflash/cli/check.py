@@ -45,7 +45,7 @@ MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 # Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
-# Dropout (16-bit), alone, packed, and with every option: the sm_80 kernels and the Hopper forward.
+# Dropout (16-bit), alone, packed, and with every option: every 16-bit family.
 DROPOUT_VARIANTS = (MOD_DROPOUT, MOD_DROPOUT | MOD_VARLEN, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
@@ -123,7 +123,7 @@ def _add_score_option_variants(add) -> None:
     forward tiles, the backward tables (sm_80 and Hopper)."""
     variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
     variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
-    sm80_variants = variants + [(("float16", False), mods) for mods in DROPOUT_VARIANTS]
+    sm80_variants = variants + [(("float16", False), mods) for mods in DROPOUT_VARIANTS]  # and the Hopper backward
     for (_, general), causal, ((dtype_name, even_n), mods) in itertools.product(
             HEURISTIC_FWD.values(), (False, True), sm80_variants):
         add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
@@ -132,7 +132,7 @@ def _add_score_option_variants(add) -> None:
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
         add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
     for (cfg, deterministic), causal, ((dtype_name, even_n), mods) in itertools.product(
-            hopper_bwd_plans(), (False, True), variants):
+            hopper_bwd_plans(), (False, True), sm80_variants):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
             cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
         if deterministic:
