@@ -45,8 +45,9 @@ MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 # Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
-# Dropout (16-bit), alone and packed with every option: every 16-bit family.
-DROPOUT_VARIANTS = (MOD_DROPOUT, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
+# Dropout (16-bit) on every 16-bit family, as (causal, MODS): alone, and causal packed with every
+# option (the one template's two extremes; each variant compiled costs CI seconds).
+DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI))
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
@@ -104,8 +105,10 @@ def shipped_specialisations():
         for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
             for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
                 add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
-        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS + DROPOUT_VARIANTS
-        for causal, mods in itertools.product((False, True), varlen_variants):
+        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS
+        cases = list(itertools.product((False, True), varlen_variants))
+        cases += [] if dtype_name == FP8_DTYPE_NAME else list(DROPOUT_CASES)
+        for causal, mods in cases:
             add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
     _add_score_option_variants(add)
     _add_decode_variants(add)
@@ -122,20 +125,18 @@ def shipped_specialisations():
 
 
 def _add_score_option_variants(add) -> None:
-    """The 16-bit kernels dispatch runs with score options (varlen's among them): the general sm_80
-    forward tiles, the backward tables (sm_80 and Hopper)."""
+    """The 16-bit kernels dispatch runs with score options (varlen's and dropout among them): the
+    general sm_80 forward tiles, the backward tables (sm_80 and Hopper)."""
     variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
     variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
-    sm80_variants = variants + [(("float16", False), mods) for mods in DROPOUT_VARIANTS]  # and the Hopper backward
-    for (_, general), causal, ((dtype_name, even_n), mods) in itertools.product(
-            HEURISTIC_FWD.values(), (False, True), sm80_variants):
+    cases = [(causal, *variant) for causal, variant in itertools.product((False, True), variants)]
+    cases += [(causal, ("float16", False), mods) for causal, mods in DROPOUT_CASES]
+    for (_, general), (causal, (dtype_name, even_n), mods) in itertools.product(HEURISTIC_FWD.values(), cases):
         add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
-    for cfg, causal, ((dtype_name, even_n), mods) in itertools.product(
-            HEURISTIC_BWD.values(), (False, True), sm80_variants):
+    for cfg, (causal, (dtype_name, even_n), mods) in itertools.product(HEURISTIC_BWD.values(), cases):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
         add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
-    for (cfg, deterministic), causal, ((dtype_name, even_n), mods) in itertools.product(
-            hopper_bwd_plans(), (False, True), sm80_variants):
+    for (cfg, deterministic), (causal, (dtype_name, even_n), mods) in itertools.product(hopper_bwd_plans(), cases):
         add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
             cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
         if deterministic:
