@@ -201,12 +201,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     if not last_dim_contiguous(q):
         raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
     for cname, x in ((kname, k_cache), (vname, v_cache)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{cname} must have q's dtype {q.dtype}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{cname} is on device {x.device.id}, q on device {q.device.id}")
-        if not last_dim_contiguous(x):
-            raise ValueError(f"{cname} must be contiguous in its last dim (headdim), got strides {x.strides}")
+        validate.companion(cname, x, q)
         if not is_aligned(x):
             raise ValueError(f"{cname} must be 16-byte aligned with strides that are multiples of 8 elements "
                              "(it is read in place, never copied)")
@@ -278,12 +273,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
             if x.ndim != 4 or x.shape != expected:
                 raise ValueError(f"{name_} must have shape (batch, seqlen_new, nheads_kv, headdim) = "
                                  f"({batch}, seqlen_new, {nheads_kv}, {headdim}), got {x.shape}")
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
-            if x.device != q.device:
-                raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
-            if not last_dim_contiguous(x):
-                raise ValueError(f"{name_} must be contiguous in its last dim (headdim), got strides {x.strides}")
+            validate.companion(name_, x, q)
         if v.shape != k.shape:
             raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
         n_new = k.shape[1]

@@ -163,6 +163,16 @@ def like(name: str, x, ref, ref_name: str, dtype=None) -> None:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
 
 
+def companion(name: str, x, q) -> None:
+    """x, an array a kernel reads beside q: q's dtype and device, contiguous in its last dim (headdim)."""
+    if x.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    if not last_dim_contiguous(x):
+        raise ValueError(f"{name} must be contiguous in its last dim (headdim), got strides {x.strides}")
+
+
 def output(name: str, x, ref, ref_name: str, dtype=None) -> None:
     """An output array the kernels write in place (never copied): `like` plus alignment."""
     like(name, x, ref, ref_name, dtype)

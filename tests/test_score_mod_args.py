@@ -1,5 +1,5 @@
-"""The ScoreModArgs kernel parameter as cuflash/score_mods.py packs it has the C++ struct's size
-(cuda_src/score_mods.cuh), and the varlen row layouts hold every sequence. NVRTC, no GPU."""
+"""The struct kernel parameters as cuflash packs them (ScoreModArgs, KVCacheArgs, CombineArgs) have the
+C++ structs' sizes, and the varlen row layouts hold every sequence. NVRTC, no GPU."""
 
 import numpy as np
 import pytest
@@ -7,21 +7,25 @@ import pytest
 from cuflash import compile as cf_compile
 from cuflash import launch
 from cuflash.config import BWD_ROW_PAD
+from cuflash.decode_launch import COMBINE_ARGS_DTYPE, KV_CACHE_ARGS_DTYPE
 from cuflash.dispatch import BwdProblem
 from cuflash.score_mods import KERNEL_ARGS_DTYPE, ScoreMods, Varlen
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 
-def test_kernel_args_have_the_struct_size():
+@pytest.mark.parametrize("header, struct, dtype", [("score_mods.cuh", "ScoreModArgs", KERNEL_ARGS_DTYPE),
+                                                   ("kv_cache.cuh", "KVCacheArgs", KV_CACHE_ARGS_DTYPE),
+                                                   ("combine.cuh", "CombineArgs", COMBINE_ARGS_DTYPE)])
+def test_kernel_args_have_the_struct_size(header, struct, dtype):
     """The packed words are as many bytes as the C++ struct (NVRTC has no offsetof; the fields'
-    order is the struct's, written out in KERNEL_ARGS_DTYPE)."""
+    order is the struct's, written out in each dtype)."""
     try:
         nvrtc.getVersion()
     except Exception:
         pytest.skip("no NVRTC library on this machine")
-    check = f"static_assert(sizeof(cuflash::ScoreModArgs) == {KERNEL_ARGS_DTYPE.itemsize}, \"size\");\n"
-    source = cf_compile._inline(cf_compile.cuda_src_dir() / "score_mods.cuh", set()) + check
+    check = f"static_assert(sizeof(cuflash::{struct}) == {dtype.itemsize}, \"size\");\n"
+    source = cf_compile._inline(cf_compile.cuda_src_dir() / header, set()) + check
     prog = nvrtc.createProgram(source, "args.cu", [], [])
     try:
         try:

@@ -34,7 +34,7 @@ import cuflash
 from cuflash import timing
 
 from .libs import Skip, TorchEvents
-from .measure import device_info, log
+from .measure import device_info, first_dtype, log, optional_torch
 
 GiB = 1 << 30
 NHEADS, HEADDIM = 32, 128
@@ -126,14 +126,9 @@ def _torch_sdpa(torch, step: Step, backend_name: str):
 
 
 def run(args) -> int:
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    import ml_dtypes
-
+    torch = optional_torch()
     log(f"device: {device_info()['name']}")
-    dtype = ml_dtypes.bfloat16 if args.dtypes[0] == "bfloat16" else numpy.float16
+    dtype = first_dtype(args)
     copy_gbs = copy_rate_gbs(args.repeats)
     log(f"device copy rate: {copy_gbs:.0f} GB/s")
     l2_bytes = device_info()["l2_bytes"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 
 import cupy
+import ml_dtypes
+import numpy
 
 from cuflash import timing
 
@@ -16,6 +18,20 @@ from .libs import Skip
 # run stays at ~2-3 minutes on an H100).
 BUDGET_MS = 3000.0
 BWD_BUDGET_MS = 1500.0
+
+
+def optional_torch():
+    """torch where it is installed (the peers' library), else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def first_dtype(args):
+    """The NumPy dtype of the first --dtype (fp16 without one)."""
+    return ml_dtypes.bfloat16 if args.dtypes[0] == "bfloat16" else numpy.float16
 
 
 def log(message: str) -> None:

@@ -27,7 +27,6 @@ The first ``--dtype`` is used (default fp16); ``--headdim``, ``--causal``,
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy
 
 import cupy
@@ -36,7 +35,7 @@ import cuflash
 from cuflash import timing
 
 from .libs import Skip, TorchEvents
-from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, log
+from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
 from .shapes import HIDDEN
 
 TOKENS = 16 * 1024
@@ -145,12 +144,9 @@ def _check(x: Inputs, causal: bool, backward: bool, torch_run) -> float:
 
 
 def run(args) -> int:
-    try:
-        import torch
-    except ImportError:
-        torch = None
+    torch = optional_torch()
     log(f"device: {device_info()['name']}")
-    dtype = ml_dtypes.bfloat16 if args.dtypes[0] == "bfloat16" else numpy.float16
+    dtype = first_dtype(args)
     failed = False
     rows = []
     for batch in BATCHES:
