@@ -84,7 +84,6 @@ class _Call:
     dtype: numpy.dtype
     capacity: int
     n_new: int
-    seqlen_q: int
     copy_q: bool
     copy_new: bool
     copy_rotary: bool
@@ -342,8 +341,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if isinstance(x, cupy().ndarray) and x.device != q.device:
             raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
 
-    call = _Call(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, seqlen_q,
-                 not is_aligned(q), copy_new, copy_rotary)
+    call = _Call(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, not is_aligned(q),
+                 copy_new, copy_rotary)
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return call
