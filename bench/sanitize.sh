@@ -15,7 +15,7 @@ OUT=${OUT:-./sanitize_out}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
 TOOLS=${*:-memcheck racecheck synccheck initcheck}
-FAMILIES=${FAMILIES:-"fwd_sm80 bwd_sm80 fwd_sm90 fp8 bwd_sm90 plan score_mods varlen kvcache"}
+FAMILIES=${FAMILIES:-"fwd_sm80 bwd_sm80 fwd_sm90 fp8 bwd_sm90 plan score_mods varlen kvcache dropout"}
 failed=0
 for tool in $TOOLS; do
     for family in $FAMILIES; do

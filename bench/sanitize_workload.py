@@ -9,7 +9,9 @@ the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
 options, on both kernel families, forward and backward), kvcache (decoding
-over contiguous and paged caches with appends, rotary and split keys). Each call runs
+over contiguous and paged caches with appends, rotary and split keys), dropout
+(the sm_80 and Hopper kernels, forward and both backward modes, alone and with
+causal GQA and every score option). Each call runs
 twice, the second time on its launch plan. Without arguments, all of them.
 """
 
@@ -135,7 +137,19 @@ def kvcache():
                                                num_splits=splits, return_lse=True)
 
 
-FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods, varlen, kvcache)}
+def dropout():
+    slopes = cupy.asarray([0.5, 0.25, 0.125, 0.0625], dtype=cupy.float32)
+    for headdim in (32, 128):  # head dim 32: the sm_80 kernels
+        for deterministic in (False, True):
+            forward_and_backward(*qkv(2, 97, 130, 4, 2, headdim), causal=False, deterministic=deterministic,
+                                 dropout_p=0.2, seed=3, offset=5)
+            forward_and_backward(*qkv(1, 257, 65, 4, 1, headdim), causal=True, deterministic=deterministic,
+                                 window_size=(40, 0), softcap=4.0, alibi_slopes=slopes, dropout_p=0.1, seed=7,
+                                 offset=2**40)
+
+
+FAMILIES = {f.__name__: f for f in (fwd_sm80, bwd_sm80, fwd_sm90, fp8, bwd_sm90, plan, score_mods, varlen, kvcache,
+                                    dropout)}
 
 
 def main(names) -> None:

@@ -1,5 +1,7 @@
 """Inputs, tolerances and checks shared by the test modules."""
 
+import os
+
 import ml_dtypes
 import numpy as np
 
@@ -71,3 +73,15 @@ def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
     dout = randn(rng, (batch, nq, nheads, headdim), dtype)
     host = (dout, *_host_qkv(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim))
     return host, tuple(cupy.asarray(x) for x in host)
+
+
+# The fuzz suites' variables (tests/test_fuzz_gpu.py explains them): base seed, case count, and
+# which of several processes this one is ("i/n": cases i, i + n, i + 2n, ...).
+FUZZ_SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", 0x5EED_F1A5))
+FUZZ_CASES = int(os.environ.get("CUFLASH_FUZZ_CASES", 200))
+
+
+def fuzz_indices(count):
+    """The indices of `count` fuzz cases that this process runs (CUFLASH_FUZZ_SHARD, default all)."""
+    shard, shards = (int(x) for x in os.environ.get("CUFLASH_FUZZ_SHARD", "0/1").split("/"))
+    return range(shard, count, shards)

@@ -7,6 +7,7 @@ then its data, so a failing case reruns from its id:
     python -m pytest -q tests/test_fuzz_gpu.py                          # 200 cases (the default)
     CUFLASH_FUZZ_CASES=5000 python -m pytest -q tests/test_fuzz_gpu.py  # long mode
     CUFLASH_FUZZ_SEED=7 python -m pytest -q tests/test_fuzz_gpu.py      # another base seed
+    CUFLASH_FUZZ_SHARD=2/8 python -m pytest -q tests/test_fuzz_gpu.py   # cases 2, 10, 18, ...: one of 8 processes
     python -m pytest "tests/test_fuzz_gpu.py::test_fuzz[17]"            # one case (same seed and case count)
 
 A failure message starts with the case's parameters, the base seed and the command that reruns it.
@@ -30,6 +31,10 @@ What a case draws:
 - outputs: out= pre-filled with NaN (35%; contiguous or a strided view), lse= NaN-filled (30%),
   return_lse (always for the backward, else 80%), the same call repeated (20%: the launch-plan path),
   a non-default stream (10%);
+- dropout (15% of 16-bit cases with batch * nheads * seqlen_q * seqlen_k <= 3e6): dropout_p 0.01-0.5
+  (log-uniform), seed and offset anywhere in [0, 2**64); the reference is given the keep mask that
+  cuflash.reference.dropout_keep_mask draws. Drawn from a generator of its own, so that adding it left
+  every earlier case's parameters and data as they were;
 - backward (35% of 16-bit cases): attention(..., return_lse=True) then attention_backward with the
   same options; deterministic (50%: called twice, bitwise equal), dq/dk/dv= NaN-filled (35%),
   workspace= (20%), dout set to 100 on the rows that see no key, where there are any (50%).
@@ -44,8 +49,6 @@ every kernel specialisation the cases reach (CuPy caches them on disk).
 import contextlib
 import dataclasses
 import math
-import os
-
 import cupy
 import ml_dtypes
 import numpy as np
@@ -53,14 +56,12 @@ import pytest
 
 import cuflash
 from cuflash import dispatch, fp8, reference
-from tests.numerics import ATOL, assert_close_2x, randn
+from tests.numerics import ATOL, FUZZ_CASES, FUZZ_SEED, assert_close_2x, fuzz_indices, randn
 
 pytestmark = pytest.mark.gpu
 
-DEFAULT_SEED = 0x5EED_F1A5
-DEFAULT_CASES = 200
-SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", DEFAULT_SEED))
-CASES = int(os.environ.get("CUFLASH_FUZZ_CASES", DEFAULT_CASES))
+SEED = FUZZ_SEED
+CASES = FUZZ_CASES
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,6 +76,8 @@ ROUND = (192, 255, 256, 383, 384, 511, 512, 513, 640, 767, 768, 1023, 1024, 1025
 LONGEST = 1100
 CAP_FORWARD = 8_000_000  # batch * nheads * seqlen_q * seqlen_k
 CAP_BACKWARD = 3_000_000
+CAP_DROPOUT = 3_000_000  # the host draws the keep mask element by element
+DROPOUT_STREAM = 0xD20F  # the second word of the dropout draws' generator seed
 
 INPUT_LAYOUTS = {  # name: weight
     "contiguous": 0.45, "bhnd": 0.15, "head_slice": 0.08, "every_other_head": 0.08, "dim_slice": 0.08,
@@ -114,6 +117,7 @@ class Case:
     grads_layout: str | None  # dq=, dk=, dv= given, NaN-filled, in this layout
     workspace: bool
     loud_empty_rows: bool  # dout = 100 on the rows that see no key
+    dropout: tuple | None  # (dropout_p, seed, offset), or None for no dropout
 
     @property
     def nheads(self):
@@ -237,11 +241,21 @@ def draw_case(seed, index):
     grads_layout = pick(rng, OUTPUT_LAYOUTS) if backward and chance(rng, 0.35) else None
     workspace = backward and chance(rng, 0.2)
     loud_empty_rows = backward and chance(rng, 0.5)
+    dropout = draw_dropout(np.random.default_rng((seed + index, DROPOUT_STREAM)), is_fp8,
+                           batch * nheads_kv * group * seqlen_q * seqlen_k)
     case = Case(index, seed, dtype, batch, nheads_kv, group, seqlen_q, seqlen_k, headdim, tuple(layouts),
                 causal, window, window_spelling, softcap, softcap_spelling, alibi, softmax_scale, scale_spelling,
                 return_lse, out_layout, lse_given, repeat, stream, descales, backward, deterministic,
-                grads_layout, workspace, loud_empty_rows)
+                grads_layout, workspace, loud_empty_rows, dropout)
     return case, rng
+
+
+def draw_dropout(rng, is_fp8, size):
+    """(dropout_p, seed, offset) or None."""
+    if is_fp8 or size > CAP_DROPOUT or not chance(rng, 0.15):
+        return None
+    return log_uniform(rng, 0.01, 0.5), int(rng.integers(0, 2**64, dtype=np.uint64)), \
+        int(rng.integers(0, 2**64, dtype=np.uint64))
 
 
 # --- Building the arrays --------------------------------------------------------
@@ -401,6 +415,12 @@ def options(case, rng):
             dev["alibi_slopes"] = cupy.asarray(storage)[:, start:start + case.nheads]
         else:
             dev["alibi_slopes"] = cupy.asarray(slopes)
+    if case.dropout is not None:
+        p, seed, offset = case.dropout
+        host["dropout_p"] = p
+        host["dropout_mask"] = reference.dropout_keep_mask(seed, offset, case.batch, case.nheads, case.seqlen_q,
+                                                           case.seqlen_k, p)
+        dev.update(dropout_p=p, seed=seed, offset=offset)
     return host, dev
 
 
@@ -466,7 +486,7 @@ def run_backward(case, rng, host, dev, host_kw, dev_kw, out, lse, empty_rows):
         for name, x in zip(("dq", "dk", "dv"), dev):
             given[name], storages[name] = poisoned(x.shape, dtype, case.grads_layout, rng)
     if case.workspace:
-        ws_kw = {k: v for k, v in dev_kw.items() if k != "softmax_scale"}
+        ws_kw = {k: v for k, v in dev_kw.items() if k not in ("softmax_scale", "seed", "offset")}
         given["workspace"] = cuflash.backward_workspace(*dev, deterministic=case.deterministic, **ws_kw)
 
     def call():
@@ -515,7 +535,7 @@ def is_hopper():
     return cupy.cuda.Device().compute_capability == "90"
 
 
-@pytest.mark.parametrize("index", range(CASES))
+@pytest.mark.parametrize("index", fuzz_indices(CASES))
 def test_fuzz(index):
     case, rng = draw_case(SEED, index)
     print(case.describe())

@@ -7,7 +7,6 @@ ratios 1 to 32, 1 to 16 queries, both rotary modes; outputs start poisoned,
 and cache positions the call must not write hold poison that has to survive.
 """
 
-import os
 
 import cupy
 import numpy as np
@@ -15,7 +14,8 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from tests.numerics import ATOL, DTYPES, assert_close_2x, check_lse, mentions, randn
+from tests.numerics import (ATOL, DTYPES, FUZZ_CASES, FUZZ_SEED, assert_close_2x, check_lse, fuzz_indices, mentions,
+                           randn)
 
 pytestmark = pytest.mark.gpu
 
@@ -325,9 +325,8 @@ def test_paged_varlen_bad_input():
                                  block_table=cupy.zeros((1, 4), np.int32))
 
 
-# Seeded fuzz cases of attention_with_kvcache, a quarter of tests/test_fuzz_gpu.py's count (same variables).
-FUZZ_SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", 0x5EED_F1A5))
-FUZZ_CASES = max(1, int(os.environ.get("CUFLASH_FUZZ_CASES", 200)) // 4)
+# Seeded fuzz cases of attention_with_kvcache: a quarter of tests/test_fuzz_gpu.py's count, same variables.
+KVCACHE_FUZZ_CASES = max(1, FUZZ_CASES // 4)
 
 
 def draw_fuzz_case(index):
@@ -361,7 +360,7 @@ def draw_fuzz_case(index):
     return case
 
 
-@pytest.mark.parametrize("index", range(FUZZ_CASES))
+@pytest.mark.parametrize("index", fuzz_indices(KVCACHE_FUZZ_CASES))
 def test_fuzz_kvcache(index):
     case = draw_fuzz_case(index)
     try:
