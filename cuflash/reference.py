@@ -338,8 +338,13 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
     head group are summed in float32 and rounded once.  With a dropout_mask
     the dropped P (as in the forward) gives dV, and the rounded dO V^T is
     multiplied by mask / (1 - dropout_p) in float32 and rounded before the
-    softmax backward.  Its error against `attention_backward` is the
-    yardstick for the "at most twice the naive error" accuracy rule.
+    softmax backward.  The softmax backward's row term rowsum(dP * P) is
+    taken as rowsum(dO * out) in float32 with out the forward's output
+    rounded to dtype: the backward's inputs hold out, not P, so every
+    implementation of it starts from the rounded out (with dropout, or a
+    single key, that rounding is the whole error of dQ and dK).  Its error
+    against `attention_backward` is the yardstick for the "at most twice the
+    naive error" accuracy rule.
 
     Returns (dq, dk, dv), float32 arrays whose values are all representable
     in dtype.
@@ -366,7 +371,8 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
         if keep is not None:
             p_used = rnd(np.where(keep[b, h], p * np.float32(rescale), np.float32(0)))
             dp = rnd(np.where(keep[b, h], dp * np.float32(rescale), np.float32(0)))
-        ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+        out = rnd(p_used @ vh)
+        ds = rnd(p * (dp - (doh * out).sum(axis=-1, keepdims=True)))
         if tanh is not None:
             ds = rnd(ds * (1 - tanh * tanh))
         dq[b, :, h] = rnd(rnd(ds @ kh) * scale)

@@ -75,8 +75,8 @@ def make_inputs(rng, dtype, batch, nq, nk, nheads, nheads_kv, headdim):
     return host, tuple(cupy.asarray(x) for x in host)
 
 
-# The fuzz suites' variables (tests/test_fuzz_gpu.py explains them): base seed, case count, and
-# which of several processes this one is ("i/n": cases i, i + n, i + 2n, ...).
+# The fuzz suites' variables (tests/test_fuzz_gpu.py explains them): base seed, case count, which
+# of several processes this one is ("i/n": cases i, i + n, i + 2n, ...) and the first case run.
 FUZZ_SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", 0x5EED_F1A5))
 FUZZ_CASES = int(os.environ.get("CUFLASH_FUZZ_CASES", 200))
 
@@ -84,4 +84,5 @@ FUZZ_CASES = int(os.environ.get("CUFLASH_FUZZ_CASES", 200))
 def fuzz_indices(count):
     """The indices of `count` fuzz cases that this process runs (CUFLASH_FUZZ_SHARD, default all)."""
     shard, shards = (int(x) for x in os.environ.get("CUFLASH_FUZZ_SHARD", "0/1").split("/"))
-    return range(shard, count, shards)
+    first = int(os.environ.get("CUFLASH_FUZZ_FROM", 0))
+    return [i for i in range(shard, count, shards) if i >= first]

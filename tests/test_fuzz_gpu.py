@@ -8,6 +8,7 @@ then its data, so a failing case reruns from its id:
     CUFLASH_FUZZ_CASES=5000 python -m pytest -q tests/test_fuzz_gpu.py  # long mode
     CUFLASH_FUZZ_SEED=7 python -m pytest -q tests/test_fuzz_gpu.py      # another base seed
     CUFLASH_FUZZ_SHARD=2/8 python -m pytest -q tests/test_fuzz_gpu.py   # cases 2, 10, 18, ...: one of 8 processes
+    CUFLASH_FUZZ_FROM=1000 python -m pytest -q tests/test_fuzz_gpu.py   # cases 1000 and up: a run taken up again
     python -m pytest "tests/test_fuzz_gpu.py::test_fuzz[17]"            # one case (same seed and case count)
 
 A failure message starts with the case's parameters, the base seed and the command that reruns it.

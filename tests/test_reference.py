@@ -204,18 +204,19 @@ def test_backward_rowsum_identity():
 
 def test_backward_fully_masked_rows():
     # Causal with nq > nk: rows 0..4 see no key and get zero gradients.  Row 5
-    # sees one key, so its softmax is constant and its dq is 0 too.
+    # sees one key, so its softmax is constant and its dq is 0 too: exactly in
+    # float64, and within the rounding of out and dP in the naive fp16 one.
     q, k, v = random_qkv(2, 9, 4, 4, 2, 8)
     dout = np.random.default_rng(4).standard_normal(q.shape)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dq, dk, dv = attention_backward(dout, q, k, v, causal=True)
         naive = attention_backward_naive_lowp(dout, q, k, v, causal=True, dtype=np.float16)
-    for grads in ((dq, dk, dv), naive):
+    for grads, rel in (((dq, dk, dv), 1e-6), (naive, 2 * np.finfo(np.float16).eps)):
         assert not any(np.isnan(x).any() for x in grads)
         assert np.all(grads[0][:, :5] == 0)
         assert np.all(np.any(grads[0][:, 6:] != 0, axis=-1))
-        assert np.abs(grads[0][:, 5]).max() <= 1e-6 * np.abs(grads[0]).max()
+        assert np.abs(grads[0][:, 5]).max() <= rel * np.abs(grads[0]).max()
     # The masked rows' dout must not leak into dk and dv.
     dout[:, :5] = 1e3
     for a, b in zip((dk, dv), attention_backward(dout, q, k, v, causal=True)[1:]):
