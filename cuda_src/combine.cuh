@@ -55,7 +55,11 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
     const float lse = m == neg_inf() ? neg_inf() : (m == pos_inf() ? m : m + log2_approx(sum) * LN2);
 
     const long long o_off = b * a.o_sb + n * a.o_sn + h * a.o_sh;
-    for (int col = 4 * lane; col < a.d; col += 128) {
+    // Every lane runs every pass of the column loop, since the weights travel by full-warp
+    // shuffles; lanes past d (head dims that are not a multiple of 128) load and store nothing.
+    for (int col0 = 0; col0 < a.d; col0 += 128) {
+        const int col = col0 + 4 * lane;
+        const bool active = col < a.d;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int base = 0; base < a.num_splits && lse != neg_inf(); base += 32) {
             const int mine = base + lane;
@@ -66,11 +70,13 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
 #pragma unroll 8
             for (int j = 0; j < count; ++j) {
                 const float w = __shfl_sync(0xffffffffu, weight, j);
-                const float4 os = *reinterpret_cast<const float4*>(o_split + j * a.po_ss);
+                const float4 os = active ? *reinterpret_cast<const float4*>(o_split + j * a.po_ss)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
                 if (w != 0.f)  // a set without keys adds nothing, whatever its output holds
                     o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
             }
         }
+        if (!active) continue;
         if constexpr (OUT == COMBINE_OUT_F32) {
             *reinterpret_cast<float4*>(static_cast<float*>(a.out) + o_off + col) = o;
         } else {

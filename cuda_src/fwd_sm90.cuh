@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(384, 1)
             // scaled by 1 / (1 - p) here, so that the epilogue stays as it is.
             auto softmax = [&](float (&acc_s)[NT_S * 4], int n0) {
                 turns.begin_softmax();
-                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
+                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
                 if constexpr (Mods::DROPOUT)
                     dropout_tile(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args, tile.b * nheads + tile.h, row0,
                                  n0, lane, mod_args.dropout_scale);

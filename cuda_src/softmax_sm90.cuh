@@ -9,19 +9,26 @@ namespace cuflash {
 // wgmma accumulators (two rows per thread): s becomes P = 2^(s c - m c) for
 // the running max m, the running sum is updated, and alpha receives the
 // factor 2^(m_old c - m c) that O must be multiplied by. m moves only when
-// the tile's max exceeds it by more than RESCALE_LOG2 (in log2 units): P then
-// stays below 2^RESCALE_LOG2, within every P type's range, and most steps
-// leave alpha = 1 and O untouched (the result is the same: O and the sum
-// share the stale max, and the epilogue uses it). A row with no key yet
-// (max -inf) keeps P = 0.
-constexpr float RESCALE_LOG2 = 8.f;
+// the tile's max exceeds it by more than rescale_log2 (in log2 units): P then
+// stays below 2^rescale_log2, and most steps leave alpha = 1 and O untouched
+// (the result is the same: O and the sum share the stale max, and the epilogue
+// uses it). A row with no key yet (max -inf) keeps P = 0.
+//
+// How stale m may be depends on P's type. 16-bit P: 8 (FA4's trick); a P below
+// 256 is rounded as finely as one below 1. fp8 P: 0, m moves whenever it grows,
+// so that a row's largest P is exactly 1: with 3 mantissa bits, a stale max let
+// the largest P be rounded by up to 6%, which gave 3-14x the error of naive fp8
+// attention on rows dominated by one key (tests/test_fuzz_gpu.py cases 110, 641
+// and 711 of the default seed).
+template <bool FP8_P>
+constexpr float rescale_log2 = FP8_P ? 0.f : 8.f;
 
 // The row max and the row sum are computed as MAX_CHAINS and SUM_CHAINS
 // interleaved chains joined by a tree (powers of two): one chain of NT
 // dependent instructions made each a latency stall between the S GEMM and
 // the exponentials, and after them (SASS and ncu of the fp8 kernel). The
 // kernel picks the counts (fwd_sm90_kernel: MAX_CHAINS, SUM_CHAINS).
-template <int NT, int MAX_CHAINS, int SUM_CHAINS>
+template <int NT, int MAX_CHAINS, int SUM_CHAINS, bool FP8_P>
 __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
                                                     float (&alpha)[2], float scale_log2) {
     static_assert(NT >= MAX_CHAINS && NT >= SUM_CHAINS, "a chain per partial max and sum");
@@ -40,11 +47,11 @@ __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&
 #pragma unroll
             for (int k = 0; k < w; ++k) part[k] = fmaxf(part[k], part[k + w]);
         mx[r] = fmaxf(row_max[r], part[0]);
-        grows = grows || mx[r] * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2;
+        grows = grows || mx[r] * scale_log2 > row_max[r] * scale_log2 + rescale_log2<FP8_P>;
         alpha[r] = 1.f;
     }
     // A row's max moves only when the max over its quad passes the running max
-    // by RESCALE_LOG2. Where no thread of the warp holds such a score (most
+    // by rescale_log2. Where no thread of the warp holds such a score (most
     // steps once a row has seen a few tiles) one vote skips the two shuffle
     // rounds of the quad max, which lie between the S GEMM and the first
     // exponential; the result is the same.
@@ -52,7 +59,7 @@ __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float m = quad_max(mx[r]);
-            if (m * scale_log2 > row_max[r] * scale_log2 + RESCALE_LOG2) {
+            if (m * scale_log2 > row_max[r] * scale_log2 + rescale_log2<FP8_P>) {
                 alpha[r] = exp2_approx((row_max[r] - m) * scale_log2);
                 row_max[r] = m;
             }

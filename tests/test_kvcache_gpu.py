@@ -135,10 +135,11 @@ def test_score_options(name, options):
     run_case(np.random.default_rng(len(name)), seqlen_q=3, n_new=3, capacity=400, **options)
 
 
+@pytest.mark.parametrize("headdim", [16, 128, 136])  # 16, 136: the combine's last column pass is partial
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 17])
-def test_forced_splits(num_splits):
+def test_forced_splits(num_splits, headdim):
     run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=1100, batch=2, seqlen_q=2,
-             n_new=2, causal=True)
+             n_new=2, causal=True, headdim=headdim)
 
 
 def test_leftpad_and_batch_idx():
@@ -223,11 +224,12 @@ def test_device_lengths_past_capacity_write_nothing_outside():
     np.testing.assert_array_equal(after[2], before[2])
 
 
-def test_combine_partials():
-    """Attention over three key chunks, merged, equals attention over all keys."""
+@pytest.mark.parametrize("headdim", [64, 136])  # neither fills the combine's 128-column passes
+def test_combine_partials(headdim):
+    """Attention over nine key chunks, merged, equals attention over all keys."""
     rng = np.random.default_rng(9)
-    (q, k, v) = (cupy.asarray(randn(rng, s, np.float16)) for s in ((2, 33, 4, 64), (2, 300, 4, 64), (2, 300, 4, 64)))
-    bounds = [0, 100, 100, 300]  # an empty chunk included
+    (q, k, v) = (cupy.asarray(randn(rng, (2, n, 4, headdim), np.float16)) for n in (33, 300, 300))
+    bounds = [0, 20, 40, 100, 100, 130, 170, 200, 260, 300]  # an empty chunk included
     outs, lses = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi > lo:
