@@ -18,7 +18,7 @@ LAYERS = {
     "launch": ["launch", "decode_launch"],
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
-    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "jax", "torch",
+    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "distributed", "jax", "torch",
              "__init__"],
     "top": ["bench", "cli", "__main__"],
 }

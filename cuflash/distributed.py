@@ -1,0 +1,315 @@
+"""Ring attention: exact attention over a sequence sharded across ranks (context parallelism).
+
+Each rank holds a shard of q, k and v along the sequence. The key/value shards travel around the
+ring, one hop per step; at every step each rank attends its queries to the shard it holds and
+merges the partial result into a running (out, lse) by log-sum-exp:
+
+    lse = log(e^lse_a + e^lse_b),   out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
+
+A running merge keeps one fp32 accumulator per rank, so memory stays O(N / R) per rank (the
+split-KV combine, `combine_partials`, would need all R partials at once).
+
+Layouts (`zigzag_shard` cuts a global array into them):
+- "zigzag" (causal load balance): the sequence is cut into 2R chunks and rank r holds chunks r and
+  2R - 1 - r. Against the shard of rank s, rank r's queries see all of chunk s's keys when s < r
+  (one call: both query chunks against chunk s), chunk 2R - 1 - s's and chunk s's from its second
+  chunk only when s > r (its second query chunk against the whole shard), and when s = r its own
+  shard causally (local indices are in order). Every step is one kernel call of equal work.
+- "contiguous": rank r holds chunk r of R. Causal steps with s > r see nothing and are skipped.
+
+The backward runs the same steps with the global out and lse (`attention_backward` takes them, so
+each step's dQ, dK, dV are that shard pair's exact share). dQ stays; dK and dV travel with their
+keys and values and reach their owner after a full turn.
+
+Transports move the shards: `InProcessTransport` treats arrays of one process (one GPU or the
+host) as ranks, which is how the ring is tested on one device; `NcclTransport` sends over NCCL
+(`cupy.cuda.nccl`) on a communication stream, so that the next shard's transfer overlaps the
+current step's kernel. Both take lists with one entry per rank this process drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy
+
+from .backward import attention_backward
+from .forward import attention
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _xp(x):
+    """numpy or cupy, whichever holds x."""
+    if isinstance(x, numpy.ndarray):
+        return numpy
+    import cupy
+
+    return cupy
+
+
+# --- Layout ---------------------------------------------------------------------------------
+
+
+def _chunks(layout: str, rank: int, world: int) -> tuple[int, ...]:
+    """The sequence chunks rank `rank` holds, in order (of 2R chunks for zigzag, R for contiguous)."""
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def _chunk_count(layout: str, world: int) -> int:
+    return 2 * world if layout == "zigzag" else world
+
+
+def zigzag_shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = 1):
+    """Rank `rank`'s shard of a global array x (sequence along `axis`) in `layout`."""
+    _check_layout(layout)
+    count = _chunk_count(layout, world)
+    n = x.shape[axis]
+    if n % count:
+        raise ValueError(f"the sequence length ({n}) must be a multiple of {count} for layout {layout!r} "
+                         f"over {world} ranks")
+    size = n // count
+    parts = [x.take(_xp(x).arange(c * size, (c + 1) * size), axis=axis) for c in _chunks(layout, rank, world)]
+    return _xp(x).concatenate(parts, axis=axis)
+
+
+def zigzag_unshard(shards: list, layout: str = "zigzag", axis: int = 1):
+    """The global array whose shards (one per rank, in rank order) these are."""
+    _check_layout(layout)
+    world = len(shards)
+    xp = _xp(shards[0])
+    pieces = {}
+    for rank, shard in enumerate(shards):
+        chunks = _chunks(layout, rank, world)
+        for i, part in enumerate(xp.split(shard, len(chunks), axis=axis)):
+            pieces[chunks[i]] = part
+    return xp.concatenate([pieces[c] for c in range(_chunk_count(layout, world))], axis=axis)
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+# --- Steps -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What rank r computes against rank s's shard: query rows [q0, q1) of its shard against key
+    rows [k0, k1) of the received one, causally (local indices) or not; None: nothing visible."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+def _step(rank: int, source: int, n_local: int, causal: bool, layout: str) -> _Step | None:
+    if not causal:
+        return _Step(0, n_local, 0, n_local, False)
+    if source == rank:
+        return _Step(0, n_local, 0, n_local, True)
+    if layout == "contiguous":
+        return _Step(0, n_local, 0, n_local, False) if source < rank else None
+    half = n_local // 2
+    if source < rank:  # both query chunks see the source's first chunk (a lower index) whole
+        return _Step(0, n_local, 0, half, False)
+    return _Step(half, n_local, 0, n_local, False)  # only the second query chunk, the whole shard
+
+
+# --- Transports -------------------------------------------------------------------------------
+
+
+class InProcessTransport:
+    """R ranks in one process: rank r's arrays are entry r of every list. A rotation copies each
+    rank's buffers into fresh ones of the next rank (rank r receives rank r - 1's)."""
+
+    def __init__(self, world: int):
+        if world < 1:
+            raise ValueError(f"world must be at least 1, got {world}")
+        self.world = world
+        self.ranks = tuple(range(world))
+
+    def start(self, buffers: list[tuple]) -> list[tuple]:
+        return [tuple(x.copy() for x in buffers[(r - 1) % self.world]) for r in range(self.world)]
+
+    def finish(self, pending: list[tuple]) -> list[tuple]:
+        return pending
+
+
+class NcclTransport:
+    """Ranks over NCCL: `comms` are this process's communicators (one per GPU it drives, in its
+    `ranks` order; from `communicators` or `communicator`), `devices` their GPUs. A rotation sends
+    to rank + 1 and receives from rank - 1 on a communication stream per GPU, into new buffers;
+    `finish` makes each GPU's current stream wait for it."""
+
+    def __init__(self, comms: list, devices: list[int]):
+        import cupy
+
+        if len(comms) != len(devices) or not comms:
+            raise ValueError("comms and devices must be non-empty lists of the same length")
+        self.comms = comms
+        self.devices = devices
+        self.world = comms[0].size()
+        self.ranks = tuple(c.rank_id() for c in comms)
+        self.streams = []
+        for device in devices:
+            with cupy.cuda.Device(device):
+                self.streams.append(cupy.cuda.Stream(non_blocking=True))
+
+    def start(self, buffers: list[tuple]) -> list[tuple]:
+        import cupy
+        from cupy.cuda import nccl
+
+        received = []
+        for buffer, device, stream in zip(buffers, self.devices, self.streams):
+            with cupy.cuda.Device(device):
+                stream.wait_event(cupy.cuda.get_current_stream().record())  # the sends see the compute
+                received.append(tuple(cupy.empty_like(x) for x in buffer))
+        nccl.groupStart()
+        for comm, rank, buffer, out, stream in zip(self.comms, self.ranks, buffers, received, self.streams):
+            for x, y in zip(buffer, out):
+                if not x.flags.c_contiguous:
+                    raise ValueError("ring buffers must be C-contiguous")
+                comm.send(x.data.ptr, x.nbytes, nccl.NCCL_INT8, (rank + 1) % self.world, stream.ptr)
+                comm.recv(y.data.ptr, y.nbytes, nccl.NCCL_INT8, (rank - 1) % self.world, stream.ptr)
+        nccl.groupEnd()
+        return received
+
+    def finish(self, pending: list[tuple]) -> list[tuple]:
+        import cupy
+
+        for device, stream in zip(self.devices, self.streams):
+            with cupy.cuda.Device(device):
+                cupy.cuda.get_current_stream().wait_event(stream.record())
+        return pending
+
+
+def unique_id():
+    """A NCCL unique id (on rank 0), to hand to every process's `communicator`."""
+    from cupy.cuda import nccl
+
+    return nccl.get_unique_id()
+
+
+def communicator(world: int, rank: int, uid):
+    """This process's communicator, one GPU per process (the current device)."""
+    from cupy.cuda import nccl
+
+    return nccl.NcclCommunicator(world, uid, rank)
+
+
+def communicators(devices: list[int]) -> list:
+    """Communicators for the GPUs of one process (rank i drives devices[i])."""
+    from cupy.cuda import nccl
+
+    return nccl.NcclCommunicator.initAll(list(devices))
+
+
+# --- Forward and backward ---------------------------------------------------------------------
+
+
+def _validated(q, k, v, transport, causal, layout, window_size):
+    _check_layout(layout)
+    if window_size not in (None, (-1, -1), [-1, -1]):
+        raise ValueError(f"window_size: ring attention takes no window yet (a shard pair's window needs "
+                         f"position offsets), got {window_size!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, (list, tuple)) or len(x) != len(transport.ranks):
+            raise ValueError(f"{name} must be a list of one shard per rank this process drives "
+                             f"({len(transport.ranks)}), got {type(x).__name__}")
+    n_local = q[0].shape[1]
+    if layout == "zigzag" and causal and n_local % 2:
+        raise ValueError(f"q: a zigzag shard holds two equal chunks; its length must be even, got {n_local}")
+    for name, shards in (("q", q), ("k", k), ("v", v)):
+        if any(x.shape[1] != n_local for x in shards):
+            raise ValueError(f"{name}: every shard must hold {n_local} rows (q's), got "
+                             f"{[x.shape[1] for x in shards]}")
+    return n_local
+
+
+def _merge(out_acc, lse_acc, out, lse, q0):
+    """out_acc, lse_acc (rows q0...) <- their log-sum-exp merge with (out, lse)."""
+    xp = _xp(out_acc)
+    rows = slice(q0, q0 + out.shape[1])
+    old = lse_acc[:, :, rows]
+    new = xp.logaddexp(old, lse)
+    finite = xp.isfinite(new)
+    w_old = xp.where(finite, xp.exp(old - xp.where(finite, new, 0)), 0).astype(xp.float32)
+    w_new = xp.where(finite, xp.exp(lse - xp.where(finite, new, 0)), 0).astype(xp.float32)
+    out_acc[:, rows] = (out_acc[:, rows] * w_old.transpose(0, 2, 1)[..., None]
+                        + out.astype(xp.float32) * w_new.transpose(0, 2, 1)[..., None])
+    lse_acc[:, :, rows] = new
+
+
+def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
+                   window_size=(-1, -1), return_lse=False, local_attention: Callable | None = None):
+    """Exact attention of a sequence sharded over the transport's ranks.
+
+    q, k, v: lists with the shard of each rank this process drives (transport.ranks order), each
+    (batch, n_local, heads, headdim) in `layout`; GQA as `attention`. Returns the output shards (q's
+    dtype) and, with return_lse, the lse shards (batch, heads, n_local) float32.
+    local_attention(q, k, v, causal=, softmax_scale=, softcap=) -> (out, lse) replaces
+    cuflash.attention (tests run the ring on the host with the float64 reference).
+    """
+    n_local = _validated(q, k, v, transport, causal, layout, window_size)
+    local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
+    outs, lses = [], []
+    for x in q:
+        xp = _xp(x)
+        outs.append(xp.zeros(x.shape, xp.float32))
+        lses.append(xp.full((x.shape[0], x.shape[2], x.shape[1]), -xp.inf, xp.float32))
+    held = [(kk, vv) for kk, vv in zip(k, v)]
+    for t in range(transport.world):
+        pending = transport.start(held) if t + 1 < transport.world else None
+        for i, rank in enumerate(transport.ranks):
+            step = _step(rank, (rank - t) % transport.world, n_local, causal, layout)
+            if step is None:
+                continue
+            kk, vv = held[i]
+            out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
+                             causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
+            _merge(outs[i], lses[i], out, lse, step.q0)
+        if pending is not None:
+            held = transport.finish(pending)
+    outs = [o.astype(x.dtype) for o, x in zip(outs, q)]
+    return (outs, lses) if return_lse else outs
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False, softmax_scale=None,
+                            layout="zigzag", softcap=0.0, window_size=(-1, -1), local_backward: Callable | None = None):
+    """dq, dk, dv shards of `ring_attention` (lists as its inputs), from its out and lse shards.
+
+    local_backward(dout, q, k, v, out, lse, causal=, softmax_scale=, softcap=) -> (dq, dk, dv)
+    replaces cuflash.attention_backward, which takes the global rows' out and lse.
+    """
+    n_local = _validated(q, k, v, transport, causal, layout, window_size)
+    local = local_backward or attention_backward
+    dqs = [_xp(x).zeros(x.shape, _xp(x).float32) for x in q]
+    # dK and dV travel with their shards: (k, v, dk, dv) per rank.
+    held = [(kk, vv, _xp(kk).zeros(kk.shape, _xp(kk).float32), _xp(vv).zeros(vv.shape, _xp(vv).float32))
+            for kk, vv in zip(k, v)]
+    for t in range(transport.world):
+        for i, rank in enumerate(transport.ranks):
+            step = _step(rank, (rank - t) % transport.world, n_local, causal, layout)
+            if step is None:
+                continue
+            kk, vv, dk, dv = held[i]
+            rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
+            lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
+            dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
+                                     lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
+            dqs[i][:, rows] += dq_s
+            dk[:, keys] += dk_s
+            dv[:, keys] += dv_s
+        held = transport.finish(transport.start(held))  # after the last step: dK, dV back to their owners
+    dq = [g.astype(x.dtype) for g, x in zip(dqs, q)]
+    dk = [h[2].astype(x.dtype) for h, x in zip(held, k)]
+    dv = [h[3].astype(x.dtype) for h, x in zip(held, v)]
+    return dq, dk, dv
+
+
+__all__ = ["InProcessTransport", "NcclTransport", "communicator", "communicators", "ring_attention",
+           "ring_attention_backward", "unique_id", "zigzag_shard", "zigzag_unshard"]

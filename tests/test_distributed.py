@@ -1,0 +1,130 @@
+"""Ring attention (cuflash.distributed) on simulated ranks.
+
+On the host: the ring's steps, layouts, merges and gradient travel, with the float64 reference as
+each step's local kernel (`host_attention`, `host_backward`), against the float64 reference over
+the whole sequence. On a GPU (marker `gpu`): the same with cuflash's kernels, ranks as arrays of
+one device, against the float64 reference with the 2x rule.
+"""
+
+import numpy as np
+import pytest
+
+from cuflash import distributed, reference
+from tests.numerics import ATOL, assert_close_2x, randn
+
+
+def host_attention(q, k, v, *, causal, softmax_scale, softcap):
+    return reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                               return_lse=True)
+
+
+def host_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap):
+    """A shard pair's share of the gradients given the whole rows' out and lse (float64):
+    P = e^(S - lse), dS = P (dO V^T - rowsum(dO * out)), through softcap's tanh."""
+    batch, nq, nheads, headdim = q.shape
+    group = nheads // k.shape[2]
+    scale = softmax_scale or 1 / np.sqrt(headdim)
+    visible = reference.visible_mask(nq, k.shape[1], causal)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(batch):
+        for h in range(nheads):
+            qh, kh, vh, doh, oh = q[b, :, h], k[b, :, h // group], v[b, :, h // group], dout[b, :, h], out[b, :, h]
+            s = scale * qh @ kh.T
+            if softcap:
+                tanh = np.tanh(s / softcap)
+                s = softcap * tanh
+            p = np.where(visible, np.exp(s - lse[b, h][:, None]), 0.0)
+            ds = p * (doh @ vh.T - (doh * oh).sum(axis=1, keepdims=True))
+            if softcap:
+                ds = ds * (1 - tanh * tanh)
+            dq[b, :, h] = scale * ds @ kh
+            dk[b, :, h // group] += scale * ds.T @ qh
+            dv[b, :, h // group] += p.T @ doh
+    return dq, dk, dv
+
+
+def shards(x, world, layout):
+    return [distributed.zigzag_shard(x, r, world, layout) for r in range(world)]
+
+
+CASES = [  # world, layout, causal, nheads, nheads_kv, softcap
+    (1, "zigzag", True, 2, 2, 0.0),
+    (2, "zigzag", True, 2, 2, 0.0),
+    (3, "zigzag", True, 4, 2, 0.0),
+    (4, "zigzag", True, 2, 1, 5.0),
+    (2, "zigzag", False, 2, 2, 0.0),
+    (3, "contiguous", True, 2, 2, 0.0),
+    (4, "contiguous", False, 4, 2, 3.0),
+]
+
+
+@pytest.mark.parametrize("world, layout, causal, nheads, nheads_kv, softcap", CASES)
+def test_ring_on_the_host_equals_whole_attention(world, layout, causal, nheads, nheads_kv, softcap):
+    rng = np.random.default_rng(world)
+    n = 12 * world
+    q = rng.standard_normal((2, n, nheads, 16))
+    k, v = (rng.standard_normal((2, n, nheads_kv, 16)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    options = dict(causal=causal, softcap=softcap, softmax_scale=0.3)
+    transport = distributed.InProcessTransport(world)
+    qs, ks, vs, douts = (shards(x, world, layout) for x in (q, k, v, dout))
+    outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, layout=layout, return_lse=True,
+                                            local_attention=host_attention, **options)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    np.testing.assert_allclose(distributed.zigzag_unshard(outs, layout), ref, atol=1e-5)
+    np.testing.assert_allclose(distributed.zigzag_unshard(lses, layout, axis=2), ref_lse, atol=1e-5)
+
+    grads = distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, layout=layout,
+                                                local_backward=host_backward, **options)
+    for got, want in zip(grads, reference.attention_backward(dout, q, k, v, **options)):
+        np.testing.assert_allclose(distributed.zigzag_unshard(got, layout), want, atol=1e-5)
+
+
+def test_zigzag_shards_hold_chunks_r_and_2r_minus_1_minus_r():
+    x = np.arange(16).reshape(1, 16, 1, 1)
+    got = [s.ravel().tolist() for s in shards(x, 4, "zigzag")]
+    assert got == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert distributed.zigzag_unshard(shards(x, 4, "zigzag")).ravel().tolist() == list(range(16))
+
+
+def test_bad_arguments_name_what_is_wrong():
+    x = [np.zeros((1, 6, 1, 8))] * 2
+    transport = distributed.InProcessTransport(2)
+    with pytest.raises(ValueError, match=r"\blayout\b"):
+        distributed.ring_attention(x, x, x, transport=transport, layout="striped")
+    with pytest.raises(ValueError, match=r"\bwindow_size\b"):
+        distributed.ring_attention(x, x, x, transport=transport, window_size=(4, 0))
+    with pytest.raises(ValueError, match=r"\bq\b"):
+        distributed.ring_attention(x[:1], x, x, transport=transport)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        distributed.zigzag_shard(np.zeros((1, 6, 1, 8)), 0, 2)
+    odd = [np.zeros((1, 5, 1, 8))] * 2
+    with pytest.raises(ValueError, match="even"):
+        distributed.ring_attention(odd, odd, odd, transport=transport, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, layout, causal", [(2, "zigzag", True), (3, "zigzag", True), (4, "zigzag", True),
+                                                   (3, "zigzag", False), (4, "contiguous", True)])
+def test_ring_with_cuflash_kernels_on_one_gpu(world, layout, causal):
+    import cupy
+
+    rng = np.random.default_rng(world)
+    n, dtype = 97 * 2 * world, np.float16
+    q = randn(rng, (2, n, 4, 64), dtype)
+    k, v = (randn(rng, (2, n, 2, 64), dtype) for _ in range(2))
+    dout = randn(rng, q.shape, dtype)
+    transport = distributed.InProcessTransport(world)
+    qs, ks, vs, douts = ([cupy.asarray(s) for s in shards(x, world, layout)] for x in (q, k, v, dout))
+    outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, layout=layout, causal=causal,
+                                            return_lse=True)
+    got = distributed.zigzag_unshard([o.get() for o in outs], layout)
+    ref = reference.attention(q, k, v, causal=causal)
+    assert_close_2x(got, ref, reference.attention_naive_lowp(q, k, v, causal=causal, dtype=dtype), ATOL[np.dtype(dtype)])
+    grads = distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, layout=layout,
+                                                causal=causal)
+    refs = reference.attention_backward(dout, q, k, v, causal=causal)
+    naives = reference.attention_backward_naive_lowp(dout, q, k, v, causal=causal, dtype=dtype)
+    for got_shards, want, naive in zip(grads, refs, naives):
+        got = distributed.zigzag_unshard([g.get() for g in got_shards], layout)
+        assert_close_2x(got, want, naive, max(ATOL[np.dtype(dtype)], 1e-3 * np.abs(want).max()))
