@@ -61,17 +61,21 @@ def _chunk_count(layout: str, world: int) -> int:
     return 2 * world if layout == "zigzag" else world
 
 
-def zigzag_shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = 1):
-    """Rank `rank`'s shard of a global array x (sequence along `axis`) in `layout`."""
+def shard_positions(n: int, rank: int, world: int, layout: str = "zigzag") -> numpy.ndarray:
+    """The global sequence positions, in order, of rank `rank`'s shard of a sequence of n."""
     _check_layout(layout)
     count = _chunk_count(layout, world)
-    n = x.shape[axis]
     if n % count:
         raise ValueError(f"the sequence length ({n}) must be a multiple of {count} for layout {layout!r} "
                          f"over {world} ranks")
     size = n // count
-    parts = [x.take(_xp(x).arange(c * size, (c + 1) * size), axis=axis) for c in _chunks(layout, rank, world)]
-    return _xp(x).concatenate(parts, axis=axis)
+    return numpy.concatenate([numpy.arange(c * size, (c + 1) * size) for c in _chunks(layout, rank, world)])
+
+
+def zigzag_shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = 1):
+    """Rank `rank`'s shard of a global array x (sequence along `axis`) in `layout`."""
+    positions = shard_positions(x.shape[axis], rank, world, layout)
+    return x.take(_xp(x).asarray(positions), axis=axis)
 
 
 def zigzag_unshard(shards: list, layout: str = "zigzag", axis: int = 1):
@@ -312,4 +316,4 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
 
 
 __all__ = ["InProcessTransport", "NcclTransport", "communicator", "communicators", "ring_attention",
-           "ring_attention_backward", "unique_id", "zigzag_shard", "zigzag_unshard"]
+           "ring_attention_backward", "shard_positions", "unique_id", "zigzag_shard", "zigzag_unshard"]
