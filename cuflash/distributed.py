@@ -29,6 +29,7 @@ current step's kernel. Both take lists with one entry per rank this process driv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -47,6 +48,20 @@ def _xp(x):
     import cupy
 
     return cupy
+
+
+def _on(x):
+    """A context in which x's device is current (a GPU array's), or none (a host array)."""
+    return contextlib.nullcontext() if isinstance(x, numpy.ndarray) else x.device
+
+
+def _each(fn, *lists) -> list:
+    """[fn(a, ..., z) for the ranks' entries of the lists], each on the device of its last (an array)."""
+    results = []
+    for args in zip(*lists):
+        with _on(args[-1]):
+            results.append(fn(*args))
+    return results
 
 
 # --- Layout ---------------------------------------------------------------------------------
@@ -260,11 +275,8 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
-    outs, lses = [], []
-    for x in q:
-        xp = _xp(x)
-        outs.append(xp.zeros(x.shape, xp.float32))
-        lses.append(xp.full((x.shape[0], x.shape[2], x.shape[1]), -xp.inf, xp.float32))
+    outs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
+    lses = _each(lambda x: _xp(x).full((x.shape[0], x.shape[2], x.shape[1]), -numpy.inf, numpy.float32), q)
     held = [(kk, vv) for kk, vv in zip(k, v)]
     for t in range(transport.world):
         pending = transport.start(held) if t + 1 < transport.world else None
@@ -273,12 +285,13 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
             if step is None:
                 continue
             kk, vv = held[i]
-            out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
-                             causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
-            _merge(outs[i], lses[i], out, lse, step.q0)
+            with _on(q[i]):
+                out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
+                                 causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
+                _merge(outs[i], lses[i], out, lse, step.q0)
         if pending is not None:
             held = transport.finish(pending)
-    outs = [o.astype(x.dtype) for o, x in zip(outs, q)]
+    outs = _each(lambda o, x: o.astype(x.dtype), outs, q)
     return (outs, lses) if return_lse else outs
 
 
@@ -291,10 +304,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
-    dqs = [_xp(x).zeros(x.shape, _xp(x).float32) for x in q]
+    dqs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
     # dK and dV travel with their shards: (k, v, dk, dv) per rank.
-    held = [(kk, vv, _xp(kk).zeros(kk.shape, _xp(kk).float32), _xp(vv).zeros(vv.shape, _xp(vv).float32))
-            for kk, vv in zip(k, v)]
+    held = _each(lambda kk, vv: (kk, vv, *(_xp(x).zeros(x.shape, numpy.float32) for x in (kk, vv))), k, v)
     for t in range(transport.world):
         for i, rank in enumerate(transport.ranks):
             step = _step(rank, (rank - t) % transport.world, n_local, causal, layout)
@@ -302,16 +314,17 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
                 continue
             kk, vv, dk, dv = held[i]
             rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
-            lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
-            dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
-                                     lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
-            dqs[i][:, rows] += dq_s
-            dk[:, keys] += dk_s
-            dv[:, keys] += dv_s
+            with _on(q[i]):
+                lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
+                dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
+                                         lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
+                dqs[i][:, rows] += dq_s
+                dk[:, keys] += dk_s
+                dv[:, keys] += dv_s
         held = transport.finish(transport.start(held))  # after the last step: dK, dV back to their owners
-    dq = [g.astype(x.dtype) for g, x in zip(dqs, q)]
-    dk = [h[2].astype(x.dtype) for h, x in zip(held, k)]
-    dv = [h[3].astype(x.dtype) for h, x in zip(held, v)]
+    dq = _each(lambda g, x: g.astype(x.dtype), dqs, q)
+    dk = _each(lambda h, x: h[2].astype(x.dtype), held, k)
+    dv = _each(lambda h, x: h[3].astype(x.dtype), held, v)
     return dq, dk, dv
 
 

@@ -29,7 +29,8 @@ and cuflash-det's dq, dk, dv against torch-flash's (against a float32 CuPy
 backward on one batch entry and a few heads when torch is missing), and two
 cuflash-det calls must give bitwise identical gradients.
 
-With ``--fp8``: cuflash.bench.fp8. With ``--varlen``: cuflash.bench.varlen.
+With ``--fp8``: cuflash.bench.fp8. With ``--varlen``: cuflash.bench.varlen. With ``--ring``:
+cuflash.bench.ring.
 
 With ``--window``, ``--softcap`` or ``--alibi`` (flash-attn's options, in any
 combination; cuflash.bench.variants) every shape times, forward or
@@ -83,6 +84,9 @@ def parse_args(argv):
     parser.add_argument("--decode", action="store_true",
                         help="one decoding step over a KV cache (attention_with_kvcache): GB/s of cache read "
                              "for contiguous and paged caches next to torch SDPA flash and cuDNN")
+    parser.add_argument("--ring", action="store_true",
+                        help="ring attention over every GPU present (NCCL) against one GPU, 32k-512k tokens, "
+                             "with the share of the transfers hidden; needs two or more GPUs")
     parser.add_argument("--decode-nq", type=int, default=1, metavar="N",
                         help="new queries per decoding step (causal when more than 1) (default: 1)")
     parser.add_argument("--headdim", action="append", metavar="D",
@@ -153,6 +157,10 @@ def _variant(parser, args) -> Variant:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # CuPy, torch and the kernels load only past option parsing: --help needs none of them.
+    if args.ring:
+        from .ring import run as run_ring
+
+        return run_ring(args)
     if args.decode:
         from .decode import run as run_decode
 
