@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import tracemalloc
 
 import cupy
 import ml_dtypes
@@ -538,12 +539,13 @@ def test_backward_out_of_memory_leaves_gradients_untouched(rng, planned):
 
 
 def test_many_signatures_keep_caches_and_memory_bounded(rng):
-    """2,000 forward calls over more signatures than the plan cache keeps (lengths 1 to
+    """10,000 forward calls over more signatures than the plan cache keeps (lengths 1 to
     MAX_PLANS + 88): the plan cache stays at MAX_PLANS, no kernel or stream state is added per
-    signature, and once every signature has run, the pool's used bytes come back to where they were.
-    Signatures planned again after their eviction still compute the right thing."""
+    signature, and once every signature has run, the pool's used bytes come back to where they were
+    and the host's Python heap (tracemalloc) grows by less than 1 MiB. Signatures planned again after
+    their eviction still compute the right thing."""
     lengths = range(1, plans.MAX_PLANS + 89)
-    calls = max(2000, 2 * len(lengths))
+    calls = max(10_000, 2 * len(lengths))
     host = [randn(rng, (1, lengths[-1], 1, D), np.float16) for _ in range(3)]
     q, k, v = (cupy.asarray(x) for x in host)
     pool = cupy.get_default_memory_pool()
@@ -555,9 +557,17 @@ def test_many_signatures_keep_caches_and_memory_bounded(rng):
     for i in range(len(lengths)):  # every signature once: kernels compiled, buffers at their largest
         call(i)
     used, states, kernels = pool.used_bytes(), len(launch._stream_states), len(kernel_call._kernels)
-    for i in range(len(lengths), calls):
-        call(i)
+    tracemalloc.start()
+    try:
+        heap_before = tracemalloc.get_traced_memory()[0]
+        for i in range(len(lengths), calls):
+            call(i)
+        host_grown = tracemalloc.get_traced_memory()[0] - heap_before
+    finally:
+        tracemalloc.stop()
     grown = pool.used_bytes() - used
+    print(f"over {calls - len(lengths)} calls: pool used bytes {grown:+d}, Python heap {host_grown:+d} bytes")
+    assert host_grown < 1 << 20, f"the Python heap grew by {host_grown} bytes"
     assert len(forward._plans) == plans.MAX_PLANS
     assert grown <= 64 * 1024, (f"pool used bytes {used} -> {used + grown} over {calls - len(lengths)} calls "
                                 "whose results were freed")
