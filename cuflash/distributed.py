@@ -115,7 +115,7 @@ def _check_layout(layout) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Step:
+class Step:
     """What rank r computes against rank s's shard: query rows [q0, q1) of its shard against key
     rows [k0, k1) of the received one, causally (local indices) or not; None: nothing visible."""
     q0: int
@@ -125,17 +125,17 @@ class _Step:
     causal: bool
 
 
-def _step(rank: int, source: int, n_local: int, causal: bool, layout: str) -> _Step | None:
+def ring_step(rank: int, source: int, n_local: int, causal: bool, layout: str) -> Step | None:
     if not causal:
-        return _Step(0, n_local, 0, n_local, False)
+        return Step(0, n_local, 0, n_local, False)
     if source == rank:
-        return _Step(0, n_local, 0, n_local, True)
+        return Step(0, n_local, 0, n_local, True)
     if layout == "contiguous":
-        return _Step(0, n_local, 0, n_local, False) if source < rank else None
+        return Step(0, n_local, 0, n_local, False) if source < rank else None
     half = n_local // 2
     if source < rank:  # both query chunks see the source's first chunk (a lower index) whole
-        return _Step(0, n_local, 0, half, False)
-    return _Step(half, n_local, 0, n_local, False)  # only the second query chunk, the whole shard
+        return Step(0, n_local, 0, half, False)
+    return Step(half, n_local, 0, n_local, False)  # only the second query chunk, the whole shard
 
 
 # --- Transports -------------------------------------------------------------------------------
@@ -249,18 +249,24 @@ def _validated(q, k, v, transport, causal, layout, window_size):
     return n_local
 
 
+def lse_merge(xp, out_a, lse_a, out_b, lse_b):
+    """(out, lse) of two partial results over disjoint key sets, by log-sum-exp; xp is the arrays'
+    module (numpy, cupy or jax.numpy). out (batch, rows, heads, d) in out_a's dtype, lse (batch,
+    heads, rows); rows whose two lse are -inf stay 0 and -inf."""
+    lse = xp.logaddexp(lse_a, lse_b)
+    finite = xp.isfinite(lse)
+    safe = xp.where(finite, lse, 0)
+
+    def weight(part):  # e^(part - lse) as out's (batch, rows, heads, 1)
+        return xp.where(finite, xp.exp(part - safe), 0).transpose(0, 2, 1)[..., None].astype(out_a.dtype)
+
+    return out_a * weight(lse_a) + out_b.astype(out_a.dtype) * weight(lse_b), lse.astype(lse_a.dtype)
+
+
 def _merge(out_acc, lse_acc, out, lse, q0):
-    """out_acc, lse_acc (rows q0...) <- their log-sum-exp merge with (out, lse)."""
-    xp = _xp(out_acc)
+    """out_acc, lse_acc (rows q0...) <- their merge with a step's (out, lse) of those rows."""
     rows = slice(q0, q0 + out.shape[1])
-    old = lse_acc[:, :, rows]
-    new = xp.logaddexp(old, lse)
-    finite = xp.isfinite(new)
-    w_old = xp.where(finite, xp.exp(old - xp.where(finite, new, 0)), 0).astype(xp.float32)
-    w_new = xp.where(finite, xp.exp(lse - xp.where(finite, new, 0)), 0).astype(xp.float32)
-    out_acc[:, rows] = (out_acc[:, rows] * w_old.transpose(0, 2, 1)[..., None]
-                        + out.astype(xp.float32) * w_new.transpose(0, 2, 1)[..., None])
-    lse_acc[:, :, rows] = new
+    out_acc[:, rows], lse_acc[:, :, rows] = lse_merge(_xp(out_acc), out_acc[:, rows], lse_acc[:, :, rows], out, lse)
 
 
 def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
@@ -281,7 +287,7 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
     for t in range(transport.world):
         pending = transport.start(held) if t + 1 < transport.world else None
         for i, rank in enumerate(transport.ranks):
-            step = _step(rank, (rank - t) % transport.world, n_local, causal, layout)
+            step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
             if step is None:
                 continue
             kk, vv = held[i]
@@ -309,7 +315,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     held = _each(lambda kk, vv: (kk, vv, *(_xp(x).zeros(x.shape, numpy.float32) for x in (kk, vv))), k, v)
     for t in range(transport.world):
         for i, rank in enumerate(transport.ranks):
-            step = _step(rank, (rank - t) % transport.world, n_local, causal, layout)
+            step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
             if step is None:
                 continue
             kk, vv, dk, dv = held[i]

@@ -40,75 +40,27 @@ def _kernels(causal_options: dict):
     return forward, backward
 
 
-def _pad_rows(x, before: int, axis: int, fill):
-    """x with `before` rows of `fill` put in front along `axis`."""
+def _pad_rows(x, axis: int, before: int, after: int, fill=0):
+    """x padded with `before` and `after` rows of `fill` along `axis`."""
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (before, 0)
+    pad[axis] = (before, after)
     return jnp.pad(x, pad, constant_values=fill)
 
 
-def _case(rank, source, causal: bool, layout: str):
-    """The lax.switch index of a step: 0 the rank's own shard (causal), 1 a source before it (the
-    source's first chunk seen whole), 2 a source after it (zigzag: only the second query chunk, the
-    whole shard; contiguous: nothing), 3 no mask at all."""
+def _steps(n_local: int, causal: bool, layout: str) -> list:
+    """The distinct steps a rank takes (cuflash.distributed.ring_step, None: nothing visible), in
+    the order of `_case`: its own shard, a source before it and a source after it (causal), or
+    the one unmasked step."""
     if not causal:
-        return jnp.int32(3)
+        return [distributed.ring_step(0, 1, n_local, False, layout)]
+    return [distributed.ring_step(rank, source, n_local, True, layout) for rank, source in ((0, 0), (1, 0), (0, 1))]
+
+
+def _case(rank, source, causal: bool):
+    """The step of `_steps` a rank takes against `source`'s shard (both traced)."""
+    if not causal:
+        return jnp.int32(0)
     return jnp.where(source == rank, 0, jnp.where(source < rank, 1, 2)).astype(jnp.int32)
-
-
-def _forward_branches(local_fwd: Callable, n_local: int, layout: str, axis_name):
-    half = n_local // 2
-
-    def empty(q):  # typed as varying over the ring's axis, as the other branches' results are
-        return jax.lax.pcast((jnp.zeros(q.shape, q.dtype),
-                              jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, _accumulator_dtype(q))),
-                             axis_name, to="varying")
-
-    def own(q, k, v):
-        return local_fwd(q, k, v, True)
-
-    def before(q, k, v):
-        if layout == "contiguous":
-            return local_fwd(q, k, v, False)
-        return local_fwd(q, k[:, :half], v[:, :half], False)
-
-    def after(q, k, v):
-        if layout == "contiguous":
-            return empty(q)
-        out, lse = local_fwd(q[:, half:], k, v, False)
-        return _pad_rows(out, half, 1, 0), _pad_rows(lse, half, 2, -jnp.inf)
-
-    def whole(q, k, v):
-        return local_fwd(q, k, v, False)
-
-    return [own, before, after, whole]
-
-
-def _backward_branches(local_bwd: Callable, n_local: int, layout: str, axis_name):
-    half = n_local // 2
-
-    def own(dout, q, k, v, out, lse):
-        return local_bwd(dout, q, k, v, out, lse, True)
-
-    def before(dout, q, k, v, out, lse):
-        if layout == "contiguous":
-            return local_bwd(dout, q, k, v, out, lse, False)
-        dq, dk, dv = local_bwd(dout, q, k[:, :half], v[:, :half], out, lse, False)
-        pad = [(0, 0), (0, half), (0, 0), (0, 0)]
-        return dq, jnp.pad(dk, pad), jnp.pad(dv, pad)
-
-    def after(dout, q, k, v, out, lse):
-        if layout == "contiguous":
-            return jax.lax.pcast((jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
-                                  jnp.zeros(v.shape, v.dtype)), axis_name, to="varying")
-        rows = slice(half, None)
-        dq, dk, dv = local_bwd(dout[:, rows], q[:, rows], k, v, out[:, rows], lse[:, :, rows], False)
-        return _pad_rows(dq, half, 1, 0), dk, dv
-
-    def whole(dout, q, k, v, out, lse):
-        return local_bwd(dout, q, k, v, out, lse, False)
-
-    return [own, before, after, whole]
 
 
 def _accumulator_dtype(x):
@@ -116,28 +68,50 @@ def _accumulator_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _merge(out_acc, lse_acc, out, lse):
-    """The running (out, lse) merged with a step's by log-sum-exp (rows at -inf add nothing)."""
-    new = jnp.logaddexp(lse_acc, lse)
-    finite = jnp.isfinite(new)
-    safe = jnp.where(finite, new, 0.0)
-    w_old = jnp.where(finite, jnp.exp(lse_acc - safe), 0.0).transpose(0, 2, 1)[..., None]
-    w_new = jnp.where(finite, jnp.exp(lse - safe), 0.0).transpose(0, 2, 1)[..., None]
-    return out_acc * w_old + out.astype(out_acc.dtype) * w_new, new.astype(lse_acc.dtype)
+def _forward_branch(step, local_fwd: Callable, axis_name):
+    """A step's (out, lse) over all of the rank's rows (rows the step does not take: 0 and -inf)."""
+    def branch(q, k, v):
+        n = q.shape[1]
+        if step is None:  # typed as varying over the ring's axis, as the other branches' results are
+            return jax.lax.pcast((jnp.zeros(q.shape, q.dtype),
+                                  jnp.full((q.shape[0], q.shape[2], n), -jnp.inf, _accumulator_dtype(q))),
+                                 axis_name, to="varying")
+        keys = slice(step.k0, step.k1)
+        out, lse = local_fwd(q[:, step.q0:step.q1], k[:, keys], v[:, keys], step.causal)
+        return (_pad_rows(out, 1, step.q0, n - step.q1),
+                _pad_rows(lse, 2, step.q0, n - step.q1, -jnp.inf))
+
+    return branch
+
+
+def _backward_branch(step, local_bwd: Callable, axis_name):
+    """A step's (dq, dk, dv) over the rank's whole shards (zero where the step does not reach)."""
+    def branch(dout, q, k, v, out, lse):
+        n = q.shape[1]
+        if step is None:
+            return jax.lax.pcast((jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+                                  jnp.zeros(v.shape, v.dtype)), axis_name, to="varying")
+        rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
+        dq, dk, dv = local_bwd(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
+                               step.causal)
+        return (_pad_rows(dq, 1, step.q0, n - step.q1), _pad_rows(dk, 1, step.k0, n - step.k1),
+                _pad_rows(dv, 1, step.k0, n - step.k1))
+
+    return branch
 
 
 def _ring_forward(q, k, v, axis_name, causal, layout, local):
     world = jax.lax.axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
     ring = [(i, (i + 1) % world) for i in range(world)]
-    branches = _forward_branches(local[0], q.shape[1], layout, axis_name)
+    branches = [_forward_branch(step, local[0], axis_name) for step in _steps(q.shape[1], causal, layout)]
     acc = _accumulator_dtype(q)
     out = jnp.zeros(q.shape, acc)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, acc)
     for t in range(world):
         source = (rank - t) % world
-        step_out, step_lse = jax.lax.switch(_case(rank, source, causal, layout), branches, q, k, v)
-        out, lse = _merge(out, lse, step_out, step_lse)
+        step_out, step_lse = jax.lax.switch(_case(rank, source, causal), branches, q, k, v)
+        out, lse = distributed.lse_merge(jnp, out, lse, step_out, step_lse)
         if t + 1 < world:
             k, v = jax.lax.ppermute((k, v), axis_name, ring)
     return out.astype(q.dtype), lse
@@ -159,13 +133,13 @@ def _ring_bwd(axis_name, causal, layout, local, residuals, cotangents):
     world = jax.lax.axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
     ring = [(i, (i + 1) % world) for i in range(world)]
-    branches = _backward_branches(local[1], q.shape[1], layout, axis_name)
+    branches = [_backward_branch(step, local[1], axis_name) for step in _steps(q.shape[1], causal, layout)]
     acc = _accumulator_dtype(q)
     dq = jnp.zeros(q.shape, acc)
     dk, dv = jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)
     for t in range(world):
         source = (rank - t) % world
-        dq_s, dk_s, dv_s = jax.lax.switch(_case(rank, source, causal, layout), branches, dout, q, k, v, out, lse)
+        dq_s, dk_s, dv_s = jax.lax.switch(_case(rank, source, causal), branches, dout, q, k, v, out, lse)
         dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         if t + 1 < world:
             k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, ring)
