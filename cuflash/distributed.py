@@ -55,6 +55,10 @@ def _on(x):
     return contextlib.nullcontext() if isinstance(x, numpy.ndarray) else x.device
 
 
+def _contiguous(x):
+    return _xp(x).ascontiguousarray(x)
+
+
 def _each(fn, *lists) -> list:
     """[fn(a, ..., z) for the ranks' entries of the lists], each on the device of its last (an array)."""
     results = []
@@ -152,7 +156,7 @@ class InProcessTransport:
         self.ranks = tuple(range(world))
 
     def start(self, buffers: list[tuple]) -> list[tuple]:
-        return [tuple(x.copy() for x in buffers[(r - 1) % self.world]) for r in range(self.world)]
+        return [tuple(_each(lambda x: x.copy(), buffers[(r - 1) % self.world])) for r in range(self.world)]
 
     def finish(self, pending: list[tuple]) -> list[tuple]:
         return pending
@@ -182,6 +186,8 @@ class NcclTransport:
         import cupy
         from cupy.cuda import nccl
 
+        if not all(x.flags.c_contiguous for buffer in buffers for x in buffer):
+            raise ValueError("ring buffers must be C-contiguous")
         received = []
         for buffer, device, stream in zip(buffers, self.devices, self.streams):
             with cupy.cuda.Device(device):
@@ -190,8 +196,6 @@ class NcclTransport:
         nccl.groupStart()
         for comm, rank, buffer, out, stream in zip(self.comms, self.ranks, buffers, received, self.streams):
             for x, y in zip(buffer, out):
-                if not x.flags.c_contiguous:
-                    raise ValueError("ring buffers must be C-contiguous")
                 comm.send(x.data.ptr, x.nbytes, nccl.NCCL_INT8, (rank + 1) % self.world, stream.ptr)
                 comm.recv(y.data.ptr, y.nbytes, nccl.NCCL_INT8, (rank - 1) % self.world, stream.ptr)
         nccl.groupEnd()
@@ -283,7 +287,7 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
     local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
     outs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
     lses = _each(lambda x: _xp(x).full((x.shape[0], x.shape[2], x.shape[1]), -numpy.inf, numpy.float32), q)
-    held = [(kk, vv) for kk, vv in zip(k, v)]
+    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)  # what a transport sends
     for t in range(transport.world):
         pending = transport.start(held) if t + 1 < transport.world else None
         for i, rank in enumerate(transport.ranks):
@@ -312,7 +316,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     local = local_backward or attention_backward
     dqs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
     # dK and dV travel with their shards: (k, v, dk, dv) per rank.
-    held = _each(lambda kk, vv: (kk, vv, *(_xp(x).zeros(x.shape, numpy.float32) for x in (kk, vv))), k, v)
+    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv), *(_xp(x).zeros(x.shape, numpy.float32)
+                                                                    for x in (kk, vv))), k, v)
     for t in range(transport.world):
         for i, rank in enumerate(transport.ranks):
             step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
