@@ -100,10 +100,14 @@ def _backward_branch(step, local_bwd: Callable, axis_name):
     return branch
 
 
-def _ring_forward(q, k, v, axis_name, causal, layout, local):
+def _ring_of(axis_name):
+    """(ranks on the axis, this rank (traced), ppermute's pairs: each rank sends to the next)."""
     world = jax.lax.axis_size(axis_name)
-    rank = jax.lax.axis_index(axis_name)
-    ring = [(i, (i + 1) % world) for i in range(world)]
+    return world, jax.lax.axis_index(axis_name), [(i, (i + 1) % world) for i in range(world)]
+
+
+def _ring_forward(q, k, v, axis_name, causal, layout, local):
+    world, rank, ring = _ring_of(axis_name)
     branches = [_forward_branch(step, local[0], axis_name) for step in _steps(q.shape[1], causal, layout)]
     acc = _accumulator_dtype(q)
     out = jnp.zeros(q.shape, acc)
@@ -130,9 +134,7 @@ def _ring_fwd(q, k, v, axis_name, causal, layout, local):
 def _ring_bwd(axis_name, causal, layout, local, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout = cotangents[0]  # lse is an output for the caller, not differentiated through
-    world = jax.lax.axis_size(axis_name)
-    rank = jax.lax.axis_index(axis_name)
-    ring = [(i, (i + 1) % world) for i in range(world)]
+    world, rank, ring = _ring_of(axis_name)
     branches = [_backward_branch(step, local[1], axis_name) for step in _steps(q.shape[1], causal, layout)]
     acc = _accumulator_dtype(q)
     dq = jnp.zeros(q.shape, acc)
