@@ -9,7 +9,7 @@ merges the partial result into a running (out, lse) by log-sum-exp:
 A running merge keeps one fp32 accumulator per rank, so memory stays O(N / R) per rank (the
 split-KV combine, `combine_partials`, would need all R partials at once).
 
-Layouts (`zigzag_shard` cuts a global array into them):
+Layouts (`shard` cuts a global array into them):
 - "zigzag" (causal load balance): the sequence is cut into 2R chunks and rank r holds chunks r and
   2R - 1 - r. Against the shard of rank s, rank r's queries see all of chunk s's keys when s < r
   (one call: both query chunks against chunk s), chunk 2R - 1 - s's and chunk s's from its second
@@ -59,6 +59,11 @@ def _contiguous(x):
     return _xp(x).ascontiguousarray(x)
 
 
+def _accumulator(x, shape=None):
+    """Zeros for sums over x's steps: float32 for 16-bit x, x's dtype where it is wider."""
+    return _xp(x).zeros(x.shape if shape is None else shape, numpy.promote_types(x.dtype, numpy.float32))
+
+
 def _each(fn, *lists) -> list:
     """[fn(a, ..., z) for the ranks' entries of the lists], each on the device of its last (an array)."""
     results = []
@@ -82,7 +87,7 @@ def _chunk_count(layout: str, world: int) -> int:
 
 def shard_positions(n: int, rank: int, world: int, layout: str = "zigzag") -> numpy.ndarray:
     """The global sequence positions, in order, of rank `rank`'s shard of a sequence of n."""
-    _check_layout(layout)
+    check_layout(layout)
     count = _chunk_count(layout, world)
     if n % count:
         raise ValueError(f"the sequence length ({n}) must be a multiple of {count} for layout {layout!r} "
@@ -91,28 +96,34 @@ def shard_positions(n: int, rank: int, world: int, layout: str = "zigzag") -> nu
     return numpy.concatenate([numpy.arange(c * size, (c + 1) * size) for c in _chunks(layout, rank, world)])
 
 
-def zigzag_shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = 1):
+def shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = 1):
     """Rank `rank`'s shard of a global array x (sequence along `axis`) in `layout`."""
     positions = shard_positions(x.shape[axis], rank, world, layout)
     return x.take(_xp(x).asarray(positions), axis=axis)
 
 
-def zigzag_unshard(shards: list, layout: str = "zigzag", axis: int = 1):
+def unshard(shards: list, layout: str = "zigzag", axis: int = 1):
     """The global array whose shards (one per rank, in rank order) these are."""
-    _check_layout(layout)
+    check_layout(layout)
     world = len(shards)
     xp = _xp(shards[0])
     pieces = {}
-    for rank, shard in enumerate(shards):
+    for rank, piece in enumerate(shards):
         chunks = _chunks(layout, rank, world)
-        for i, part in enumerate(xp.split(shard, len(chunks), axis=axis)):
+        for i, part in enumerate(xp.split(piece, len(chunks), axis=axis)):
             pieces[chunks[i]] = part
     return xp.concatenate([pieces[c] for c in range(_chunk_count(layout, world))], axis=axis)
 
 
-def _check_layout(layout) -> None:
+def check_layout(layout) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_shard_length(n_local: int, causal: bool, layout: str) -> None:
+    """A causal zigzag shard holds two equal chunks."""
+    if layout == "zigzag" and causal and n_local % 2:
+        raise ValueError(f"q: a zigzag shard holds two equal chunks; its length must be even, got {n_local}")
 
 
 # --- Steps -----------------------------------------------------------------------------------
@@ -121,7 +132,7 @@ def _check_layout(layout) -> None:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """What rank r computes against rank s's shard: query rows [q0, q1) of its shard against key
-    rows [k0, k1) of the received one, causally (local indices) or not; None: nothing visible."""
+    rows [k0, k1) of the received one, causally (local indices) or not."""
     q0: int
     q1: int
     k0: int
@@ -130,6 +141,8 @@ class Step:
 
 
 def ring_step(rank: int, source: int, n_local: int, causal: bool, layout: str) -> Step | None:
+    """The step of `rank` against `source`'s shard (shards of n_local rows), None where the
+    source's keys are all masked for the rank's queries (the module docstring has the cases)."""
     if not causal:
         return Step(0, n_local, 0, n_local, False)
     if source == rank:
@@ -147,7 +160,7 @@ def ring_step(rank: int, source: int, n_local: int, causal: bool, layout: str) -
 
 class InProcessTransport:
     """R ranks in one process: rank r's arrays are entry r of every list. A rotation copies each
-    rank's buffers into fresh ones of the next rank (rank r receives rank r - 1's)."""
+    rank's buffers into fresh ones on the next rank's device (rank r receives rank r - 1's)."""
 
     def __init__(self, world: int):
         if world < 1:
@@ -156,7 +169,11 @@ class InProcessTransport:
         self.ranks = tuple(range(world))
 
     def start(self, buffers: list[tuple]) -> list[tuple]:
-        return [tuple(_each(lambda x: x.copy(), buffers[(r - 1) % self.world])) for r in range(self.world)]
+        received = []
+        for r in range(self.world):
+            with _on(buffers[r][0]):  # ndarray.copy copies onto the current device
+                received.append(tuple(x.copy() for x in buffers[(r - 1) % self.world]))
+        return received
 
     def finish(self, pending: list[tuple]) -> list[tuple]:
         return pending
@@ -173,6 +190,9 @@ class NcclTransport:
 
         if len(comms) != len(devices) or not comms:
             raise ValueError("comms and devices must be non-empty lists of the same length")
+        for comm, device in zip(comms, devices):
+            if comm.device_id() != device:
+                raise ValueError(f"devices: communicator {comm.rank_id()} drives GPU {comm.device_id()}, not {device}")
         self.comms = comms
         self.devices = devices
         self.world = comms[0].size()
@@ -188,6 +208,10 @@ class NcclTransport:
 
         if not all(x.flags.c_contiguous for buffer in buffers for x in buffer):
             raise ValueError("ring buffers must be C-contiguous")
+        for buffer, device in zip(buffers, self.devices):
+            if any(x.device.id != device for x in buffer):
+                raise ValueError(f"a shard of the rank on GPU {device} lies on GPU "
+                                 f"{[x.device.id for x in buffer]}")
         received = []
         for buffer, device, stream in zip(buffers, self.devices, self.streams):
             with cupy.cuda.Device(device):
@@ -235,7 +259,7 @@ def communicators(devices: list[int]) -> list:
 
 
 def _validated(q, k, v, transport, causal, layout, window_size):
-    _check_layout(layout)
+    check_layout(layout)
     if window_size not in (None, (-1, -1), [-1, -1]):
         raise ValueError(f"window_size: ring attention takes no window yet (a shard pair's window needs "
                          f"position offsets), got {window_size!r}")
@@ -244,8 +268,7 @@ def _validated(q, k, v, transport, causal, layout, window_size):
             raise ValueError(f"{name} must be a list of one shard per rank this process drives "
                              f"({len(transport.ranks)}), got {type(x).__name__}")
     n_local = q[0].shape[1]
-    if layout == "zigzag" and causal and n_local % 2:
-        raise ValueError(f"q: a zigzag shard holds two equal chunks; its length must be even, got {n_local}")
+    check_shard_length(n_local, causal, layout)
     for name, shards in (("q", q), ("k", k), ("v", v)):
         if any(x.shape[1] != n_local for x in shards):
             raise ValueError(f"{name}: every shard must hold {n_local} rows (q's), got "
@@ -279,14 +302,14 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
 
     q, k, v: lists with the shard of each rank this process drives (transport.ranks order), each
     (batch, n_local, heads, headdim) in `layout`; GQA as `attention`. Returns the output shards (q's
-    dtype) and, with return_lse, the lse shards (batch, heads, n_local) float32.
+    dtype) and, with return_lse, the lse shards (batch, heads, n_local), float32 for 16-bit inputs.
     local_attention(q, k, v, causal=, softmax_scale=, softcap=) -> (out, lse) replaces
     cuflash.attention (tests run the ring on the host with the float64 reference).
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
-    outs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
-    lses = _each(lambda x: _xp(x).full((x.shape[0], x.shape[2], x.shape[1]), -numpy.inf, numpy.float32), q)
+    outs = _each(_accumulator, q)
+    lses = _each(lambda x: _accumulator(x, (x.shape[0], x.shape[2], x.shape[1])) - numpy.inf, q)
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)  # what a transport sends
     for t in range(transport.world):
         pending = transport.start(held) if t + 1 < transport.world else None
@@ -301,7 +324,7 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
                 _merge(outs[i], lses[i], out, lse, step.q0)
         if pending is not None:
             held = transport.finish(pending)
-    outs = _each(lambda o, x: o.astype(x.dtype), outs, q)
+    outs = _each(lambda o, x: o.astype(x.dtype, copy=False), outs, q)
     return (outs, lses) if return_lse else outs
 
 
@@ -314,10 +337,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
-    dqs = _each(lambda x: _xp(x).zeros(x.shape, numpy.float32), q)
+    dqs = _each(_accumulator, q)
     # dK and dV travel with their shards: (k, v, dk, dv) per rank.
-    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv), *(_xp(x).zeros(x.shape, numpy.float32)
-                                                                    for x in (kk, vv))), k, v)
+    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv), _accumulator(kk), _accumulator(vv)), k, v)
     for t in range(transport.world):
         for i, rank in enumerate(transport.ranks):
             step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
@@ -332,12 +354,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
                 dqs[i][:, rows] += dq_s
                 dk[:, keys] += dk_s
                 dv[:, keys] += dv_s
-        held = transport.finish(transport.start(held))  # after the last step: dK, dV back to their owners
-    dq = _each(lambda g, x: g.astype(x.dtype), dqs, q)
-    dk = _each(lambda h, x: h[2].astype(x.dtype), held, k)
-    dv = _each(lambda h, x: h[3].astype(x.dtype), held, v)
+        if t + 1 < transport.world:
+            held = transport.finish(transport.start(held))
+    # The world-th hop takes dK and dV home to their owners (the keys and values need not go).
+    grads = transport.finish(transport.start([(dk, dv) for _, _, dk, dv in held]))
+    dq = _each(lambda g, x: g.astype(x.dtype, copy=False), dqs, q)
+    dk = _each(lambda g, x: g[0].astype(x.dtype, copy=False), grads, k)
+    dv = _each(lambda g, x: g[1].astype(x.dtype, copy=False), grads, v)
     return dq, dk, dv
 
 
-__all__ = ["InProcessTransport", "NcclTransport", "communicator", "communicators", "ring_attention",
-           "ring_attention_backward", "shard_positions", "unique_id", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["LAYOUTS", "InProcessTransport", "NcclTransport", "Step", "check_layout", "check_shard_length",
+           "communicator", "communicators", "lse_merge", "ring_attention", "ring_attention_backward", "ring_step",
+           "shard", "shard_positions", "unique_id", "unshard"]

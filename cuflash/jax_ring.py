@@ -29,15 +29,20 @@ from . import distributed
 from .jax import _backward_call, _forward_call, _option_items
 
 
-def _kernels(causal_options: dict):
-    """Each step's kernels on the GPU: (forward, backward) as the ring calls them."""
-    def forward(q, k, v, causal):
-        return _forward_call(q, k, v, {**causal_options, "causal": causal})
+def _kernel_forward(q, k, v, *, causal, softmax_scale, softcap):
+    return _forward_call(q, k, v, dict(_option_items(causal, softmax_scale, None, softcap)))
 
-    def backward(dout, q, k, v, out, lse, causal):
-        return _backward_call(dout, q, k, v, out, lse, {**causal_options, "causal": causal}, False)
 
-    return forward, backward
+def _kernel_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap):
+    return _backward_call(dout, q, k, v, out, lse, dict(_option_items(causal, softmax_scale, None, softcap)), False)
+
+
+def _bound(local: tuple, softmax_scale, softcap) -> tuple:
+    """(forward(q, k, v, causal), backward(dout, q, k, v, out, lse, causal)) with the options bound."""
+    options = dict(softmax_scale=softmax_scale, softcap=softcap)
+    forward, backward = local
+    return (lambda q, k, v, causal: forward(q, k, v, causal=causal, **options),
+            lambda dout, q, k, v, out, lse, causal: backward(dout, q, k, v, out, lse, causal=causal, **options))
 
 
 def _pad_rows(x, axis: int, before: int, after: int, fill=0):
@@ -157,15 +162,13 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, soft
     """Exact attention over the shards of `axis_name` (call inside `shard_map`); q, k, v are this
     rank's shards (batch, n_local, heads, headdim) in `layout` (`cuflash.distributed.shard_positions`).
 
-    Differentiable. local: (forward(q, k, v, causal) -> (out, lse), backward(dout, q, k, v, out, lse,
-    causal) -> (dq, dk, dv)) replaces cuflash's kernels (the tests run the ring on CPU devices).
+    Differentiable in q, k and v; the lse (with return_lse) carries no gradient (a loss that
+    reads it gets none through it). local: (forward(q, k, v, *, causal, softmax_scale, softcap)
+    -> (out, lse), backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap) -> (dq, dk,
+    dv)) replaces cuflash's kernels (the tests run the ring on CPU devices).
     """
-    distributed._check_layout(layout)
-    if causal and layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"q: a zigzag shard holds two equal chunks; its length must be even, got {q.shape[1]}")
-    if local is None:
-        options = dict(_option_items(False, softmax_scale, None, softcap))
-        options.pop("causal")
-        local = _kernels(options)
+    distributed.check_layout(layout)
+    distributed.check_shard_length(q.shape[1], causal, layout)
+    local = _bound(local or (_kernel_forward, _kernel_backward), softmax_scale, softcap)
     out, lse = _ring(q, k, v, axis_name, bool(causal), layout, local)
-    return (out, lse.astype(jnp.float32)) if return_lse else out
+    return (out, jax.lax.stop_gradient(lse).astype(jnp.float32)) if return_lse else out

@@ -52,7 +52,8 @@ def device_normal(shape, seed):
 
 
 def peak_extra(call):
-    """(result, peak device bytes the call allocated): the call runs on a fresh memory pool."""
+    """(result, device bytes the call allocated at most): the call runs on a fresh memory pool, whose
+    total afterwards bounds its high-water mark from above (freed blocks it could not reuse count)."""
     pool = cupy.cuda.MemoryPool()
     with cupy.cuda.using_allocator(pool.malloc):
         result = call()
@@ -115,7 +116,8 @@ def test_causal_forward_and_backward_rows_match_the_reference(problem, block, he
 
 def test_extra_memory_is_the_outputs_and_documented_workspaces(problem):
     """Forward: out and lse. Backward: dq, dk, dv, the fp32 dq accumulator and the per-row buffers
-    (softmax lse in log2 and rowsum(dout * out)), each O(N)."""
+    (softmax lse in log2 and rowsum(dout * out): two floats a row, bounded here with room for four),
+    each O(N)."""
     q = problem["q"]
     row_floats = NHEADS * SEQLEN * 4  # one float per (head, row)
     fwd_bound = q.nbytes + row_floats + MiB

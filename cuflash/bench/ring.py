@@ -3,11 +3,12 @@
 Batch 1, 16 heads of head dim 128 (fp16 by default, ``--dtype``), sequences of 32k, 128k and
 512k tokens (``--seqlen``), causal and not, zigzag layout. Per row:
 
-* ``1 GPU``: ``cuflash.attention`` over the whole sequence on device 0 (where it fits);
-* ``R GPUs``: ``cuflash.distributed.ring_attention`` over every GPU of the process
-  (``NcclTransport``), and its time over the one-GPU time;
-* ``steps``: the same ring's R steps of kernels with no transfer (each rank keeps its own shard:
-  the compute alone), ``comm``: its R - 1 transfers with no kernel;
+* ``1 GPU ms``: ``cuflash.attention`` over the whole sequence on device 0 (empty where it does
+  not fit);
+* ``ring ms``: ``cuflash.distributed.ring_attention`` over every GPU of the process
+  (``NcclTransport``), and ``ring / 1 GPU``, its time over the one-GPU time;
+* ``steps ms``: the same ring's R steps of kernels with no transfer (each rank keeps its own
+  shard: the compute alone); ``comm ms``: its R - 1 transfers with no kernel;
 * ``hidden``: the share of the transfers the ring hides, 1 - (ring - steps) / comm.
 
 Each time is the median of ``--repeats`` calls that end by synchronising every device (host
@@ -56,7 +57,7 @@ def _shards(x_global_on_host, world: int, devices):
     shards = []
     for rank, device in enumerate(devices):
         with cupy.cuda.Device(device):
-            shards.append(cupy.asarray(distributed.zigzag_shard(x_global_on_host, rank, world)))
+            shards.append(cupy.asarray(distributed.shard(x_global_on_host, rank, world)))
     return shards
 
 
@@ -88,8 +89,7 @@ def _row(n: int, causal: bool, dtype, devices, transport, repeats: int) -> dict:
             held = transport.finish(transport.start(held))
 
     row["comm ms"] = _timed(transfers, devices, repeats)
-    if row["1 GPU ms"]:
-        row["ring / 1 GPU"] = row["ring ms"] / row["1 GPU ms"]
+    row["ring / 1 GPU"] = row["ring ms"] / row["1 GPU ms"] if row["1 GPU ms"] else None
     overhead = max(row["ring ms"] - row["steps ms"], 0.0)
     row["hidden"] = max(0.0, 1.0 - overhead / row["comm ms"]) if row["comm ms"] > 0 else None
     return row
