@@ -55,7 +55,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     dropout_p, seed, offset: dropout on the attention probabilities, out = (P o M / (1 - p)) v,
     the keep mask M a pure function of (seed, offset) and the position (b, h, i, j)
     (`cuflash.reference.dropout_keep_mask` gives it); lse stays the undropped softmax's. The
-    backward takes the same three to regenerate M. 16-bit inputs; the sm_80 kernels run it.
+    backward takes the same three to regenerate M. 16-bit inputs, every 16-bit kernel family.
     out, lse: optional arrays to write (q's shape, the output dtype, 16-byte
     aligned; float32 (batch, nheads, seqlen_q), C-contiguous). With both given
     the call allocates nothing, so it can be captured in a CUDA graph.
