@@ -149,3 +149,26 @@ def test_nccl_transport_on_one_gpu():
     naive = reference.attention_backward_naive_lowp(dout, q, k, v, causal=True, dtype=np.float16)
     for (g,), w, n in zip(grads, want, naive):
         assert_close_2x(g.get(), w, n, ATOL[np.dtype(np.float16)])
+
+
+@pytest.mark.gpu
+def test_one_rank_ring_is_bitwise_single_gpu_cuflash():
+    """With one rank the ring's one step is cuflash's call and its merges weigh it by exactly 1: out
+    and lse equal single-GPU cuflash bit for bit; the gradients (atomic dQ) agree with its
+    deterministic backward to the last bits."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (cupy.asarray(randn(rng, (2, 130, 4, 64), np.float16)) for _ in range(4))
+    transport = distributed.InProcessTransport(1)
+    (out,), (lse,) = distributed.ring_attention([q], [k], [v], transport=transport, causal=True, return_lse=True)
+    want, want_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert bool((out == want).all()) and bool((lse == want_lse).all())
+    grads = distributed.ring_attention_backward([dout], [q], [k], [v], [out], [lse], transport=transport,
+                                                causal=True)
+    wants = cuflash.attention_backward(dout, q, k, v, want, want_lse, causal=True, deterministic=True)
+    for (g,), w in zip(grads, wants):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g.get().astype(np.float32), w.get().astype(np.float32), atol=2e-3)
