@@ -46,6 +46,13 @@ def _layout(*regions: tuple[str, int]) -> dict[str, int]:
     return layout
 
 
+def _q_and_kv_ring_layout(block_m: int, block_n: int, stages: int, headdim: int) -> dict[str, int]:
+    """A 16-bit Q tile, then STAGES K tiles and STAGES V tiles: the sm_80 forward's and the decoding
+    kernel's shared memory (FwdTraits, DecodeTraits)."""
+    kv = 2 * stages * block_n * headdim
+    return _layout(("Q", 2 * block_m * headdim), ("K", kv), ("V", kv))
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class FwdConfig:
     """Tile shape of the sm_80 forward kernel.
@@ -78,8 +85,7 @@ class FwdConfig:
 
     def smem_layout(self) -> dict[str, int]:
         """FwdTraits: the Q tile (reused for the output), STAGES K tiles, STAGES V tiles (16-bit)."""
-        kv = 2 * self.stages * self.block_n * self.headdim
-        return _layout(("Q", 2 * self.block_m * self.headdim), ("K", kv), ("V", kv))
+        return _q_and_kv_ring_layout(self.block_m, self.block_n, self.stages, self.headdim)
 
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]
@@ -432,8 +438,7 @@ class DecodeConfig:
 
     def smem_layout(self) -> dict[str, int]:
         """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit)."""
-        kv = 2 * self.stages * self.BLOCK_N * self.headdim
-        return _layout(("Q", 2 * self.block_m * self.headdim), ("K", kv), ("V", kv))
+        return _q_and_kv_ring_layout(self.block_m, self.BLOCK_N, self.stages, self.headdim)
 
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]

@@ -157,20 +157,22 @@ def like(name: str, x, ref, ref_name: str, dtype=None) -> None:
             raise TypeError(f"{name} must be {numpy.dtype(dtype).name}, got {x.dtype}")
     elif x.dtype != ref.dtype:
         raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
-    if not last_dim_contiguous(x):
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
+    _beside(name, x, ref, ref_name)
 
 
 def companion(name: str, x, q) -> None:
     """x, an array a kernel reads beside q: q's dtype and device, contiguous in its last dim (headdim)."""
     if x.dtype != q.dtype:
         raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    _beside(name, x, q, "q")
+
+
+def _beside(name: str, x, ref, ref_name: str) -> None:
+    """x on ref's device and contiguous in its last dim."""
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
     if not last_dim_contiguous(x):
-        raise ValueError(f"{name} must be contiguous in its last dim (headdim), got strides {x.strides}")
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
 
 
 def output(name: str, x, ref, ref_name: str, dtype=None) -> None:
