@@ -59,10 +59,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if plan is not None:
         return plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                          rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
-    call = _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    plan = _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                       rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
                       alibi_slopes, num_splits, out, lse)
-    plan = _Plan(call)
     result = plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                        rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
     if key is not None:
@@ -74,8 +73,8 @@ _plans = PlanCache()
 
 
 @dataclasses.dataclass
-class _Call:
-    """What validation and dispatch decided for a call signature."""
+class _Plan:
+    """What validation and dispatch decided for a call signature; `call` runs it."""
 
     launch: DecodeLaunch | None  # None: nothing to compute (an empty q)
     device_id: int
@@ -88,41 +87,35 @@ class _Call:
     copy_new: bool
     copy_rotary: bool
 
-
-class _Plan:
-    def __init__(self, call: _Call):
-        self.c = call
-
     def call(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
              rotary_cos, rotary_sin, slopes, return_lse, out, lse):
-        c = self.c
         cp = cupy()
-        if cp.cuda.runtime.getDevice() != c.device_id:
-            with cp.cuda.Device(c.device_id):
+        if cp.cuda.runtime.getDevice() != self.device_id:
+            with cp.cuda.Device(self.device_id):
                 return self.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                  block_table, rotary_cos, rotary_sin, slopes, return_lse, out, lse)
-        cache_len_all, seqlens = _cache_lengths(cache_seqlens, c)
+        cache_len_all, seqlens = _cache_lengths(cache_seqlens, self)
         if type(cache_batch_idx) is numpy.ndarray:
             cache_batch_idx = cp.asarray(cache_batch_idx)
         if type(cache_leftpad) is numpy.ndarray:
             cache_leftpad = cp.asarray(cache_leftpad)
         if out is None:
             require_not_capturing("attention_with_kvcache without out=")
-            out = cp.empty(c.out_shape, c.dtype)
+            out = cp.empty(self.out_shape, self.dtype)
         return_lse = return_lse or lse is not None
         if return_lse and lse is None:
             require_not_capturing("attention_with_kvcache with return_lse=True and no lse=")
-            lse = cp.empty(c.lse_shape, numpy.float32)
-        launch = c.launch
+            lse = cp.empty(self.lse_shape, numpy.float32)
+        launch = self.launch
         if launch is None:
             if lse is not None:
                 lse.fill(-numpy.inf)
             return (out, lse) if return_lse else out
-        if c.copy_q:
+        if self.copy_q:
             q = aligned_copy(q)
-        if c.copy_new:
+        if self.copy_new:
             k, v = aligned_copy(k), aligned_copy(v)
-        if c.copy_rotary:
+        if self.copy_rotary:
             rotary_cos, rotary_sin = aligned_copy(rotary_cos), aligned_copy(rotary_sin)
         # POINTER_FIELDS order; partial_o and partial_lse are the launch's.
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
@@ -131,7 +124,7 @@ class _Plan:
         stream = cp.cuda.get_current_stream().ptr
         partials = 0
         if launch.combine is not None:
-            partials = stream_state(c.device_id, stream).partials_for(launch.partial_floats)
+            partials = stream_state(self.device_id, stream).partials_for(launch.partial_floats)
         launch.run(addresses, cache_len_all, _ptr(slopes), partials, stream)
         return (out, lse) if return_lse else out
 
@@ -140,12 +133,12 @@ def _ptr(x) -> int:
     return 0 if x is None else x.data.ptr
 
 
-def _cache_lengths(cache_seqlens, c: _Call):
+def _cache_lengths(cache_seqlens, plan: _Plan):
     """(every batch's length when one int is given, the device int32 array otherwise or None)."""
     if cache_seqlens is None:
-        cache_seqlens = c.capacity - c.n_new
+        cache_seqlens = plan.capacity - plan.n_new
     if type(cache_seqlens) is int or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
-        _check_host_lengths(cache_seqlens, c.capacity, c.n_new)
+        _check_host_lengths(cache_seqlens, plan.capacity, plan.n_new)
         if isinstance(cache_seqlens, numpy.ndarray):
             return 0, cupy().asarray(cache_seqlens)
         return int(cache_seqlens), None
@@ -253,7 +246,7 @@ def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, a
 
 def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
                rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
-               num_splits, out, lse=None) -> _Call:
+               num_splits, out, lse=None) -> _Plan:
     validate.require_cupy_array("q", q)
     batch = q.shape[0] if q.ndim == 4 else 0
     name, paged, capacity = _query_and_cache(q, k_cache, v_cache, block_table, batch, cache_batch_idx,
@@ -341,11 +334,11 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if isinstance(x, cupy().ndarray) and x.device != q.device:
             raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
 
-    call = _Call(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, not is_aligned(q),
+    plan = _Plan(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, not is_aligned(q),
                  copy_new, copy_rotary)
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
-        return call
+        return plan
     cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id))
     row_blocks = -(-max(rows, 1) // cfg.block_m)
     if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
@@ -354,16 +347,17 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
     splits = num_splits or dispatch.decode_splits(batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N),
                                                   per_sm * sm_count(device_id))
+
     def kernel_strides(x, copied: bool):
         return contiguous_strides(x.shape) if copied else elem_strides(x)
 
-    strides = {"q": kernel_strides(q, call.copy_q), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
+    strides = {"q": kernel_strides(q, plan.copy_q), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
                "o": elem_strides(out) if out is not None else contiguous_strides(q.shape)}
     if k is not None:
         strides["kn"], strides["vn"] = kernel_strides(k, copy_new), kernel_strides(v, copy_new)
-    call.launch = DecodeLaunch(cfg, name, paged, causal, mods, q.shape, k_cache, n_new, strides, block_table,
+    plan.launch = DecodeLaunch(cfg, name, paged, causal, mods, q.shape, k_cache, n_new, strides, block_table,
                                rotary, splits, scale, device_id)
-    return call
+    return plan
 
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
