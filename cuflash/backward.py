@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import dispatch, launch, tuner, validate
+from . import arrays, dispatch, launch, score_mods, tuner, validate
 from .arrays import aligned_copy, is_aligned
 from .device import compute_capability, cupy, max_smem_per_block
 from .forward import attention, autotune_requested
@@ -165,9 +165,27 @@ def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0
     device_id = validate.cuda_device(q)
     problem = _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dtype_name, device_id,
                        (dropout_p, 0, 0))
+    return launch.BackwardWorkspace(_workspace_floats(problem, q.shape), device_id)
+
+
+def workspace_floats(q_shape, k_shape, dtype, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                     deterministic=False, device_id: int = 0) -> int:
+    """The float32 values of `backward_workspace` for arrays of these shapes and dtype, without the
+    arrays: a framework sizes a workspace of its own with it while tracing (cuflash.jax)."""
+    dtype_name = arrays.dtype_name(dtype)
+    if dtype_name not in ("float16", "bfloat16"):
+        raise TypeError(f"the backward computes in float16 or bfloat16, got {dtype}")
+    causal, mods = score_mods.normalise(bool(causal), validate.window_size(window_size, bool(causal)),
+                                        validate.softcap(softcap), None, q_shape[1], k_shape[1])
+    problem = dispatch.BwdProblem(dtype_name, q_shape[3], causal, q_shape[1], k_shape[1], q_shape[2] // k_shape[2],
+                                  bool(deterministic), max_smem_per_block(device_id), compute_capability(device_id),
+                                  mods)
+    return _workspace_floats(problem, q_shape)
+
+
+def _workspace_floats(problem: dispatch.BwdProblem, q_shape) -> int:
     cfg, _ = dispatch.bwd_config(problem)
-    floats = launch.BackwardWorkspace.floats_for(cfg, launch.buffer_rows(problem, q.shape)[1], problem.deterministic)
-    return launch.BackwardWorkspace(floats, device_id)
+    return launch.BackwardWorkspace.floats_for(cfg, launch.buffer_rows(problem, q_shape)[1], problem.deterministic)
 
 
 def attention_vjp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy
+
 # The oldest GPU generation cuflash runs on (Ampere, cp.async and mma.sync).
 MIN_COMPUTE_CAPABILITY = 80
 # Compute capability of the Hopper kernels (wgmma and TMA need exactly sm_90a).
@@ -110,12 +112,25 @@ class _StreamHandle:
         return 0, self.ptr
 
 
+@functools.lru_cache(maxsize=64)
 def external_stream(ptr: int):
-    """A CuPy stream over another library's CUDA stream (XLA's, torch's): `with` it, cuflash launches there."""
+    """A CuPy stream over another library's CUDA stream (XLA's, torch's): `with` it, cuflash launches there.
+    Memoised on the pointer: a framework calls on the same few streams every time."""
     stream = cupy().cuda.Stream
     if hasattr(stream, "from_external"):
         return stream.from_external(_StreamHandle(ptr))
     return cupy().cuda.ExternalStream(ptr)  # CuPy < 14
+
+
+def external_array(address: int, shape: tuple, strides: tuple, dtype, device_id: int, owner=None):
+    """A CuPy array over another library's device memory (no copy): `strides` in elements, as torch
+    reports them; `owner`, if given, is kept alive with the view (without one, the view is only
+    valid while the caller holds the memory)."""
+    cp = cupy()
+    itemsize = numpy.dtype(dtype).itemsize
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    memory = cp.cuda.UnownedMemory(address, extent * itemsize, owner, device_id)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=tuple(s * itemsize for s in strides))
 
 
 def stream_is_capturing() -> bool:

@@ -36,6 +36,7 @@ import numpy
 from . import backward as _backward
 from . import forward as _forward
 from . import kv_cache as _kv_cache
+from . import launch as _launch
 from . import varlen as _varlen
 from .device import cupy, external_stream
 
@@ -85,11 +86,13 @@ def _forward_callback(options, ctx, outputs, q, k, v):
 
 
 def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse):
-    dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in outputs)
+    *grads, scratch = outputs
+    dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in grads)
     inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
     with _on_xla_stream(ctx):
+        workspace = _launch.BackwardWorkspace(0, cupy().cuda.Device().id, _cupy_view(scratch, (-1,)))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
-                                     deterministic=deterministic, **options)
+                                     deterministic=deterministic, workspace=workspace, **options)
 
 
 def _forward_call(q, k, v, options):
@@ -100,10 +103,16 @@ def _forward_call(q, k, v, options):
 
 
 def _backward_call(dout, q, k, v, out, lse, options, deterministic):
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    # The backward's scratch is one more output, so that XLA owns it: no allocation in the call.
+    batch = int(numpy.prod(q.shape[:-3]))  # vmapped dims merge into the batch
+    floats = _backward.workspace_floats((batch, *q.shape[-3:]), (batch, *k.shape[-3:]), q.dtype,
+                                        deterministic=deterministic, device_id=cupy().cuda.Device().id,
+                                        **{name: options[name] for name in ("causal", "window_size", "softcap")})
+    shapes = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+              jax.ShapeDtypeStruct((max(floats, 1),), jnp.float32))
     call = _buffer_callback(functools.partial(_backward_callback, options, deterministic), shapes,
                             vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse)
+    return call(dout, q, k, v, out, lse)[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

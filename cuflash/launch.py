@@ -311,9 +311,12 @@ class BackwardWorkspace:
     CUDA graph capture needs. `floats` is the capacity in float32 values.
     """
 
-    def __init__(self, floats: int, device_id: int):
-        with cupy().cuda.Device(device_id):
-            self.buffer = cupy().empty(max(floats, 1), dtype=numpy.float32)
+    def __init__(self, floats: int, device_id: int, buffer=None):
+        """A new buffer of `floats` values, or `buffer` (float32, 1-D, on device_id) used in place."""
+        if buffer is None:
+            with cupy().cuda.Device(device_id):
+                buffer = cupy().empty(max(floats, 1), dtype=numpy.float32)
+        self.buffer = buffer
         self.device_id = device_id
 
     @staticmethod

@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import threading
 import tracemalloc
 
@@ -540,14 +541,15 @@ def test_backward_out_of_memory_leaves_gradients_untouched(rng, planned):
 
 def test_many_signatures_keep_caches_and_memory_bounded(rng):
     """10,000 forward calls over more signatures than the plan cache keeps (lengths 1 to
-    MAX_PLANS + 88): the plan cache stays at MAX_PLANS, no kernel or stream state is added per
-    signature, and once every signature has run, the pool's used bytes come back to where they were.
-    The Python heap (tracemalloc) is traced from the second round of signatures on: by the end of
-    that round every live plan was made under the trace, so the rounds after it (about 9,000 calls,
-    every one a plan-cache miss) must leave it within 256 KiB, under 30 bytes a call. Signatures
-    planned again after their eviction still compute the right thing."""
+    MAX_PLANS + 88, in turn, so that every call past the first round misses and replaces a plan): the
+    plan cache stays at MAX_PLANS, no kernel or stream state is added per signature, and once every
+    signature has run, the pool's used bytes come back to where they were. The Python heap
+    (tracemalloc) must stop growing: after 4,000 calls under the trace, which fill the bounded caches
+    and CPython's free lists, the next 4,800 calls may grow it by at most 64 KiB (under 14 bytes a
+    call; a leak of one small object a call would be 64 bytes or more). Signatures planned again after
+    their eviction still compute the right thing."""
     lengths = range(1, plans.MAX_PLANS + 89)
-    calls = max(10_000, 2 * len(lengths))
+    settle, measured = 4_000, 4_800
     host = [randn(rng, (1, lengths[-1], 1, D), np.float16) for _ in range(3)]
     q, k, v = (cupy.asarray(x) for x in host)
     pool = cupy.get_default_memory_pool()
@@ -559,23 +561,29 @@ def test_many_signatures_keep_caches_and_memory_bounded(rng):
     for i in range(len(lengths)):  # every signature once: kernels compiled, buffers at their largest
         call(i)
     used, states, kernels = pool.used_bytes(), len(launch._stream_states), len(kernel_call._kernels)
+    own_frames = [tracemalloc.Filter(False, tracemalloc.__file__)]  # the snapshot itself is traced
     tracemalloc.start()
     try:
-        for i in range(len(lengths), 2 * len(lengths)):  # the cache refilled with plans made under the trace
+        first = len(lengths)
+        for i in range(first, first + settle):
             call(i)
-        heap_before = tracemalloc.get_traced_memory()[0]
-        for i in range(2 * len(lengths), calls):
+        gc.collect()  # what waits for the cycle collector is garbage, not growth
+        before = tracemalloc.take_snapshot().filter_traces(own_frames)
+        for i in range(first + settle, first + settle + measured):
             call(i)
-        host_grown = tracemalloc.get_traced_memory()[0] - heap_before
+        gc.collect()
+        after = tracemalloc.take_snapshot().filter_traces(own_frames)
     finally:
         tracemalloc.stop()
+    growth = after.compare_to(before, "lineno")
+    host_grown = sum(stat.size_diff for stat in growth)
     grown = pool.used_bytes() - used
-    steady = calls - 2 * len(lengths)
-    print(f"over {steady} steady calls: Python heap {host_grown:+d} bytes; over {calls - len(lengths)}: "
-          f"pool used bytes {grown:+d}")
-    assert host_grown < 256 << 10, f"the Python heap grew by {host_grown} bytes over {steady} calls"
+    print(f"over {measured} calls after {settle}: Python heap {host_grown:+d} bytes; over "
+          f"{settle + measured}: pool used bytes {grown:+d}")
+    where = "\n".join(str(stat) for stat in growth[:6])
+    assert host_grown < 64 << 10, f"the Python heap grew by {host_grown} bytes over {measured} calls:\n{where}"
     assert len(forward._plans) == plans.MAX_PLANS
-    assert grown <= 64 * 1024, (f"pool used bytes {used} -> {used + grown} over {calls - len(lengths)} calls "
+    assert grown <= 64 * 1024, (f"pool used bytes {used} -> {used + grown} over {settle + measured} calls "
                                 "whose results were freed")
     assert len(launch._stream_states) == states
     assert len(kernel_call._kernels) == kernels
