@@ -21,6 +21,7 @@ import torch
 from . import backward as _backward
 from . import forward as _forward
 from . import kv_cache as _kv_cache
+from . import validate as _validate
 from . import varlen as _varlen
 from .arrays import BF16
 from .device import cupy, external_array, external_stream
@@ -74,55 +75,72 @@ def _options(causal, softmax_scale, window_left, window_right, softcap) -> dict:
                 softcap=softcap)
 
 
+def _dropout_draw(dropout_p: float) -> torch.Tensor:
+    """The (seed, offset) of a call's dropout mask, int64 on the host: drawn from torch's default
+    generator (`torch.randint(0, 2**62, (2,))`, so torch.manual_seed makes the mask reproducible),
+    zeros without dropout. The backward regenerates the mask from them."""
+    if dropout_p > 0:
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+    return torch.zeros(2, dtype=torch.int64)
+
+
+def _dropout(dropout_p: float, draw: torch.Tensor) -> dict:
+    seed, offset = draw.tolist()
+    return dict(dropout_p=dropout_p, seed=seed, offset=offset)
+
+
 def _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
     """flash-attn's keywords as the custom ops take them: (causal, softmax_scale, window_left,
-    window_right, softcap, deterministic); dropout and ALiBi refused."""
-    if dropout_p:
-        raise NotImplementedError(f"dropout_p: cuflash.torch takes no dropout yet (cuflash.attention does), "
-                                  f"got {dropout_p!r}")
+    window_right, softcap, deterministic, dropout_p); ALiBi refused."""
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
     scale = None if softmax_scale is None else float(softmax_scale)
-    return bool(causal), scale, left, right, float(softcap), bool(deterministic)
+    return bool(causal), scale, left, right, float(softcap), bool(deterministic), _validate.dropout(dropout_p, 0, 0)[0]
 
 
 # ---------------------------------------------------------------- equal lengths
-# Options travel as (causal, softmax_scale, window_left, window_right, softcap, deterministic);
-# deterministic matters to the backward only.
+# Options travel as (causal, softmax_scale, window_left, window_right, softcap, deterministic,
+# dropout_p); deterministic matters to the backward only. The forward also returns its dropout draw
+# (_dropout_draw), which the backward takes.
 
 @_op("fwd")
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
-         window_left: int, window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         window_left: int, window_right: int, softcap: float, deterministic: bool,
+         dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    draw = _dropout_draw(dropout_p)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
-        _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse),
+        _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse), **_dropout(dropout_p, draw),
                            **_options(causal, softmax_scale, window_left, window_right, softcap))
-    return out, lse
+    return out, lse, draw
 
 
 @torch.library.register_fake("cuflash::fwd")
-def _fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, deterministic):
+def _fwd_fake(q, k, v, *options):
     batch, seqlen_q, nheads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64))
 
 
 @_op("bwd")
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-         lse: torch.Tensor, causal: bool, softmax_scale: float | None, window_left: int, window_right: int,
-         softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         lse: torch.Tensor, draw: torch.Tensor, causal: bool, softmax_scale: float | None, window_left: int,
+         window_right: int, softcap: float, deterministic: bool,
+         dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _backward.attention_backward(_cp(dout.contiguous()), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                      dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
+                                     **_dropout(dropout_p, draw),
                                      **_options(causal, softmax_scale, window_left, window_right, softcap))
     return dq, dk, dv
 
 
 @torch.library.register_fake("cuflash::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, deterministic):
+def _bwd_fake(dout, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -132,9 +150,9 @@ def _fwd_setup(ctx, inputs, output):
     ctx.options = options
 
 
-def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*_bwd(dout, q, k, v, out, lse, *ctx.options), *[None] * len(ctx.options))
+def _fwd_backward(ctx, dout, dlse, ddraw):
+    q, k, v, out, lse, draw = ctx.saved_tensors
+    return (*_bwd(dout, q, k, v, out, lse, draw, *ctx.options), *[None] * len(ctx.options))
 
 
 torch.library.register_autograd("cuflash::fwd", _fwd_backward, setup_context=_fwd_setup)
@@ -144,9 +162,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's `flash_attn_func` on cuflash's kernels: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16 CUDA tensors. Returns out; with
-    return_attn_probs, (out, lse, None). No dropout or ALiBi here yet."""
+    return_attn_probs, (out, lse, None). dropout_p: the mask's seed is drawn from torch's default
+    generator (torch.manual_seed reproduces it) and regenerated by the backward. No ALiBi here yet."""
     options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
-    out, lse = _fwd(q, k, v, *options)
+    out, lse, _ = _fwd(q, k, v, *options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -156,31 +175,35 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    draw = _dropout_draw(dropout_p)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _varlen.attention_varlen(_cp(q), _cp(k), _cp(v), _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q,
-                                 max_seqlen_k, out=_cp(out), lse=_cp(lse),
+                                 max_seqlen_k, out=_cp(out), lse=_cp(lse), **_dropout(dropout_p, draw),
                                  **_options(causal, softmax_scale, window_left, window_right, softcap))
-    return out, lse
+    return out, lse, draw
 
 
 @torch.library.register_fake("cuflash::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64))
 
 
 @_op("varlen_bwd")
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                max_seqlen_k: int, causal: bool, softmax_scale: float | None, window_left: int, window_right: int,
-                softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lse: torch.Tensor, draw: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, window_left: int,
+                window_right: int, softcap: float, deterministic: bool,
+                dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _varlen.attention_varlen_backward(_cp(dout.contiguous()), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                           _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                                           dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
+                                          **_dropout(dropout_p, draw),
                                           **_options(causal, softmax_scale, window_left, window_right, softcap))
     return dq, dk, dv
 
@@ -196,9 +219,9 @@ def _varlen_setup(ctx, inputs, output):
     ctx.options = options
 
 
-def _varlen_backward(ctx, dout, dlse):
-    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    grads = _varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+def _varlen_backward(ctx, dout, dlse, ddraw):
+    q, k, v, cu_q, cu_k, out, lse, draw = ctx.saved_tensors
+    grads = _varlen_bwd(dout, q, k, v, out, lse, draw, cu_q, cu_k, *ctx.options)
     return (*grads, None, None, *[None] * len(ctx.options))
 
 
@@ -210,9 +233,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False):
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
-    (out, lse (nheads, total_q), None)."""
+    (out, lse (nheads, total_q), None). dropout_p as in flash_attn_func."""
     options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
-    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *options)
+    out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *options)
     return (out, lse, None) if return_attn_probs else out
 
 
