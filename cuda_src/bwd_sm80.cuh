@@ -314,7 +314,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             acc_to_a<BF16, NT_C>(p_frag, acc_s);
             unsigned long long kept = ~0ull;
             if constexpr (Mods::DROPOUT) {
-                kept = dropout_bits_t<NT_C>(mod_args, b * nheads + h, mc, n0 + warp_key0, lane);
+                kept = dropout_bits_t<NT_C, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, mc, n0 + warp_key0,
+                                                                 lane);
 #pragma unroll
                 for (int j = 0; j < NT_C; ++j)
 #pragma unroll
@@ -536,7 +537,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         zero(acc_dp);
         gemm_ss_nt<BF16, KS_D, NT_K>(acc_dp, smem_addr(sdO), a_off, warp_row0, v_smem, b_off, 0);
         if constexpr (Mods::DROPOUT)
-            dropout_tile(acc_dp, mod_args, b * nheads + h, m0 + warp_row0, kn0, lane, mod_args.dropout_scale);
+            dropout_tile<Mods::DROPOUT_STATE>(acc_dp, mod_args, b * nheads + h, m0 + warp_row0, kn0, lane,
+                                              mod_args.dropout_scale);
 #pragma unroll
         for (int j = 0; j < NT_K; ++j)
 #pragma unroll

@@ -285,7 +285,8 @@ __global__ void __launch_bounds__(384, 1)
         // Dropout (dropout.cuh): dP^T o M / (1 - p) in place of dP^T below, and (P o M / (1 - p))^T for dV.
         unsigned long long kept = ~0ull;
         if constexpr (Mods::DROPOUT) {
-            kept = dropout_bits_t<NT_S>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0, lane);
+            kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
+                                                             lane);
 #pragma unroll
             for (int i = 0; i < NT_S * 4; ++i)
                 acc_dp[i] = (kept >> i) & 1 ? acc_dp[i] * mod_args.dropout_scale : 0.f;
@@ -557,8 +558,8 @@ __global__ void __launch_bounds__(384, 1)
             wgmma_wait<0>();
             // Dropout (dropout.cuh): dP o M / (1 - p) in place of dP.
             if constexpr (Mods::DROPOUT)
-                dropout_tile(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), mod_args, b * nheads + h, m0 + warp_row0, n0,
-                             lane, mod_args.dropout_scale);
+                dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), mod_args, b * nheads + h,
+                                                  m0 + warp_row0, n0, lane, mod_args.dropout_scale);
             // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)

@@ -12,7 +12,13 @@
 // (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}); the dK/dV
 // kernels, holding S^T, take two units for eight elements. Element (i, j) is
 // kept when its draw is below dropout_threshold = round((1 - p) 2^16), and
-// kept values are scaled by 1 / (1 - p).
+// kept values are scaled by 1 / (1 - p). The seed and offset are the
+// ScoreModArgs fields, or, in the kernels built with MOD_DROPOUT_STATE (the
+// STATE arguments below), four words in device memory at dropout_state, read
+// once per tile, so that a framework's random state or a CUDA graph replay can
+// change the mask without the host. (A runtime choice between the two held the
+// key in registers across the key loop and made ptxas spill up to 276 bytes
+// more in the Hopper forward.)
 #pragma once
 #include "score_mods.cuh"
 
@@ -30,43 +36,59 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 key) {
     return c;
 }
 
+// A call's Philox key, offset and keep threshold, read once per tile.
+struct DropoutKey {
+    u32 seed_lo, key_hi, offset_lo, threshold;  // key_hi: seed_hi ^ offset_hi
+};
+
+template <bool STATE>
+__device__ __forceinline__ DropoutKey dropout_key(const ScoreModArgs& args) {
+    if constexpr (STATE) {
+        const uint4 s = __ldg(reinterpret_cast<const uint4*>(args.dropout_state));
+        return DropoutKey{s.x, s.y ^ s.w, s.z, args.dropout_threshold};
+    }
+    return DropoutKey{args.dropout_seed_lo, args.dropout_seed_hi ^ args.dropout_offset_hi, args.dropout_offset_lo,
+                      args.dropout_threshold};
+}
+
 // The draws of the unit at (r, c) of head bh.
-__device__ __forceinline__ uint4 dropout_unit(const ScoreModArgs& args, int bh, int r, int c) {
-    return philox4x32_10(make_uint4((u32)r, (u32)c, (u32)bh, args.dropout_offset_lo),
-                         make_uint2(args.dropout_seed_lo, args.dropout_seed_hi ^ args.dropout_offset_hi));
+__device__ __forceinline__ uint4 dropout_unit(const DropoutKey& key, int bh, int r, int c) {
+    return philox4x32_10(make_uint4((u32)r, (u32)c, (u32)bh, key.offset_lo), make_uint2(key.seed_lo, key.key_hi));
 }
 
 // Whether the element with draw half `half` of word `word` (a compile-time constant) is kept.
-__device__ __forceinline__ bool dropout_keeps(const ScoreModArgs& args, const uint4& unit, int word, int half) {
+__device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4& unit, int word, int half) {
     const u32 w = word == 0 ? unit.x : word == 1 ? unit.y : word == 2 ? unit.z : unit.w;
-    return ((w >> (16 * half)) & 0xffffu) < args.dropout_threshold;
+    return ((w >> (16 * half)) & 0xffffu) < key.threshold;
 }
 
 // Dropout on a warp's 16-row tile in the mma accumulator layout of S (rows are queries): tile
 // row0 and first column col0 (multiples of 16); dropped elements become 0, kept ones x `kept`.
-template <int NT>
+template <bool STATE, int NT>
 __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
                                              int lane, float kept = 1.f) {
     static_assert(NT % 2 == 0, "units span two n8 tiles");
+    const DropoutKey key = dropout_key<STATE>(args);
     const int r = row0 + (lane >> 2);
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
-        const uint4 unit = dropout_unit(args, bh, r, col0 + 16 * jj + 2 * (lane & 3));
+        const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                x[2 * jj + t][e] = dropout_keeps(args, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
+                x[2 * jj + t][e] = dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
     }
 }
 
 // The keep bits (bit 4 j + e for element e of n8 tile j) of a warp's 16 keys x 8 NT queries of S^T
 // in the mma accumulator layout: keys key0 + lane / 4 + 8 (e / 2), queries query0 + 8 j + 2 (lane % 4)
 // + e % 2 (key0 and query0 multiples of 16). Two units per pair of n8 tiles.
-template <int NT>
+template <int NT, bool STATE>
 __device__ __forceinline__ unsigned long long dropout_bits_t(const ScoreModArgs& args, int bh, int query0, int key0,
                                                              int lane) {
     static_assert(NT % 2 == 0 && NT <= 16, "units span two n8 tiles; 64 bits");
+    const DropoutKey key = dropout_key<STATE>(args);
     const int c = key0 + ((lane >> 2) & ~1), half = (lane >> 2) & 1;
     unsigned long long bits = 0;
 #pragma unroll
@@ -74,12 +96,12 @@ __device__ __forceinline__ unsigned long long dropout_bits_t(const ScoreModArgs&
         const int q0 = query0 + 16 * jj + 2 * (lane & 3);
 #pragma unroll
         for (int e0 = 0; e0 < 2; ++e0) {  // the unit of query q0 + e0 (and q0 + e0 + 8)
-            const uint4 unit = dropout_unit(args, bh, q0 + e0, c);
+            const uint4 unit = dropout_unit(key, bh, q0 + e0, c);
 #pragma unroll
             for (int t = 0; t < 2; ++t)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; ++e1)
-                    if (dropout_keeps(args, unit, 2 * t + e1, half))
+                    if (dropout_keeps(key, unit, 2 * t + e1, half))
                         bits |= 1ull << (4 * (2 * jj + t) + 2 * e1 + e0);
         }
     }

@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             online_softmax_sm80(acc_s[mt], acc_o[mt], row_max[mt], row_sum[mt], scale_log2);
             // Dropout after the row sums: the softmax normalises the undropped P.
             if constexpr (decltype(mods)::DROPOUT)
-                dropout_tile(acc_s[mt], mod_args, b * nheads + h, m0 + warp_row0 + mt * 16, n0, lane);
+                dropout_tile<Mods::DROPOUT_STATE>(acc_s[mt], mod_args, b * nheads + h, m0 + warp_row0 + mt * 16, n0,
+                                                  lane);
             acc_to_a<BF16, T::NTILES_S>(p_frag[mt], acc_s[mt]);
         }
 

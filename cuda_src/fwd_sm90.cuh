@@ -217,8 +217,8 @@ __global__ void __launch_bounds__(384, 1)
                 turns.begin_softmax();
                 online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
                 if constexpr (Mods::DROPOUT)
-                    dropout_tile(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args, tile.b * nheads + tile.h, row0,
-                                 n0, lane, mod_args.dropout_scale);
+                    dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
+                                                      tile.b * nheads + tile.h, row0, n0, lane, mod_args.dropout_scale);
                 turns.end_softmax();
             };
 

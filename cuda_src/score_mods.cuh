@@ -29,6 +29,7 @@ constexpr int MOD_SOFTCAP = 2;
 constexpr int MOD_ALIBI = 4;
 constexpr int MOD_VARLEN = 8;
 constexpr int MOD_DROPOUT = 16;  // dropout.cuh; not a score option: applied to P
+constexpr int MOD_DROPOUT_STATE = 32;  // with MOD_DROPOUT: the seed and offset read from device memory
 
 // Kernel parameter (cuflash/score_mods.py packs it, field for field).
 struct ScoreModArgs {
@@ -46,6 +47,7 @@ struct ScoreModArgs {
     unsigned dropout_offset_lo, dropout_offset_hi;  // and the stream's offset
     unsigned dropout_threshold;                     // keep a draw below this (of 2^16)
     float dropout_scale;                            // 1 / (1 - p)
+    const unsigned* dropout_state;                  // MOD_DROPOUT_STATE: seed lo, hi, offset lo, hi
 };
 
 __device__ __forceinline__ float tanh_approx(float x) {
@@ -69,6 +71,7 @@ struct ScoreMods {
     static constexpr bool ALIBI = MODS & MOD_ALIBI;
     static constexpr bool VARLEN = MODS & MOD_VARLEN;
     static constexpr bool DROPOUT = MODS & MOD_DROPOUT;
+    static constexpr bool DROPOUT_STATE = MODS & MOD_DROPOUT_STATE;
     static constexpr bool RIGHT_BOUND = CAUSAL || WINDOW;
 
     int nq, nk, diag;
@@ -130,7 +133,8 @@ struct ScoreMods {
         const float u = fmaf(log2_approx(p) + lse2, inv_score_log2, -bias(0.f, dist));
         return score_grad(fminf(fmaxf(u, -1.f), 1.f));
     }
-    static constexpr bool ANY = (MODS & ~(MOD_VARLEN | MOD_DROPOUT)) != 0;  // an option that touches scores
+    // An option that touches scores.
+    static constexpr bool ANY = (MODS & ~(MOD_VARLEN | MOD_DROPOUT | MOD_DROPOUT_STATE)) != 0;
 
     // Key blocks seen by query rows [m0, m0 + rows) (rows past nq included).
     template <int BC>

@@ -56,6 +56,9 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     the keep mask M a pure function of (seed, offset) and the position (b, h, i, j)
     (`cuflash.reference.dropout_keep_mask` gives it); lse stays the undropped softmax's. The
     backward takes the same three to regenerate M. 16-bit inputs, every 16-bit kernel family.
+    seed may instead be a device uint32 array of 4 words (seed low, seed high, offset low,
+    offset high; offset then 0) that the kernels read: a framework's random state or a CUDA
+    graph replay can then change the mask without the host.
     out, lse: optional arrays to write (q's shape, the output dtype, 16-byte
     aligned; float32 (batch, nheads, seqlen_q), C-contiguous). With both given
     the call allocates nothing, so it can be captured in a CUDA graph.

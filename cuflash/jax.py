@@ -37,6 +37,8 @@ from . import backward as _backward
 from . import forward as _forward
 from . import kv_cache as _kv_cache
 from . import launch as _launch
+from . import score_mods as _score_mods
+from . import validate as _validate
 from . import varlen as _varlen
 from .device import cupy, external_stream
 
@@ -62,6 +64,26 @@ def _option_items(causal, softmax_scale, window_size, softcap) -> tuple:
             ("softcap", float(softcap)))
 
 
+def _dropout_state(dropout_p, dropout_key):
+    """(dropout_p, the seed and offset words the kernels read) of a call: 4 uint32 drawn from
+    dropout_key (jax.random.bits), zeros without dropout; the backward regenerates the mask from them."""
+    p = _validate.dropout(dropout_p, 0, 0)[0]
+    if p == 0:
+        return p, jnp.zeros((_score_mods.DROPOUT_STATE_WORDS,), jnp.uint32)
+    if dropout_key is None:
+        raise ValueError("dropout_key: dropout_p > 0 needs a JAX random key (jax.random.key) to draw the mask from")
+    return p, jax.random.bits(dropout_key, (_score_mods.DROPOUT_STATE_WORDS,), jnp.uint32)
+
+
+def _with_dropout(options: dict, state) -> dict:
+    """cuflash's keywords: the options, and dropout's seed words (a view of the state buffer) where p > 0."""
+    p = options.pop("dropout_p")
+    if p == 0:
+        return options
+    words = _cupy_view(state, (-1, _score_mods.DROPOUT_STATE_WORDS))[0]  # vmap broadcasts it: one key for all
+    return dict(options, dropout_p=p, seed=words)
+
+
 def _cupy_view(buffer, shape):
     """A CuPy array over an XLA buffer (zero-copy), its leading dims merged into the batch of `shape`."""
     return cupy().from_dlpack(buffer).reshape(shape)
@@ -77,32 +99,33 @@ def _on_xla_stream(ctx):
     return external_stream(ctx.stream)
 
 
-def _forward_callback(options, ctx, outputs, q, k, v):
+def _forward_callback(options, ctx, outputs, q, k, v, state):
     out, lse = outputs
     qc, kc, vc = (_cupy_view(x, _batch_shape(x)) for x in (q, k, v))
     with _on_xla_stream(ctx):
         _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out)),
-                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **options)
+                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **_with_dropout(dict(options), state))
 
 
-def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse):
+def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state):
     *grads, scratch = outputs
     dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in grads)
     inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
     with _on_xla_stream(ctx):
         workspace = _launch.BackwardWorkspace(0, cupy().cuda.Device().id, _cupy_view(scratch, (-1,)))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
-                                     deterministic=deterministic, workspace=workspace, **options)
+                                     deterministic=deterministic, workspace=workspace,
+                                     **_with_dropout(dict(options), state))
 
 
-def _forward_call(q, k, v, options):
+def _forward_call(q, k, v, state, options):
     batch, seqlen_q, nheads, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
     call = _buffer_callback(functools.partial(_forward_callback, options), shapes, vmap_method="broadcast_all")
-    return call(q, k, v)
+    return call(q, k, v, state)
 
 
-def _backward_call(dout, q, k, v, out, lse, options, deterministic):
+def _backward_call(dout, q, k, v, out, lse, state, options, deterministic):
     # The backward's scratch is one more output, so that XLA owns it: no allocation in the call.
     batch = int(numpy.prod(q.shape[:-3]))  # vmapped dims merge into the batch
     floats = _backward.workspace_floats((batch, *q.shape[-3:]), (batch, *k.shape[-3:]), q.dtype,
@@ -112,32 +135,40 @@ def _backward_call(dout, q, k, v, out, lse, options, deterministic):
               jax.ShapeDtypeStruct((max(floats, 1),), jnp.float32))
     call = _buffer_callback(functools.partial(_backward_callback, options, deterministic), shapes,
                             vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse)[:3]
+    return call(dout, q, k, v, out, lse, state)[:3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, options, deterministic):
-    return _forward_call(q, k, v, dict(options))[0]
+def _no_cotangent(x):
+    """The cotangent of an integer input: float0 zeros."""
+    return numpy.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attention_fwd(q, k, v, options, deterministic):
-    out, lse = _forward_call(q, k, v, dict(options))
-    return out, (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, state, options, deterministic):
+    return _forward_call(q, k, v, state, dict(options))[0]
+
+
+def _attention_fwd(q, k, v, state, options, deterministic):
+    out, lse = _forward_call(q, k, v, state, dict(options))
+    return out, (q, k, v, out, lse, state)
 
 
 def _attention_bwd(options, deterministic, residuals, dout):
-    q, k, v, out, lse = residuals
-    return _backward_call(dout, q, k, v, out, lse, dict(options), deterministic)
+    q, k, v, out, lse, state = residuals
+    return (*_backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic), _no_cotangent(state))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              deterministic=False):
+              deterministic=False, dropout_p=0.0, dropout_key=None):
     """`cuflash.attention` on JAX arrays, usable inside `jax.jit`, differentiable (`jax.grad`, `jax.vjp`).
 
     deterministic: the backward's dq without atomics (bitwise reproducible).
+    dropout_p, dropout_key: dropout on the probabilities, its mask's seed and offset drawn from
+    the JAX random key (`jax.random.bits(dropout_key, (4,), uint32)`, the words `cuflash.attention`
+    takes as `seed`); the kernels read them on the device and the backward regenerates the mask.
     Options are checked when the kernels first run (inside the computation);
     their errors name the argument as `cuflash.attention`'s do.
     """
@@ -145,8 +176,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
-    options = _option_items(causal, softmax_scale, window_size, softcap)
-    return _attention(q, k, v, options, bool(deterministic))
+    p, state = _dropout_state(dropout_p, dropout_key)
+    options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    return _attention(q, k, v, state, options, bool(deterministic))
 
 
 # ---------------------------------------------------------------- packed batches
@@ -189,9 +221,7 @@ def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
     call = _buffer_callback(functools.partial(_varlen_backward_callback, lengths, dict(options), deterministic),
                             shapes, vmap_method="sequential")
     dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k)
-    # The offsets are integers: their cotangents are float0 zeros.
-    zeros = tuple(numpy.zeros(x.shape, jax.dtypes.float0) for x in (cu_q, cu_k))
-    return dq, dk, dv, *zeros
+    return dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k)
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)

@@ -22,6 +22,7 @@ MOD_SOFTCAP = cpp_int_constant("score_mods.cuh", "MOD_SOFTCAP")
 MOD_ALIBI = cpp_int_constant("score_mods.cuh", "MOD_ALIBI")
 MOD_VARLEN = cpp_int_constant("score_mods.cuh", "MOD_VARLEN")
 MOD_DROPOUT = cpp_int_constant("score_mods.cuh", "MOD_DROPOUT")
+MOD_DROPOUT_STATE = cpp_int_constant("score_mods.cuh", "MOD_DROPOUT_STATE")
 
 LOG2E = math.log2(math.e)
 
@@ -31,7 +32,7 @@ KERNEL_ARGS_DTYPE = numpy.dtype([
     ("alibi_unit", "<f4"), ("alibi_slopes", "<u8"), ("alibi_batch_stride", "<i8"),
     ("cu_seqlens_q", "<u8"), ("cu_seqlens_k", "<u8"), ("total_q", "<i4"), ("total_k", "<i4"), ("num_seqs", "<i4"),
     ("dropout_seed_lo", "<u4"), ("dropout_seed_hi", "<u4"), ("dropout_offset_lo", "<u4"), ("dropout_offset_hi", "<u4"),
-    ("dropout_threshold", "<u4"), ("dropout_scale", "<f4"),
+    ("dropout_threshold", "<u4"), ("dropout_scale", "<f4"), ("dropout_state", "<u8"),
 ], align=True)
 # The 8-byte words of the packed struct that hold addresses (rewritten per call).
 ALIBI_SLOPES_WORD = KERNEL_ARGS_DTYPE.fields["alibi_slopes"][1] // 8
@@ -50,17 +51,23 @@ class Varlen:
 
 @dataclasses.dataclass(frozen=True)
 class Dropout:
-    """Dropout with keep mask M of (seed, offset) (cuda_src/dropout.cuh): P o M / (1 - p)."""
+    """Dropout with keep mask M of (seed, offset) (cuda_src/dropout.cuh): P o M / (1 - p). state: the
+    device address of DROPOUT_STATE_WORDS uint32 words that hold the seed and offset instead (0: none),
+    which the kernels read when they start."""
 
     p: float
     seed: int
     offset: int
+    state: int = 0
 
     @property
     def threshold(self) -> int:
         """Draws (16 bits) below this are kept."""
         return round((1.0 - self.p) * (1 << DROPOUT_DRAW_BITS))
 
+
+# A seed and offset held on the device: seed low, seed high, offset low, offset high (uint32).
+DROPOUT_STATE_WORDS = 4
 
 # Bits of each element's uniform draw (eight draws per Philox call; 8 bits would leave the keep rate
 # up to 1/512 off 1 - p, beyond 4 sigma of a million elements).
@@ -86,7 +93,8 @@ class ScoreMods:
         """The kernels' MODS template argument."""
         return ((MOD_WINDOW if self.window is not None else 0) | (MOD_SOFTCAP if self.softcap else 0)
                 | (MOD_ALIBI if self.alibi else 0) | (MOD_VARLEN if self.varlen is not None else 0)
-                | (MOD_DROPOUT if self.dropout is not None else 0))
+                | (MOD_DROPOUT if self.dropout is not None else 0)
+                | (MOD_DROPOUT_STATE if self.dropout is not None and self.dropout.state else 0))
 
     def score_log2(self, scale: float) -> float:
         """c, the kernels' exponent factor: P = 2^(u c - m c) for a score u in the kernels' units."""
@@ -114,6 +122,7 @@ class ScoreMods:
             args["dropout_offset_lo"], args["dropout_offset_hi"] = d.offset & 0xFFFFFFFF, d.offset >> 32
             args["dropout_threshold"] = d.threshold
             args["dropout_scale"] = 1.0 / (1.0 - d.p)
+            args["dropout_state"] = d.state
         return numpy.frombuffer(args.tobytes(), numpy.uint64).copy()
 
 

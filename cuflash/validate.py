@@ -12,7 +12,7 @@ import math
 import numpy
 
 from . import device, score_mods
-from .arrays import dtype_name, is_aligned, last_dim_contiguous
+from .arrays import ALIGN_BYTES, dtype_name, is_aligned, last_dim_contiguous
 from .config import FP8_DTYPE_NAME
 
 MAX_HEADDIM = 256
@@ -98,13 +98,20 @@ def score_options(q, k, causal, window, cap, slopes, dropout_p=0.0, seed=0, offs
     if slopes is not None and slopes.device != q.device:
         raise ValueError(f"alibi_slopes is on device {slopes.device.id}, q on device {q.device.id}")
     return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1],
-                                dropout=dropout_option(dropout_p, seed, offset))
+                                dropout=dropout_option(dropout_p, seed, offset, q))
 
 
-def dropout_option(p, seed, offset):
-    """The call's score_mods.Dropout, None for dropout_p = 0 (after `dropout`'s checks)."""
+def dropout_option(p, seed, offset, q):
+    """The call's score_mods.Dropout, None for dropout_p = 0 (after `dropout`'s checks; a seed
+    given as a device array must be on q's device)."""
     prob, seed, offset = dropout(p, seed, offset)
-    return score_mods.Dropout(prob, seed, offset) if prob > 0 else None
+    if prob == 0:
+        return None
+    if isinstance(seed, int):
+        return score_mods.Dropout(prob, seed, offset)
+    if seed.device != q.device:
+        raise ValueError(f"seed is on device {seed.device.id}, q on device {q.device.id}")
+    return score_mods.Dropout(prob, 0, 0, state=seed.data.ptr)
 
 
 def qkv(q, k, v, allow_fp8: bool = False) -> str:
@@ -267,13 +274,26 @@ def max_seqlen(name: str, value, cu_host=None) -> int:
     return length
 
 
-def dropout(p, seed, offset) -> tuple[float, int, int]:
-    """(dropout_p, seed, offset) of a call: p a real in [0, 1), seed and offset ints in [0, 2**64)."""
+def dropout(p, seed, offset) -> tuple[float, object, int]:
+    """(dropout_p, seed, offset) of a call: p a real in [0, 1), seed and offset ints in [0, 2**64),
+    or seed a device array of the seed and offset as 4 uint32 words (score_mods.DROPOUT_STATE_WORDS),
+    read by the kernels, with offset 0."""
     if isinstance(p, bool) or not isinstance(p, (int, float, numpy.floating, numpy.integer)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
     prob = float(p)
     if not 0.0 <= prob < 1.0:  # also rejects NaN
         raise ValueError(f"dropout_p must be in [0, 1), got {p!r}")
+    if isinstance(seed, device.cupy().ndarray):
+        words = score_mods.DROPOUT_STATE_WORDS
+        if seed.dtype != numpy.uint32 or seed.shape != (words,) or not seed.flags.c_contiguous:
+            raise ValueError(f"seed given as an array must be {words} contiguous uint32 words (seed low, seed "
+                             f"high, offset low, offset high), got {seed.dtype} {seed.shape}")
+        if seed.data.ptr % ALIGN_BYTES:
+            raise ValueError(f"seed given as an array must be {ALIGN_BYTES}-byte aligned, got address "
+                             f"{seed.data.ptr:#x}")
+        if not is_int(offset) or offset != 0:
+            raise ValueError(f"offset must be 0 when seed is an array (the array holds the offset), got {offset!r}")
+        return prob, seed, 0
     values = []
     for name, value in (("seed", seed), ("offset", offset)):
         if not is_int(value):

@@ -74,7 +74,7 @@ def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max
     if alibi_slopes is not None and alibi_slopes.device != q.device:
         raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
     return normalise(bool(causal), window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
-                     Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout))
+                     Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout, q))
 
 
 def _packed(*arrays):

@@ -120,3 +120,71 @@ def test_bad_dropout_p(p, error):
     q = cupy.zeros((1, 16, 2, 64), np.float16)
     with pytest.raises(error, match=mentions("dropout_p")):
         cuflash.attention(q, q, q, dropout_p=p)
+
+
+def _seed_words(seed, offset):
+    """The device words that stand for (seed, offset): seed low, seed high, offset low, offset high."""
+    return cupy.asarray([seed & 0xFFFFFFFF, seed >> 32, offset & 0xFFFFFFFF, offset >> 32], np.uint32)
+
+
+@pytest.mark.parametrize("headdim", [32, 64, 128])  # 32: the sm_80 kernels on Hopper
+def test_seed_words_on_the_device_give_the_host_seeds_mask(headdim):
+    """seed as a device array of 4 words: forward and both backward modes equal, bitwise, the calls
+    with the same seed and offset as ints; packed batches too."""
+    rng = np.random.default_rng(headdim)
+    q, k, v = (cupy.asarray(randn(rng, (2, n, h, headdim), np.float16)) for n, h in ((97, 4), (130, 2), (130, 2)))
+    dout = cupy.asarray(randn(rng, (2, 97, 4, headdim), np.float16))
+    seed, offset = 2**40 + 17, 2**33 + 5
+    host = dict(causal=True, dropout_p=0.25, seed=seed, offset=offset)
+    device = dict(causal=True, dropout_p=0.25, seed=_seed_words(seed, offset))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **host)
+    out_d, lse_d = cuflash.attention(q, k, v, return_lse=True, **device)
+    assert bool((out == out_d).all()) and bool((lse == lse_d).all())
+    for deterministic in (False, True):
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **host)
+        dq_d, dk_d, dv_d = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **device)
+        assert bool((dk == dk_d).all()) and bool((dv == dv_d).all())
+        if deterministic:  # the atomic dQ adds in any order
+            assert bool((dq == dq_d).all())
+        else:
+            cupy.testing.assert_allclose(dq_d, dq, rtol=1e-2, atol=1e-3)
+    cu = np.array([0, 40, 97], np.int32)
+    packed = [x.reshape(-1, *x.shape[2:])[:97] for x in (q, k, v)]
+    varlen_host = cuflash.attention_varlen(*packed, cu, cu, 57, 57, **host)
+    varlen_device = cuflash.attention_varlen(*packed, cu, cu, 57, 57, **device)
+    assert bool((varlen_host == varlen_device).all())
+
+
+def test_graph_replays_follow_new_seed_words():
+    """A captured forward with its seed on the device: each replay after new words are written
+    equals the eager call with those words."""
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(randn(rng, (1, 130, 2, 64), np.float16)) for _ in range(3))
+    words = _seed_words(1, 2)
+    out = cupy.empty_like(q)
+    lse = cupy.empty((1, 2, 130), np.float32)
+    options = dict(dropout_p=0.3, seed=words, out=out, lse=lse)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, **options)  # first call: compiles, outside the capture
+        stream.begin_capture()
+        cuflash.attention(q, k, v, **options)
+        graph = stream.end_capture()
+        for seed, offset in ((5, 0), (5, 1), (2**50, 3)):
+            words[...] = _seed_words(seed, offset)  # on the stream, before the replay
+            graph.launch(stream)
+            expected = cuflash.attention(q, k, v, dropout_p=0.3, seed=seed, offset=offset)
+            assert bool((out == expected).all())
+
+
+@pytest.mark.parametrize("words, error", [
+    (lambda: cupy.zeros(3, np.uint32), "4 contiguous uint32"), (lambda: cupy.zeros(4, np.int32), "4 contiguous uint32"),
+    (lambda: cupy.zeros(8, np.uint32)[::2], "4 contiguous uint32"), (lambda: cupy.zeros(5, np.uint32)[1:], "aligned")],
+    ids=["three_words", "int32", "strided", "misaligned"])
+def test_bad_seed_words(words, error):
+    words = words()
+    q = cupy.zeros((1, 16, 2, 64), np.float16)
+    with pytest.raises(ValueError, match=error):
+        cuflash.attention(q, q, q, dropout_p=0.1, seed=words)
+    with pytest.raises(ValueError, match="offset"):
+        cuflash.attention(q, q, q, dropout_p=0.1, seed=_seed_words(1, 0), offset=3)

@@ -168,3 +168,46 @@ def test_shard_map_runs_each_device_on_its_shard(rng):
     naives = reference.attention_backward_naive_lowp(dout_host, *host, causal=True, dtype=np.float16)
     for g, r, n in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r, n, atol)
+
+
+def test_dropout_in_jit_follows_its_key(rng):
+    """dropout_p with a JAX key inside jit: forward and gradients hold the 2x rule against the
+    reference given the mask of the words drawn from the key; they equal eager cuflash given those
+    words as seed, bitwise; another key gives another output."""
+    import cupy
+
+    import cuflash
+    import cuflash.jax
+
+    host, dout = inputs(rng)
+    q, k, v = (jnp.asarray(x) for x in host)
+    p = 0.2
+
+    def loss(q, k, v, key):
+        out = cuflash.jax.attention(q, k, v, causal=True, deterministic=True, dropout_p=p, dropout_key=key)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    key = jax.random.key(5)
+    (_, out), grads = step(q, k, v, key)
+    words = np.asarray(jax.random.bits(key, (4,), jnp.uint32)).astype(np.uint64)
+    seed, offset = int(words[0] | words[1] << 32), int(words[2] | words[3] << 32)
+    drop = dict(dropout_mask=reference.dropout_keep_mask(seed, offset, 2, 4, 197, 300, p), dropout_p=p, causal=True)
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(np.asarray(out), reference.attention(*host, **drop),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, **drop), atol)
+    refs = reference.attention_backward(dout, *host, **drop)
+    naives = reference.attention_backward_naive_lowp(dout, *host, dtype=np.float16, **drop)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, atol)
+
+    dev = [cupy.asarray(x) for x in host]
+    options = dict(causal=True, dropout_p=p, seed=cupy.asarray(words.astype(np.uint32)))
+    eager_out, eager_lse = cuflash.attention(*dev, return_lse=True, **options)
+    eager_grads = cuflash.attention_backward(cupy.asarray(dout), *dev, eager_out, eager_lse, deterministic=True,
+                                             **options)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), eager_out.get().view(np.uint16))
+    for g, e in zip(grads, eager_grads):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
+    (_, other), _ = step(q, k, v, jax.random.key(6))
+    assert not np.array_equal(np.asarray(other), np.asarray(out))

@@ -25,7 +25,7 @@ from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS,
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_plans,
                         sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
-from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
+from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
@@ -47,7 +47,8 @@ VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI
 FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 # Dropout (16-bit) on every 16-bit family, as (causal, MODS): alone, and causal packed with every
 # option (the one template's two extremes; each variant compiled costs CI seconds).
-DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI))
+DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI),
+                 (True, MOD_DROPOUT | MOD_DROPOUT_STATE))
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
