@@ -183,58 +183,62 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 # ---------------------------------------------------------------- packed batches
 
-def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k):
+def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state):
     out, lse = outputs
     with _on_xla_stream(ctx):
         _varlen.attention_varlen(*(_cupy_view(x, x.shape) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=_cupy_view(out, out.shape), lse=_cupy_view(lse, lse.shape), **options)
+                                 out=_cupy_view(out, out.shape), lse=_cupy_view(lse, lse.shape),
+                                 **_with_dropout(dict(options), state))
 
 
-def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k):
+def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k,
+                              state):
     dq, dk, dv = (_cupy_view(x, x.shape) for x in outputs)
     arrays = [_cupy_view(x, x.shape) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
     with _on_xla_stream(ctx):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
-                                          **options)
+                                          **_with_dropout(dict(options), state))
 
 
-def _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, options):
+def _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, options):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
     call = _buffer_callback(functools.partial(_varlen_forward_callback, lengths, options), shapes,
                             vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k)
+    return call(q, k, v, cu_q, cu_k, state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention_varlen(q, k, v, cu_q, cu_k, lengths, options, deterministic):
-    return _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, dict(options))[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention_varlen(q, k, v, cu_q, cu_k, state, lengths, options, deterministic):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, dict(options))[0]
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, lengths, options, deterministic):
-    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, lengths, dict(options))
-    return out, (q, k, v, cu_q, cu_k, out, lse)
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, state, lengths, options, deterministic):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, dict(options))
+    return out, (q, k, v, cu_q, cu_k, state, out, lse)
 
 
 def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
-    q, k, v, cu_q, cu_k, out, lse = residuals
+    q, k, v, cu_q, cu_k, state, out, lse = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = _buffer_callback(functools.partial(_varlen_backward_callback, lengths, dict(options), deterministic),
                             shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k)
-    return dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k)
+    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state)
+    return dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), _no_cotangent(state)
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, deterministic=False):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, deterministic=False, dropout_p=0.0,
+                     dropout_key=None):
     """`cuflash.attention_varlen` on JAX arrays inside `jax.jit`, differentiable in q, k and v.
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim); cu_seqlens_q and
     cu_seqlens_k int32 (batch + 1,) JAX arrays (their values are the caller's contract, as for
     device offsets in cuflash.attention_varlen); max_seqlen_q, max_seqlen_k: Python ints.
-    `jax.vmap` runs one call per mapped element ("sequential").
+    dropout_p, dropout_key: as `attention`'s. `jax.vmap` runs one call per mapped element
+    ("sequential").
     """
     _require_gpu_backend()
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
@@ -244,8 +248,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
-    options = _option_items(causal, softmax_scale, window_size, softcap)
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, lengths, options, bool(deterministic))
+    p, state = _dropout_state(dropout_p, dropout_key)
+    options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, state, lengths, options, bool(deterministic))
 
 
 # ---------------------------------------------------------------- KV cache

@@ -211,3 +211,35 @@ def test_dropout_in_jit_follows_its_key(rng):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
     (_, other), _ = step(q, k, v, jax.random.key(6))
     assert not np.array_equal(np.asarray(other), np.asarray(out))
+
+
+def test_varlen_dropout_in_jit_equals_eager():
+    """attention_varlen with dropout_p and a key inside jit: output and gradients equal eager cuflash
+    given the key's words as seed, bitwise."""
+    import cupy
+
+    import cuflash
+    import cuflash.jax
+
+    rng = np.random.default_rng(21)
+    lengths = [17, 0, 130, 64]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    host = [randn(rng, (int(cu[-1]), h, 64), np.float16) for h in (4, 2, 2)]
+    dout = randn(rng, host[0].shape, np.float16)
+    key = jax.random.key(9)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention_varlen(q, k, v, jnp.asarray(cu), jnp.asarray(cu), 130, 130, causal=True,
+                                           deterministic=True, dropout_p=0.3, dropout_key=key)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*map(jnp.asarray, host))
+    words = cupy.asarray(np.asarray(jax.random.bits(key, (4,), jnp.uint32)))
+    dev = [cupy.asarray(x) for x in host]
+    options = dict(causal=True, dropout_p=0.3, seed=words)
+    eager_out, eager_lse = cuflash.attention_varlen(*dev, cu, cu, 130, 130, return_lse=True, **options)
+    eager_grads = cuflash.attention_varlen_backward(cupy.asarray(dout), *dev, eager_out, eager_lse, cu, cu, 130, 130,
+                                                    deterministic=True, **options)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), eager_out.get().view(np.uint16))
+    for g, e in zip(grads, eager_grads):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
