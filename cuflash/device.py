@@ -112,10 +112,16 @@ class _StreamHandle:
         return 0, self.ptr
 
 
-@functools.lru_cache(maxsize=64)
 def external_stream(ptr: int):
-    """A CuPy stream over another library's CUDA stream (XLA's, torch's): `with` it, cuflash launches there.
-    Memoised on the pointer: a framework calls on the same few streams every time."""
+    """A CuPy stream over another library's CUDA stream (XLA's, torch's) on the current device: `with`
+    it, cuflash launches there. Memoised on the pointer and the device (a CuPy stream belongs to the
+    device current at its making, and torch's default stream is 0 on every device): a framework calls
+    on the same few streams every time."""
+    return _external_stream(ptr, cupy().cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(ptr: int, device_id: int):
     stream = cupy().cuda.Stream
     if hasattr(stream, "from_external"):
         return stream.from_external(_StreamHandle(ptr))

@@ -17,12 +17,14 @@ backward, as flash-attn does.
   (buffer_callback's "broadcast_all": an unmapped operand is broadcast first).
 - `jax.grad`, `jax.checkpoint` and `shard_map` work as with any custom_vjp
   function; each device calls the kernels on its own shard.
-- The backward's scratch and the forward's first-call buffers come from
-  CuPy's memory pool on XLA's stream: leave JAX room for them
+- `attention`'s backward scratch is an output XLA allocates; the forward's
+  per-stream buffers and the varlen backward's scratch come from CuPy's memory
+  pool on XLA's stream: leave JAX room for them
   (`XLA_PYTHON_CLIENT_MEM_FRACTION`, or `XLA_PYTHON_CLIENT_PREALLOCATE=false`).
 - The callbacks are not recorded into XLA's command buffers
-  (`command_buffer_compatible=False`): a first call of a signature compiles
-  kernels and allocates, which a CUDA graph capture forbids.
+  (`command_buffer_compatible=False`): with them, measured no faster
+  (docs/design.md), and XLA records a callback on a stream of its own, where a
+  first call would allocate the forward's per-stream buffers.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def _with_dropout(options: dict, state) -> dict:
     p = options.pop("dropout_p")
     if p == 0:
         return options
-    words = _cupy_view(state, (-1, _score_mods.DROPOUT_STATE_WORDS))[0]  # vmap broadcasts it: one key for all
+    # Under jax.vmap the words are broadcast (or batched): every element takes the first's.
+    words = _cupy_view(state, (-1, _score_mods.DROPOUT_STATE_WORDS))[0]
     return dict(options, dropout_p=p, seed=words)
 
 
@@ -112,7 +115,7 @@ def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out,
     dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in grads)
     inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
     with _on_xla_stream(ctx):
-        workspace = _launch.BackwardWorkspace(0, cupy().cuda.Device().id, _cupy_view(scratch, (-1,)))
+        workspace = _launch.BackwardWorkspace(0, dq.device.id, _cupy_view(scratch, (-1,)))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
                                      deterministic=deterministic, workspace=workspace,
                                      **_with_dropout(dict(options), state))
@@ -169,8 +172,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     dropout_p, dropout_key: dropout on the probabilities, its mask's seed and offset drawn from
     the JAX random key (`jax.random.bits(dropout_key, (4,), uint32)`, the words `cuflash.attention`
     takes as `seed`); the kernels read them on the device and the backward regenerates the mask.
-    Options are checked when the kernels first run (inside the computation);
-    their errors name the argument as `cuflash.attention`'s do.
+    Under `jax.vmap` the mapped elements share one key (the first's; their masks differ by their
+    index in the merged batch), so a vmapped call is not the calls of its elements.
+    dropout_p is checked when traced, the other options when the kernels first run (inside the
+    computation); their errors name the argument as `cuflash.attention`'s do.
     """
     _require_gpu_backend()
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:

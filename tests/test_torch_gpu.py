@@ -112,25 +112,39 @@ def test_dropout_mask_comes_from_torch_generator(rng):
     assert not torch.equal(block(*leaves(host)), eager[0])
 
 
-def test_varlen_dropout_compiled_equals_eager(rng):
+def test_varlen_dropout_follows_the_reference(rng):
+    """flash_attn_varlen_func with dropout_p: the mask of the drawn (seed, offset) over each sequence's own
+    positions; forward and gradients hold the 2x rule against the reference given it, and compiled equals
+    eager bitwise under the same seed."""
     from cuflash.torch import flash_attn_varlen_func
 
-    lengths = [17, 0, 130, 64]
-    cu_t = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).cuda()
-    host = [randn(rng, (sum(lengths), h, 64), np.float16) for h in (4, 2, 2)]
-    dout = torch.from_numpy(randn(rng, (sum(lengths), 4, 64), np.float16).view(np.int16)).view(torch.float16).cuda()
+    lengths, p = [17, 0, 130, 64], 0.3
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu_t = torch.from_numpy(cu).cuda()
+    host = [randn(rng, (int(cu[-1]), h, 64), np.float16) for h in (4, 2, 2)]
+    dout_host = randn(rng, (int(cu[-1]), 4, 64), np.float16)
+    dout = torch.from_numpy(dout_host.view(np.int16)).view(torch.float16).cuda()
 
     def call(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu_t, cu_t, 130, 130, dropout_p=0.3, causal=True, deterministic=True)
+        return flash_attn_varlen_func(q, k, v, cu_t, cu_t, 130, 130, dropout_p=p, causal=True, deterministic=True)
 
+    torch.manual_seed(3)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
     runs = []
     for fn in (call, torch.compile(call, fullgraph=True)):
         torch.manual_seed(3)
         runs.append(grads_of(fn, leaves(host), dout))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    plain = flash_attn_varlen_func(*leaves(host), cu_t, cu_t, 130, 130, causal=True)
-    assert not torch.equal(plain, runs[0][0])
+    mask = reference.dropout_keep_mask(seed, offset, len(lengths), 4, max(lengths), max(lengths), p)
+    drop = dict(dropout_mask=mask, dropout_p=p, causal=True)
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(as_numpy(runs[0][0]), reference.attention_varlen(*host, cu, cu, **drop),
+                    reference.attention_varlen_naive_lowp(*host, cu, cu, dtype=np.float16, **drop), atol)
+    refs = reference.attention_varlen_backward(dout_host, *host, cu, cu, **drop)
+    naives = reference.attention_varlen_backward_naive_lowp(dout_host, *host, cu, cu, dtype=np.float16, **drop)
+    for g, r, n in zip(runs[0][1:], refs, naives):
+        assert_close_2x(as_numpy(g), r, n, atol)
 
 
 def test_bad_dropout_p_is_named():
