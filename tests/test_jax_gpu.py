@@ -72,6 +72,26 @@ def test_vmap_merges_the_mapped_axis_into_the_batch(rng):
     assert_close_2x(np.asarray(shared[1]), ref, naive, ATOL[np.dtype(np.float16)])
 
 
+def test_vmap_of_grad_sizes_the_workspace_for_the_merged_batch(rng):
+    """jax.vmap of jax.grad: the backward's scratch (an XLA output) is batched with the mapped axis and
+    covers the merged batch; each element's gradients equal those of its own call, bitwise."""
+    import cuflash.jax
+
+    stacks = [inputs(np.random.default_rng(seed), batch=1, nq=97, nk=130)[0] for seed in range(3)]
+    q, k, v = (jnp.asarray(np.stack([s[i] for s in stacks])) for i in range(3))
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(cuflash.jax.attention(q, k, v, causal=True, deterministic=True)
+                                       .astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    mapped = jax.jit(jax.vmap(grads))(q, k, v)
+    for i in range(len(stacks)):
+        own = jax.jit(grads)(q[i], k[i], v[i])
+        for a, b in zip(mapped, own):
+            np.testing.assert_array_equal(np.asarray(a[i]).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
 def test_grad_under_checkpoint(rng):
     import cuflash.jax
 
