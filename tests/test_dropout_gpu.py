@@ -156,25 +156,37 @@ def test_seed_words_on_the_device_give_the_host_seeds_mask(headdim):
 
 
 def test_graph_replays_follow_new_seed_words():
-    """A captured forward with its seed on the device: each replay after new words are written
-    equals the eager call with those words."""
+    """A captured forward and backward with their seed on the device: each replay after new words are
+    written equals the eager calls with those words (the backward's deterministic dq bitwise too)."""
     rng = np.random.default_rng(3)
-    q, k, v = (cupy.asarray(randn(rng, (1, 130, 2, 64), np.float16)) for _ in range(3))
+    q, k, v, dout = (cupy.asarray(randn(rng, (1, 130, 2, 64), np.float16)) for _ in range(4))
     words = _seed_words(1, 2)
     out = cupy.empty_like(q)
     lse = cupy.empty((1, 2, 130), np.float32)
-    options = dict(dropout_p=0.3, seed=words, out=out, lse=lse)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    workspace = cuflash.backward_workspace(q, k, v, dropout_p=0.3, deterministic=True)
+    drop = dict(dropout_p=0.3, seed=words)
+
+    def step():
+        cuflash.attention(q, k, v, out=out, lse=lse, **drop)
+        cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                   workspace=workspace, deterministic=True, **drop)
+
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        cuflash.attention(q, k, v, **options)  # first call: compiles, outside the capture
+        step()  # first calls: compiled, outside the capture
         stream.begin_capture()
-        cuflash.attention(q, k, v, **options)
+        step()
         graph = stream.end_capture()
         for seed, offset in ((5, 0), (5, 1), (2**50, 3)):
             words[...] = _seed_words(seed, offset)  # on the stream, before the replay
             graph.launch(stream)
-            expected = cuflash.attention(q, k, v, dropout_p=0.3, seed=seed, offset=offset)
+            options = dict(dropout_p=0.3, seed=seed, offset=offset)
+            expected, expected_lse = cuflash.attention(q, k, v, return_lse=True, **options)
             assert bool((out == expected).all())
+            expected_grads = cuflash.attention_backward(dout, q, k, v, expected, expected_lse, deterministic=True,
+                                                        **options)
+            assert all(bool((g == e).all()) for g, e in zip(grads, expected_grads))
 
 
 @pytest.mark.parametrize("words, error", [
