@@ -42,9 +42,7 @@ def combine_partials(out_partials, lse_partials, *, out_dtype=None, out=None, re
     if lse_partials.shape != expected:
         raise ValueError(f"lse_partials must have shape (S, batch, nheads, seqlen) = {expected}, "
                          f"got {lse_partials.shape}")
-    if lse_partials.device != out_partials.device:
-        raise ValueError(f"lse_partials is on device {lse_partials.device.id}, out_partials on device "
-                         f"{out_partials.device.id}")
+    validate.same_device("lse_partials", lse_partials, out_partials, "out_partials")
     if headdim % 4 != 0 or not last_dim_contiguous(out_partials) or out_partials.data.ptr % 16 or any(
             s % 4 for s in elem_strides(out_partials)[:4]):
         raise ValueError("out_partials must have a head dim that is a multiple of 4, contiguous, with rows "

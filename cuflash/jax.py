@@ -78,7 +78,9 @@ def _dropout_state(dropout_p, dropout_key):
 
 
 def _with_dropout(options: dict, state) -> dict:
-    """cuflash's keywords: the options, and dropout's seed words (a view of the state buffer) where p > 0."""
+    """cuflash's keywords: the options (a new dict), and dropout's seed words (a view of the state
+    buffer) where p > 0."""
+    options = dict(options)
     p = options.pop("dropout_p")
     if p == 0:
         return options
@@ -107,7 +109,7 @@ def _forward_callback(options, ctx, outputs, q, k, v, state):
     qc, kc, vc = (_cupy_view(x, _batch_shape(x)) for x in (q, k, v))
     with _on_xla_stream(ctx):
         _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out)),
-                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **_with_dropout(dict(options), state))
+                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **_with_dropout(options, state))
 
 
 def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state):
@@ -118,7 +120,7 @@ def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out,
         workspace = _launch.BackwardWorkspace(0, dq.device.id, _cupy_view(scratch, (-1,)))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
                                      deterministic=deterministic, workspace=workspace,
-                                     **_with_dropout(dict(options), state))
+                                     **_with_dropout(options, state))
 
 
 def _forward_call(q, k, v, state, options):
@@ -193,7 +195,7 @@ def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k
     with _on_xla_stream(ctx):
         _varlen.attention_varlen(*(_cupy_view(x, x.shape) for x in (q, k, v, cu_q, cu_k)), *lengths,
                                  out=_cupy_view(out, out.shape), lse=_cupy_view(lse, lse.shape),
-                                 **_with_dropout(dict(options), state))
+                                 **_with_dropout(options, state))
 
 
 def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k,
@@ -202,7 +204,7 @@ def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dou
     arrays = [_cupy_view(x, x.shape) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
     with _on_xla_stream(ctx):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
-                                          **_with_dropout(dict(options), state))
+                                          **_with_dropout(options, state))
 
 
 def _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, options):

@@ -219,8 +219,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, >= 1), got {block_table.shape}")
     if not last_dim_contiguous(block_table):
         raise ValueError(f"block_table must be contiguous in its last dim, got strides {block_table.strides}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table is on device {block_table.device.id}, q on device {q.device.id}")
+    validate.same_device("block_table", block_table, q)
     if cache_n % PAGE_MULTIPLE != 0:
         raise ValueError(f"page_size ({kname}.shape[1] of a paged cache) must be a multiple of {PAGE_MULTIPLE}, "
                          f"got {cache_n}")
@@ -238,8 +237,8 @@ def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, a
     window = validate.window_size(window_size, bool(causal))
     cap = validate.softcap(softcap)
     slopes_stride = validate.alibi_slopes(alibi_slopes, batch, nheads)
-    if alibi_slopes is not None and alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    if alibi_slopes is not None:
+        validate.same_device("alibi_slopes", alibi_slopes, q)
     causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, capacity)
     return causal, mods, scale
 
@@ -301,8 +300,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                 raise ValueError(f"{name_} must have shape (seqlen_ro, rotary_dim / 2), got {x.shape}")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
-            if x.device != q.device:
-                raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
+            validate.same_device(name_, x, q)
         if rotary_sin.shape != rotary_cos.shape:
             raise ValueError(f"rotary_sin must have rotary_cos's shape {rotary_cos.shape}, got {rotary_sin.shape}")
         rotary_dim = 2 * rotary_cos.shape[1]
@@ -331,8 +329,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     device_id = validate.cuda_device(q)
     for name_, x in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                      ("cache_leftpad", cache_leftpad)):
-        if isinstance(x, cupy().ndarray) and x.device != q.device:
-            raise ValueError(f"{name_} is on device {x.device.id}, q on device {q.device.id}")
+        if isinstance(x, cupy().ndarray):
+            validate.same_device(name_, x, q)
 
     plan = _Plan(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, not is_aligned(q),
                  copy_new, copy_rotary)

@@ -95,8 +95,8 @@ def score_options(q, k, causal, window, cap, slopes, dropout_p=0.0, seed=0, offs
     window = window_size(window, bool(causal))
     cap = softcap(cap)
     slopes_stride = alibi_slopes(slopes, q.shape[0], q.shape[2])
-    if slopes is not None and slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {slopes.device.id}, q on device {q.device.id}")
+    if slopes is not None:
+        same_device("alibi_slopes", slopes, q)
     return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1],
                                 dropout=dropout_option(dropout_p, seed, offset, q))
 
@@ -109,8 +109,7 @@ def dropout_option(p, seed, offset, q):
         return None
     if isinstance(seed, int):
         return score_mods.Dropout(prob, seed, offset)
-    if seed.device != q.device:
-        raise ValueError(f"seed is on device {seed.device.id}, q on device {q.device.id}")
+    same_device("seed", seed, q)
     return score_mods.Dropout(prob, 0, 0, state=seed.data.ptr)
 
 
@@ -149,8 +148,7 @@ def qkv(q, k, v, allow_fp8: bool = False) -> str:
         if not last_dim_contiguous(x):
             raise ValueError(f"{name} must be contiguous in its last dim (headdim), got strides {x.strides}")
     for name, x in (("k", k), ("v", v)):
-        if x.device != q.device:
-            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+        same_device(name, x, q)
     return name_of_dtype
 
 
@@ -174,10 +172,15 @@ def companion(name: str, x, q) -> None:
     _beside(name, x, q, "q")
 
 
-def _beside(name: str, x, ref, ref_name: str) -> None:
-    """x on ref's device and contiguous in its last dim."""
+def same_device(name: str, x, ref, ref_name: str = "q") -> None:
+    """x (a CuPy array) on ref's device."""
     if x.device != ref.device:
         raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
+
+
+def _beside(name: str, x, ref, ref_name: str) -> None:
+    """x on ref's device and contiguous in its last dim."""
+    same_device(name, x, ref, ref_name)
     if not last_dim_contiguous(x):
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
 
@@ -201,8 +204,7 @@ def lse_array(name: str, x, q, *, writable: bool, varlen: bool = False) -> None:
         raise ValueError(f"{name} must have shape {dims} = {expected}, got {x.shape}")
     if x.dtype != numpy.float32:
         raise TypeError(f"{name} must be float32, got {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    same_device(name, x, q)
     if writable and not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (the kernels write it in place), got strides {x.strides}")
 

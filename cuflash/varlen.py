@@ -71,8 +71,8 @@ def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max
     window = validate.window_size(window_size, bool(causal))
     cap = validate.softcap(softcap)
     slopes_stride = validate.alibi_slopes(alibi_slopes, num_seqs, q.shape[1])
-    if alibi_slopes is not None and alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {q.device.id}")
+    if alibi_slopes is not None:
+        validate.same_device("alibi_slopes", alibi_slopes, q)
     return normalise(bool(causal), window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
                      Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout, q))
 
