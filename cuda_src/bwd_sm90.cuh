@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(384, 1)
         mbar_init(full_kv, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), 4 * T::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(empty(s), 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
         }
         fence_barrier_init();
     }
@@ -354,11 +354,11 @@ __global__ void __launch_bounds__(384, 1)
                                                              desc_mn_major_sw128<BN * 128, 1024>(b_tile, ks), ks > 0);
             wgmma_commit();
             wgmma_wait<0>();
-            warp_arrive(empty(st), lane);
+            thread_arrive(empty(st));
             flush_dq(acc_dq, (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D + c * 64 * T::DQ_N);
         } else {
             wgmma_wait<0>();
-            warp_arrive(empty(st), lane);
+            thread_arrive(empty(st));
         }
     }
 

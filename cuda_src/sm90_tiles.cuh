@@ -222,10 +222,23 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
 
 // A consumer warp's arrival on `bar` (counted once per warp) after all its
 // lanes are done: __syncwarp orders every lane's earlier accesses before lane
-// 0's arrival, which releases them to the thread that waits on `bar`.
+// 0's arrival, which releases them to the thread that waits on `bar`. For
+// barriers that free tiles only wgmma reads (the async proxy, ordered by
+// wgmma_wait before the arrival).
 __device__ __forceinline__ void warp_arrive(u32 bar, int lane) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
+}
+
+// Arrivals of each consumer thread (the barrier counts 128 per consumer
+// warpgroup): for barriers that free shared words every lane reads with
+// ordinary loads (the backward's lse2 and Delta rows). Each thread's own
+// arrival releases its own loads to the producer that waits, a chain
+// compute-sanitizer's racecheck follows; the chain through a warp's
+// __syncwarp and lane 0's arrival it does not follow, and it reported the
+// producer's next writes as hazards against the other lanes' loads.
+__device__ __forceinline__ void thread_arrive(u32 bar) {
+    mbar_arrive(bar);
 }
 
 // Named barriers (ids 1..15, named_barriers.cuh; 0 is __syncthreads): `threads` counts the
