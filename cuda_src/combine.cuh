@@ -27,50 +27,59 @@ struct CombineArgs {
     int num_splits, batch, seqlen, nheads, d;
 };
 
-// One warp per row, 4 rows per CTA of 128 threads. A decoding step combines few
-// rows over many splits, so the kernel is latency-bound: each lane turns one
-// split's lse into its weight, and the loop over the splits' outputs takes the
-// weights by shuffle and has no load that depends on another (unrolled, the
-// loads of 8 splits are in flight at once; a loop that read each split's lse
-// before its output took ~1 us a split).
-template <int OUT>
-__global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
-    const int lane = threadIdx.x & 31;
-    const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (row >= (long long)a.batch * a.seqlen * a.nheads) return;
-    const int h = row % a.nheads, n = (row / a.nheads) % a.seqlen, b = row / ((long long)a.nheads * a.seqlen);
-    const float* lse_row = a.partial_lse + b * a.pl_sb + n * a.pl_sn + h * a.pl_sh;
-    const float* o_row = a.partial_o + b * a.po_sb + n * a.po_sn + h * a.po_sh;
+// The merged lse of a row whose splits' logsumexps have maximum m and sum_s e^{lse_s - m} = sum;
+// m = +inf (a set with an infinite score) or NaN carry through as the reference's.
+__device__ __forceinline__ float merged_lse(float m, float sum) {
+    return m == neg_inf() ? neg_inf() : (m == pos_inf() ? m : m + log2_approx(sum) * LN2);
+}
 
+// Split s's weight e^{lse_s - lse} in the merged output: 0 for a set without keys.
+__device__ __forceinline__ float split_weight(float lse_s, float lse) {
+    return lse_s == neg_inf() ? 0.f : exp2_approx((lse_s - lse) * LOG2E);
+}
+
+// The merged lse of one row from its splits' lse_row[s * l_ss] (global or shared memory), by one
+// warp (every lane gets it).
+__device__ __forceinline__ float warp_merged_lse(const float* lse_row, long long l_ss, int num_splits, int lane) {
     float m = neg_inf();
-    for (int s = lane; s < a.num_splits; s += 32) m = fmaxf(m, lse_row[s * a.pl_ss]);
+    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, lse_row[s * l_ss]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float sum = 0.f;
     if (m != neg_inf())
-        for (int s = lane; s < a.num_splits; s += 32) sum += exp2_approx((lse_row[s * a.pl_ss] - m) * LOG2E);
+        for (int s = lane; s < num_splits; s += 32) sum += exp2_approx((lse_row[s * l_ss] - m) * LOG2E);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    // m = +inf (a set with an infinite score) or NaN carry through as the reference's.
-    const float lse = m == neg_inf() ? neg_inf() : (m == pos_inf() ? m : m + log2_approx(sum) * LN2);
+    return merged_lse(m, sum);
+}
 
-    const long long o_off = b * a.o_sb + n * a.o_sn + h * a.o_sh;
+// One row's merge by one warp: lse_row[s * l_ss] and o_row[s * o_ss + col] are split s's
+// logsumexp and output (d columns); writes d columns at out_row (OUT: fp16, bf16 or fp32)
+// and, where lse_out is not null, the row's lse. A decoding step combines few rows over many
+// splits, so this is latency-bound: each lane turns one split's lse into its weight, and the
+// loop over the splits' outputs takes the weights by shuffle and has no load that depends on
+// another (unrolled, the loads of 8 splits are in flight at once; a loop that read each split's
+// lse before its output took ~1 us a split).
+template <int OUT>
+__device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss, const float* o_row, long long o_ss,
+                                            int num_splits, int d, void* out_row, float* lse_out, int lane) {
+    const float lse = warp_merged_lse(lse_row, l_ss, num_splits, lane);
+
     // Every lane runs every pass of the column loop, since the weights travel by full-warp
     // shuffles; lanes past d (head dims that are not a multiple of 128) load and store nothing.
-    for (int col0 = 0; col0 < a.d; col0 += 128) {
+    for (int col0 = 0; col0 < d; col0 += 128) {
         const int col = col0 + 4 * lane;
-        const bool active = col < a.d;
+        const bool active = col < d;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int base = 0; base < a.num_splits && lse != neg_inf(); base += 32) {
+        for (int base = 0; base < num_splits && lse != neg_inf(); base += 32) {
             const int mine = base + lane;
-            const float ls = mine < a.num_splits ? lse_row[mine * a.pl_ss] : neg_inf();
-            const float weight = ls == neg_inf() ? 0.f : exp2_approx((ls - lse) * LOG2E);
-            const int count = min(32, a.num_splits - base);
-            const float* o_split = o_row + (long long)base * a.po_ss + col;
+            const float weight = mine < num_splits ? split_weight(lse_row[mine * l_ss], lse) : 0.f;
+            const int count = min(32, num_splits - base);
+            const float* o_split = o_row + (long long)base * o_ss + col;
 #pragma unroll 8
             for (int j = 0; j < count; ++j) {
                 const float w = __shfl_sync(0xffffffffu, weight, j);
-                const float4 os = active ? *reinterpret_cast<const float4*>(o_split + j * a.po_ss)
+                const float4 os = active ? *reinterpret_cast<const float4*>(o_split + j * o_ss)
                                          : make_float4(0.f, 0.f, 0.f, 0.f);
                 if (w != 0.f)  // a set without keys adds nothing, whatever its output holds
                     o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
@@ -78,13 +87,27 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
         }
         if (!active) continue;
         if constexpr (OUT == COMBINE_OUT_F32) {
-            *reinterpret_cast<float4*>(static_cast<float*>(a.out) + o_off + col) = o;
+            *reinterpret_cast<float4*>(static_cast<float*>(out_row) + col) = o;
         } else {
-            *reinterpret_cast<uint2*>(static_cast<u16*>(a.out) + o_off + col) =
+            *reinterpret_cast<uint2*>(static_cast<u16*>(out_row) + col) =
                 make_uint2(pack2<OUT == COMBINE_OUT_BF16>(o.x, o.y), pack2<OUT == COMBINE_OUT_BF16>(o.z, o.w));
         }
     }
-    if (lane == 0 && a.lse != nullptr) a.lse[b * a.l_sb + n * a.l_sn + h * a.l_sh] = lse;
+    if (lane == 0 && lse_out != nullptr) *lse_out = lse;
+}
+
+// One warp per row, 4 rows per CTA of 128 threads.
+template <int OUT>
+__global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= (long long)a.batch * a.seqlen * a.nheads) return;
+    const int h = row % a.nheads, n = (row / a.nheads) % a.seqlen, b = row / ((long long)a.nheads * a.seqlen);
+    constexpr int OUT_BYTES = OUT == COMBINE_OUT_F32 ? 4 : 2;
+    char* out_row = static_cast<char*>(a.out) + (b * a.o_sb + n * a.o_sn + h * a.o_sh) * OUT_BYTES;
+    combine_row<OUT>(a.partial_lse + b * a.pl_sb + n * a.pl_sn + h * a.pl_sh, a.pl_ss,
+                     a.partial_o + b * a.po_sb + n * a.po_sn + h * a.po_sh, a.po_ss, a.num_splits, a.d, out_row,
+                     a.lse != nullptr ? a.lse + b * a.l_sb + n * a.l_sn + h * a.l_sh : nullptr, lane);
 }
 
 }  // namespace cuflash

@@ -14,13 +14,16 @@
 // online softmax over its keys, and the warps' (max, sum, O) are merged
 // through shared memory at the end. With one split the CTA writes the output
 // and lse; with several, each split's normalised output and lse in fp32,
-// merged by combine_kernel (combine.cuh).
+// merged by the last of a row block's split CTAs to finish (merge_splits) for
+// tiles of 16 rows, by combine_kernel (combine.cuh) for larger ones (the host
+// chooses: cuflash/decode_launch.py).
 //
 // The new keys of the call are read from k_new / v_new (rotated on the way
 // into shared memory), never from the cache: the CTAs of row block 0 write
 // them into the cache (kv_cache.cuh), split s taking new rows s, s + splits, ...,
 // and no CTA reads a position another writes.
 #pragma once
+#include "combine.cuh"
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "score_mods.cuh"
@@ -28,6 +31,10 @@
 #include "softmax_sm80.cuh"
 
 namespace cuflash {
+
+// Splits of a row block's keys at most (cuflash/dispatch.py reads it): the merge keeps a weight
+// per split and row in shared memory.
+constexpr int DECODE_MAX_SPLITS = 128;
 
 template <int D_, int WARPS_M_, int STAGES_>
 struct DecodeTraits {
@@ -58,8 +65,68 @@ struct DecodeTraits {
     static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4, "1, 2 or 4 row warps");
     static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
     static_assert(MERGE_BYTES <= SMEM_BYTES - OFF_K, "the warps' outputs must fit in the K/V ring");
+    static_assert(4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K, "the splits' weights must fit in the ring");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
 };
+
+// The end of a split CTA (rows [m0, m0 + BM) of kv head hk, batch b, its partials written)
+// when the host asked for the merge here (a.splits_done set): the last of the row block's split
+// CTAs to count itself merges every split's partials into out and lse. Each CTA's threads
+// fence their partial writes before its count (the classic last-block pattern), the last one
+// reads the others' with loads that bypass L1, and it resets the count, so the next launch on
+// the stream (a CUDA graph replay too) starts at 0. The whole CTA merges, each phase's loads
+// independent of each other: the splits' lse of every row into shared memory (the free K/V
+// ring), then a warp per row turns them into weights, then each thread sums 4 columns of a row
+// over the splits.
+template <bool BF16, int BM>
+__device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, int b, int hk, int m0, int rows,
+                                             int q0, int lane, int warp) {
+    __threadfence();
+    __syncthreads();
+    int* done = a.splits_done + blockIdx.z * gridDim.y + blockIdx.y;
+    const int finished = threadIdx.x == 0 ? atomicAdd(done, 1) : 0;
+    if (!__syncthreads_or(threadIdx.x == 0 && finished == a.num_splits - 1)) return;
+    __threadfence();
+    if (threadIdx.x == 0) *done = 0;
+    const int splits = a.num_splits, n_rows = min(BM, rows - m0), warps = blockDim.x / 32;
+    const long long l_ss = (long long)(gridDim.z / a.nheads_kv) * a.nq * a.nheads;  // partial rows per split
+    auto split0_row = [&](int r) {  // the partial row of packed row m0 + r in split 0
+        const int row = m0 + r;
+        return ((long long)b * a.nq + row / a.group) * a.nheads + hk * a.group + row % a.group;
+    };
+    float* weights = smem;  // [split][row]: each split's lse, then its weight
+    float* row_lse = smem + splits * BM;
+    for (int idx = threadIdx.x; idx < splits * n_rows; idx += blockDim.x) {
+        const int s = idx / n_rows, r = idx % n_rows;
+        weights[s * BM + r] = __ldcg(a.partial_lse + s * l_ss + split0_row(r));
+    }
+    __syncthreads();
+    for (int r = warp; r < n_rows; r += warps) {
+        const float lse = warp_merged_lse(weights + r, BM, splits, lane);
+        for (int s = lane; s < splits; s += 32) weights[s * BM + r] = split_weight(weights[s * BM + r], lse);
+        if (lane == 0) row_lse[r] = lse;
+    }
+    __syncthreads();
+    const int quads = a.d / 4;
+    for (int item = threadIdx.x; item < n_rows * quads; item += blockDim.x) {
+        const int r = item / quads, col = 4 * (item % quads);
+        const float* o_col = a.partial_o + split0_row(r) * a.d + col;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+            const float w = weights[s * BM + r];
+            const float4 os = __ldcg(reinterpret_cast<const float4*>(o_col + s * l_ss * a.d));
+            if (w != 0.f)  // a split without keys adds nothing, whatever its output holds
+                o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
+        }
+        const int row = m0 + r, i = row / a.group, h = hk * a.group + row % a.group;
+        *reinterpret_cast<uint2*>(a.out + b * a.o_sb + (long long)(q0 + i) * a.o_sn + h * a.o_sh + col) =
+            make_uint2(pack2<BF16>(o.x, o.y), pack2<BF16>(o.z, o.w));
+        if (col == 0 && a.lse != nullptr)
+            a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + q0 + i : ((long long)b * a.nheads + h) * a.nq + i] =
+                row_lse[r];
+    }
+}
 
 template <int D, int WARPS_M, int STAGES, bool BF16, bool PAGED, bool CAUSAL, int MODS>
 __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
@@ -283,6 +350,9 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, con
             if (col == 0) a.partial_lse[prow] = lse;
         }
     }
+    if (a.splits_done != nullptr)
+        merge_splits<BF16, BM>(a, reinterpret_cast<float*>(smem_raw + T::OFF_K), b, hk, m0, rows, queries.q0, lane,
+                               warp);
 }
 
 }  // namespace cuflash

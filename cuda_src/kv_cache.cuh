@@ -41,6 +41,7 @@ struct KVCacheArgs {
     const int* cu_seqlens_k;     // with it, batch b's cache holds cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
     const u16* rotary_cos;       // (rotary_rows, rotary_dim / 2), q's dtype; null without rotary
     const u16* rotary_sin;
+    int* splits_done;            // split keys: per (batch x Hk, row block), the split CTAs finished; 0 between launches
     long long q_sb, q_sn, q_sh;
     long long kc_sb, kc_sn, kc_sh;   // k_cache strides: batch (paged: page), position, head
     long long vc_sb, vc_sn, vc_sh;

@@ -410,6 +410,10 @@ class BwdConfig:
         )
 
 
+# Splits of a decoding step's keys at most (the kernel keeps a weight per split and row).
+DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class DecodeConfig:
     """Tile shape of the decoding kernel (cuda_src/decode_sm80.cuh): 4 warps, 64 keys a stage.

@@ -1,10 +1,11 @@
 """Launches of the decoding kernel (cuda_src/decode_sm80.cuh) and of the combine
-kernel (cuda_src/combine.cuh) that merges split partial results.
+kernel (cuda_src/combine.cuh) that merges partial results.
 
 `DecodeLaunch` holds what a call's shapes decide (kernel, grid, the packed
-`KVCacheArgs`); `run` writes the call's addresses and launches, then the
-combine when the keys are split. `CombineLaunch` merges partial outputs by
-their logsumexps, for decoding and for `cuflash.combine_partials`.
+`KVCacheArgs`); `run` writes the call's addresses and launches. With split
+keys, the kernel's last split CTA of each row block merges the splits for
+tiles of up to MERGE_IN_KERNEL_ROWS rows; for larger tiles a `CombineLaunch`
+follows (it also serves `cuflash.combine_partials`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
              "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "cu_seqlens_q", "cu_seqlens_k",
-             "rotary_cos", "rotary_sin")
+             "rotary_cos", "rotary_sin", "splits_done")
 _STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
             "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
 _INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "total_q", "cache_len_all", "capacity", "cache_rows",
@@ -41,6 +42,13 @@ COMBINE_ARGS_DTYPE = numpy.dtype([
     ("num_splits", "<i4"), ("batch", "<i4"), ("seqlen", "<i4"), ("nheads", "<i4"), ("d", "<i4"),
 ], align=True)
 COMBINE_ROWS_PER_CTA = 4  # one warp a row
+
+# Rows per tile up to which the decoding kernel merges its splits itself. Same-run A/B against the
+# combine kernel (H100, fp16, head dim 128, GB/s of cache read): GQA batch 8 8k 2664 against 2556,
+# GQA batch 1 128k 2717 against 2622, MHA batch 1 32k 2842 against 2771 (16-row tiles: 4 and 1
+# rows used); MQA batch 64 8k 2242 against 2362 and MQA batch 8 128k 2205 against 2511 (32-row
+# tiles): there one CTA's merge of 32 rows is slower than the combine kernel's 8-64 CTAs.
+MERGE_IN_KERNEL_ROWS = 16
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -82,7 +90,7 @@ class CombineLaunch:
 
 
 class DecodeLaunch:
-    """decode_kernel for one call signature; the split outputs merged by a CombineLaunch.
+    """decode_kernel for one call signature.
 
     shapes: q (B, nq, H, D); cache (rows, N, Hk, D), paged when `paged`;
     new keys (B, n_new, Hk, D) or n_new = 0.
@@ -104,6 +112,8 @@ class DecodeLaunch:
         self.num_splits = num_splits
         self.partial_o_floats = num_splits * batch * nq * nheads * headdim
         self.partial_floats = self.partial_o_floats + num_splits * batch * nq * nheads
+        self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
+        self.merge_in_kernel = num_splits > 1 and cfg.block_m <= MERGE_IN_KERNEL_ROWS
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):
@@ -127,21 +137,23 @@ class DecodeLaunch:
         record["scale_log2"] = mods.score_log2(scale)
         self.args = KernelArgs([_words(record), mods.kernel_args(nq, capacity, scale)])
         self.combine = None
-        if num_splits > 1:
-            o_strides = tuple(strides["o"][:3])
+        if num_splits > 1 and not self.merge_in_kernel:
             rows = batch * nq * nheads
             self.combine = CombineLaunch(
                 dtype_name, num_splits, batch, nq, nheads, headdim,
                 (rows * headdim, nq * nheads * headdim, nheads * headdim, headdim),
-                (rows, nq * nheads, nheads, 1), o_strides, (nheads * nq, 1, nq), device_id)
+                (rows, nq * nheads, nheads, 1), tuple(strides["o"][:3]), (nheads * nq, 1, nq), device_id)
         self.last = None
         self.lock = threading.Lock()
 
-    def run(self, addresses: tuple, cache_len_all: int, slopes: int, partials: int, stream: int) -> None:
-        """addresses: the device addresses of KVCacheArgs' pointer fields in POINTER_FIELDS order (0: absent;
-        partial_o and partial_lse are taken from `partials`, the address of partial_floats float32
-        values when the keys are split)."""
-        if self.combine is not None:
+    def run(self, addresses: tuple, cache_len_all: int, slopes: int, stream: int, partials: int = 0,
+            splits_done: int = 0) -> None:
+        """addresses: the device addresses of KVCacheArgs' pointer fields in POINTER_FIELDS order up to
+        splits_done (0: absent). With split keys: partials, the address of partial_floats float32 values
+        (partial_o and partial_lse), and, where the kernel merges them, splits_done: the address of
+        row_blocks int32 counts that are 0."""
+        addresses = (*addresses, splits_done)
+        if self.num_splits > 1:
             addresses = (*addresses[:_PARTIAL_O], partials, partials + 4 * self.partial_o_floats,
                          *addresses[_PARTIAL_LSE + 1:])
         with self.lock:

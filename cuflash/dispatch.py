@@ -12,7 +12,8 @@ import dataclasses
 
 from typing import Protocol
 
-from .config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig, FwdSm90Config, kernel_headdim
+from .config import (DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
+                     FwdSm90Config, kernel_headdim)
 from .score_mods import NONE, ScoreMods
 
 
@@ -342,7 +343,6 @@ def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
 # against 2069 / 2399 / 2095 for rings of 64 / 128 / 192 KB; GQA batch 1 128k
 # 2503 against 2055 / 2481 / 2280; MHA batch 8 8k 3010 against 3080 / 2954 / 2717.
 DECODE_RING_BYTES = 96 * 1024
-MAX_DECODE_SPLITS = 128
 # One row warp per stage's 64 keys holds 16 x 64 scores next to its 16 x D output: past head dim 160
 # that spills (head dim 256: 48 bytes), so larger head dims keep two row warps.
 MAX_HEADDIM_4_ROW_WARPS = 160
@@ -375,7 +375,7 @@ def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
     sm_count = slots
     if ctas >= sm_count or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
         return 1
-    most = max(1, min(MAX_DECODE_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    most = max(1, min(DECODE_MAX_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT))
     efficiency = {}
     for splits in range(1, most + 1):
         waves = ctas * splits / sm_count

@@ -117,15 +117,17 @@ class _Plan:
             k, v = aligned_copy(k), aligned_copy(v)
         if self.copy_rotary:
             rotary_cos, rotary_sin = aligned_copy(rotary_cos), aligned_copy(rotary_sin)
-        # POINTER_FIELDS order; partial_o and partial_lse are the launch's.
+        # POINTER_FIELDS order up to splits_done; partial_o, partial_lse and splits_done are the launch's.
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
                      _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), 0, 0,
                      _ptr(rotary_cos), _ptr(rotary_sin))
         stream = cp.cuda.get_current_stream().ptr
-        partials = 0
-        if launch.combine is not None:
-            partials = stream_state(self.device_id, stream).partials_for(launch.partial_floats)
-        launch.run(addresses, cache_len_all, _ptr(slopes), partials, stream)
+        if launch.num_splits > 1:
+            state = stream_state(self.device_id, stream)
+            launch.run(addresses, cache_len_all, _ptr(slopes), stream, state.partials_for(launch.partial_floats),
+                       state.splits_done_for(launch.row_blocks) if launch.merge_in_kernel else 0)
+        else:
+            launch.run(addresses, cache_len_all, _ptr(slopes), stream)
         return (out, lse) if return_lse else out
 
 
@@ -319,8 +321,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     causal, mods, scale = _score_options(q, batch, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                          seqlen_q, capacity)
     if isinstance(num_splits, bool) or not validate.is_int(num_splits) or not 0 <= num_splits <= \
-            dispatch.MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be an int in [0, {dispatch.MAX_DECODE_SPLITS}] (0: chosen), "
+            dispatch.DECODE_MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {dispatch.DECODE_MAX_SPLITS}] (0: chosen), "
                          f"got {num_splits!r}")
     if out is not None:
         validate.output("out", out, q, "q")
@@ -421,5 +423,5 @@ def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
                                "o": elem_strides(out[None])}, block_table, None, 1, scale, device_id, total_q=total_q)
         addresses = (q_.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0, 0, out.data.ptr, lse.data.ptr, 0, 0, 0, 0, 0,
                      block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0)
-        launch.run(addresses, 0, _ptr(alibi_slopes), 0, cp.cuda.get_current_stream().ptr)
+        launch.run(addresses, 0, _ptr(alibi_slopes), cp.cuda.get_current_stream().ptr)
     return out, lse

@@ -91,7 +91,7 @@ class StreamState:
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self.buffers: dict = {}  # name -> array: "counters", "partials", "discarded_lse"
+        self.buffers: dict = {}  # name -> array: "counters", "partials", "discarded_lse", "splits_done"
         self.replaced: list = []
         # Threads that share a stream (the null stream, say) grow its buffers one at a time:
         # two growing at once would each allocate, and one's buffer would be freed while a
@@ -125,6 +125,12 @@ class StreamState:
         """A float32 array of at least `floats` values the forward may write an unwanted lse into."""
         return self._grown("discarded_lse", floats, numpy.float32, False,
                            "a forward that returns no lse, larger than this stream has run")
+
+    def splits_done_for(self, row_blocks: int) -> int:
+        """Address of at least `row_blocks` int32 counts, 0 between launches: the decoding kernel's
+        finished split CTAs per row block (the last one merges the splits and resets its count)."""
+        return self._grown("splits_done", row_blocks, numpy.int32, True,
+                           "a decoding step with more split row blocks than this stream has run").data.ptr
 
     def partials_for(self, floats: int) -> int:
         """Address of at least `floats` float32 values for partial outputs (partial outputs, then

@@ -23,7 +23,7 @@ def test_decode_splits_bounds():
     assert dispatch.decode_splits(8, 5, 264) == 1  # too few key blocks to share
     for ctas, blocks in [(1, 2048), (8, 128), (32, 128), (8, 16)]:
         splits = dispatch.decode_splits(ctas, blocks, 264)
-        assert 1 <= splits <= dispatch.MAX_DECODE_SPLITS
+        assert 1 <= splits <= dispatch.DECODE_MAX_SPLITS
         assert splits == 1 or blocks // splits >= dispatch.MIN_BLOCKS_PER_SPLIT
 
 
