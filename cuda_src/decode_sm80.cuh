@@ -15,8 +15,8 @@
 // through shared memory at the end. With one split the CTA writes the output
 // and lse; with several, each split's normalised output and lse in fp32,
 // merged by the last of a row block's split CTAs to finish (merge_splits) for
-// tiles of 16 rows, by combine_kernel (combine.cuh) for larger ones (the host
-// chooses: cuflash/decode_launch.py).
+// tiles of up to DECODE_MERGE_MAX_ROWS rows, by combine_kernel (combine.cuh)
+// for larger ones.
 //
 // The new keys of the call are read from k_new / v_new (rotated on the way
 // into shared memory), never from the cache: the CTAs of row block 0 write
@@ -35,6 +35,10 @@ namespace cuflash {
 // Splits of a row block's keys at most (cuflash/dispatch.py reads it): the merge keeps a weight
 // per split and row in shared memory.
 constexpr int DECODE_MAX_SPLITS = 128;
+// Rows per tile up to which the kernel merges its splits itself (merge_splits; larger tiles leave
+// it to combine_kernel, and compile no merge). cuflash/decode_launch.py reads it, and has the
+// measurement behind it.
+constexpr int DECODE_MERGE_MAX_ROWS = 16;
 
 template <int D_, int WARPS_M_, int STAGES_>
 struct DecodeTraits {
@@ -350,9 +354,10 @@ __global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, con
             if (col == 0) a.partial_lse[prow] = lse;
         }
     }
-    if (a.splits_done != nullptr)
-        merge_splits<BF16, BM>(a, reinterpret_cast<float*>(smem_raw + T::OFF_K), b, hk, m0, rows, queries.q0, lane,
-                               warp);
+    if constexpr (BM <= DECODE_MERGE_MAX_ROWS)
+        if (a.splits_done != nullptr)
+            merge_splits<BF16, BM>(a, reinterpret_cast<float*>(smem_raw + T::OFF_K), b, hk, m0, rows, queries.q0,
+                                   lane, warp);
 }
 
 }  // namespace cuflash
