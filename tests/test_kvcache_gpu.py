@@ -137,9 +137,12 @@ def test_score_options(name, options):
 
 @pytest.mark.parametrize("headdim", [16, 128, 136])  # 16, 136: the combine's last column pass is partial
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 17])
-def test_forced_splits(num_splits, headdim):
+# 8 packed rows per kv head: a 16-row tile, whose last split CTA merges the splits in the kernel;
+# 64 rows: a larger tile, merged by the combine kernel.
+@pytest.mark.parametrize("nheads,nheads_kv", [(8, 2), (32, 1)], ids=["merge_in_kernel", "combine_kernel"])
+def test_forced_splits(num_splits, headdim, nheads, nheads_kv):
     run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=1100, batch=2, seqlen_q=2,
-             n_new=2, causal=True, headdim=headdim)
+             n_new=2, causal=True, headdim=headdim, nheads=nheads, nheads_kv=nheads_kv)
 
 
 def test_leftpad_and_batch_idx():
@@ -171,7 +174,8 @@ def test_int_cache_seqlens_and_strided_q():
         check_lse(lse, ref_lse)
 
 
-def test_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("num_splits", [0, 3])  # 3: the in-kernel merge's counts reset on every replay
+def test_graph_replay_with_new_lengths(num_splits):
     """A decoding step captured once, replayed with new cache_seqlens values and new tokens."""
     rng = np.random.default_rng(6)
     batch, nheads, nheads_kv, headdim, capacity = 2, 8, 2, 128, 512
@@ -184,9 +188,9 @@ def test_graph_replay_with_new_lengths():
     out = cupy.empty_like(q)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out)
+        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out, num_splits=num_splits)
         stream.begin_capture()
-        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out)
+        cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out, num_splits=num_splits)
         graph = stream.end_capture()
     for step, lengths in enumerate(([5, 300], [6, 301], [200, 0])):
         host_q, host_k, host_v = (randn(rng, x.shape, np.float16) for x in (q, k_new, v_new))
