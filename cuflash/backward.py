@@ -76,7 +76,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
             return dq, dk, dv
         copies = tuple(not is_aligned(x) for x in (q, k, v, dout, out)) + (not lse.flags.c_contiguous,)
         q, k, v, dout, out, lse = _copied(copies, q, k, v, dout, out, lse)
-        autotune = autotune_requested(tune) and not problem.mods.bits  # the tuner measures plain attention
+        autotune = autotune_requested(tune) and problem.mods.tuned  # varlen and dropout are not tuned
         if autotune:
             tuner.tune_bwd_call(problem, batch, nheads, k.shape[2])
         cfg, _ = dispatch.bwd_config(problem)

@@ -65,7 +65,8 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     Returns out; with return_lse=True, (out, lse), lse in natural log.
     tune: first autotune this problem at this shape unless the tuning cache
     already holds it (as does the environment variable CUFLASH_AUTOTUNE=1;
-    fp8 problems run the heuristic's kernel).
+    windows, softcap and ALiBi are tuned under keys of their own; fp8,
+    dropout and varlen calls run the heuristic's kernel).
     """
     key = None
     descales = (q_descale, k_descale, v_descale)
@@ -106,7 +107,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
         q_, k_, v_ = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v), copies))
         problem = dispatch.FwdProblem(dtype_name, headdim, causal, seqlen_q, seqlen_k, nheads // nheads_kv,
                                       max_smem_per_block(device_id), compute_capability(device_id), mods)
-        autotune = autotune_requested(tune) and not mods.bits  # the tuner measures plain attention
+        autotune = autotune_requested(tune) and mods.tuned  # varlen and dropout are not tuned
         if not is_fp8 and autotune:
             tuner.tune_call(problem, batch, nheads, nheads_kv)
         cfg, _ = dispatch.fwd_config(problem)

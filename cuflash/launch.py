@@ -283,12 +283,12 @@ def prepare_fwd(cfg, problem, q, k, v, out, lse, scale: float, device_id: int):
     return launch(cfg, problem, q, k, v, out, lse, scale, device_id)
 
 
-def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None) -> None:
+def launch_fwd(cfg, problem, q, k, v, out, lse, scale: float, descale=None, slopes=None) -> None:
     """Prepare and run a forward on CuPy's current device and stream (the tuner's path)."""
     cp = cupy()
     device_id = cp.cuda.Device().id
     prepare_fwd(cfg, problem, q, k, v, out, lse, scale, device_id).run(
-        q, k, v, out, lse, cp.cuda.get_current_stream().ptr, descale)
+        q, k, v, out, lse, cp.cuda.get_current_stream().ptr, descale, slopes)
 
 
 # ---------------------------------------------------------------- backward
@@ -469,9 +469,9 @@ def prepare_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, 
     return BwdLaunch(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id)
 
 
-def launch_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv) -> None:
+def launch_bwd(cfg: BwdConfig, problem, scale: float, q, k, v, dout, out, lse, dq, dk, dv, slopes=None) -> None:
     """Prepare and run a backward on CuPy's current device and stream (the tuner's path)."""
     cp = cupy()
     device_id = cp.cuda.Device().id
     prepare_bwd(cfg, problem, scale, q, k, v, dout, out, lse, dq, dk, dv, device_id).run(
-        q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, None)
+        q, k, v, dout, out, lse, dq, dk, dv, cp.cuda.get_current_stream().ptr, None, slopes)

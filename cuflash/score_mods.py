@@ -96,6 +96,12 @@ class ScoreMods:
                 | (MOD_DROPOUT if self.dropout is not None else 0)
                 | (MOD_DROPOUT_STATE if self.dropout is not None and self.dropout.state else 0))
 
+    @property
+    def tuned(self) -> bool:
+        """Whether the autotuner measures calls with these options and its cache serves them: plain
+        attention, windows, softcap and ALiBi do; varlen and dropout calls take dispatch's tables."""
+        return self.varlen is None and self.dropout is None
+
     def score_log2(self, scale: float) -> float:
         """c, the kernels' exponent factor: P = 2^(u c - m c) for a score u in the kernels' units."""
         return (self.softcap if self.softcap else scale) * LOG2E
@@ -127,6 +133,12 @@ class ScoreMods:
 
 
 NONE = ScoreMods()
+
+
+def standard_alibi_slopes(heads: int) -> numpy.ndarray:
+    """The standard ALiBi slopes 2^(-8 (h+1) / H), float32, shape (H,) (what the benchmark and the
+    autotuner run ALiBi with)."""
+    return (2.0 ** (-8.0 * numpy.arange(1, heads + 1) / heads)).astype(numpy.float32)
 
 
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,

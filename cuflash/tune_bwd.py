@@ -14,8 +14,8 @@ import itertools
 from . import dispatch, launch
 from .dispatch import BwdProblem
 from .config import BwdConfig
-from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, default_scale, length_variants, poison,
-                          problem_key, randn)
+from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, alibi_slopes, default_scale,
+                          length_variants, poison, problem_key, randn)
 
 # Every value of every BwdConfig field the tuner tries; the product, less what
 # keep() drops, is the space. The dQ kernel's fields only vary for
@@ -56,13 +56,14 @@ class BwdInputs:
         self.q, self.k, self.v = (randn(rng, s, problem.dtype_name) for s in (q_shape, kv_shape, kv_shape))
         self.dout = randn(rng, q_shape, problem.dtype_name)
         self.scale = default_scale(problem)
+        self.slopes = alibi_slopes(problem, shape.nheads)
         # The forward's out and lse, from the heuristic's forward kernel.
         fwd = dispatch.FwdProblem(problem.dtype_name, problem.headdim, problem.causal, problem.seqlen_q,
-                                  problem.seqlen_k, problem.group, problem.max_smem, problem.arch)
+                                  problem.seqlen_k, problem.group, problem.max_smem, problem.arch, problem.mods)
         self.out = cupy.empty_like(self.q)
         self.lse = cupy.empty((shape.batch, shape.nheads, problem.seqlen_q), dtype=cupy.float32)
         launch.launch_fwd(dispatch.heuristic_fwd_config(fwd), fwd, self.q, self.k, self.v, self.out, self.lse,
-                          self.scale)
+                          self.scale, slopes=self.slopes)
         self.dq, self.dk, self.dv = (cupy.empty_like(x) for x in (self.q, self.k, self.v))
 
     @property
@@ -123,13 +124,13 @@ class BwdTuning(TunedFamily):
         The row-wise preprocess and dQ conversion kernels do not depend on the config.
         """
         dtype_name, causal, even_d = problem.dtype_name, problem.causal, problem.headdim == cfg.headdim
-        atomic = not problem.deterministic
-        specs = [KernelSpec(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic),
+        atomic, mods = not problem.deterministic, problem.mods.bits
+        specs = [KernelSpec(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic, mods),
                             cfg.dkdv_smem_bytes(atomic), cfg.dkdv_threads, runs=i == 0)
                  for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]
         if not atomic:
-            specs += [KernelSpec(cfg.kernel_family, cfg.dq_name(dtype_name, causal, n, even_d), cfg.dq_smem_bytes(),
-                                 cfg.dq_threads, runs=i == 0)
+            specs += [KernelSpec(cfg.kernel_family, cfg.dq_name(dtype_name, causal, n, even_d, mods),
+                                 cfg.dq_smem_bytes(), cfg.dq_threads, runs=i == 0)
                       for i, n in enumerate(length_variants(problem, cfg.dq_block_m, cfg.dq_block_n))]
         return specs
 
@@ -139,7 +140,7 @@ class BwdTuning(TunedFamily):
     @staticmethod
     def launch(cfg: BwdConfig, problem: BwdProblem, inputs: BwdInputs) -> None:
         x = inputs
-        launch.launch_bwd(cfg, problem, x.scale, x.q, x.k, x.v, x.dout, x.out, x.lse, x.dq, x.dk, x.dv)
+        launch.launch_bwd(cfg, problem, x.scale, x.q, x.k, x.v, x.dout, x.out, x.lse, x.dq, x.dk, x.dv, x.slopes)
 
     def flops(self, problem: BwdProblem, shape: CallShape) -> float:
         # Five GEMMs against the forward's two: 2.5 x 4·B·H·Nq·Nk·D, halved for causal.

@@ -13,6 +13,7 @@ import numpy
 
 from . import tune_cache
 from .arrays import numpy_dtype
+from .score_mods import standard_alibi_slopes
 
 # Lengths that are multiples of this run the even-length kernels of every
 # candidate whose tile sides divide it, so the cache keeps those problems apart
@@ -56,14 +57,36 @@ def length_variants(problem, block_m: int, block_n: int) -> list[bool]:
     return [even_n] if aligned(problem) and tiles_divide else [even_n, not even_n]
 
 
+def options_tag(mods) -> str | None:
+    """The cache key's part for a problem's score options (None for plain attention).
+
+    A window's sides are bucketed like the lengths (`w<left>,<right>`, inf where
+    unbounded): its width decides how many key blocks a tile visits, which moves
+    the best tile shape. Softcap and ALiBi are flags: their values and the
+    slopes' layout change no kernel's work.
+    """
+    parts = []
+    if mods.window is not None:
+        parts.append("w" + ",".join("inf" if side < 0 else str(seqlen_bucket(side) if side else 0)
+                                    for side in mods.window))
+    if mods.softcap:
+        parts.append("softcap")
+    if mods.alibi:
+        parts.append("alibi")
+    return "+".join(parts) or None
+
+
 def problem_key(family_name: str, problem, *extra: str) -> str:
-    """`family/dtype/d<headdim>/<mask>/q<bucket>/k<bucket>/<even|ragged>[/extra...]`.
+    """`family/dtype/d<headdim>/<mask>/q<bucket>/k<bucket>/<even|ragged>[/extra...][/options]`.
 
     The user's head dim, not the kernel's: it decides whether the zero-padded
     variant runs. Left out: the GQA ratio (query heads only pick which K/V
     head a CTA reads; the tile trade-offs are the same), and batch and head
     counts (the benchmark's 16k tokens give every bucket several waves of CTAs).
+    Problems with score options (`options_tag`) have keys of their own: their
+    kernels are other specialisations, with other registers and spills.
     """
+    tag = options_tag(problem.mods)
     return "/".join([
         family_name,
         problem.dtype_name,
@@ -73,6 +96,7 @@ def problem_key(family_name: str, problem, *extra: str) -> str:
         f"k{seqlen_bucket(problem.seqlen_k)}",
         "even" if aligned(problem) else "ragged",
         *extra,
+        *([tag] if tag else []),
     ])
 
 
@@ -111,6 +135,15 @@ def poison(*arrays) -> None:
 
 def default_scale(problem) -> float:
     return 1.0 / math.sqrt(problem.headdim)
+
+
+def alibi_slopes(problem, nheads: int):
+    """The standard ALiBi slopes for `nheads` heads on the current device, or None without ALiBi."""
+    if not problem.mods.alibi:
+        return None
+    import cupy
+
+    return cupy.asarray(standard_alibi_slopes(nheads))
 
 
 class TunedFamily:

@@ -12,8 +12,8 @@ import itertools
 
 from . import dispatch, launch
 from .config import FwdConfig, FwdSm90Config
-from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, default_scale, length_variants, poison,
-                          problem_key, randn)
+from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, alibi_slopes, default_scale,
+                          length_variants, poison, problem_key, randn)
 
 # Every value of every FwdConfig field the tuner tries; the product, less what
 # keep() drops, is the space. QUICK_SPACE is the subset `--quick` tries.
@@ -47,7 +47,7 @@ QUICK_SPACE_SM90 = {"block_n": FwdSm90Config.BLOCK_N, "stages": (2,), "persisten
 
 
 class FwdInputs:
-    """Random q, k, v and output buffers for one forward call."""
+    """Random q, k, v and output buffers for one forward call (and ALiBi slopes where the problem has ALiBi)."""
 
     def __init__(self, problem: dispatch.FwdProblem, shape: CallShape, seed: int):
         import cupy
@@ -58,6 +58,7 @@ class FwdInputs:
         self.out = cupy.empty_like(self.q)
         self.lse = cupy.empty((shape.batch, shape.nheads, problem.seqlen_q), dtype=cupy.float32)
         self.scale = default_scale(problem)
+        self.slopes = alibi_slopes(problem, shape.nheads)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +110,7 @@ class FwdTuning(TunedFamily):
     def kernel_names(self, cfg: FwdConfig, problem: dispatch.FwdProblem) -> list[str]:
         """The kernels `cfg` may run for calls with `problem`'s key; the first is `problem`'s own."""
         even_d = problem.headdim == cfg.headdim
-        return [cfg.name_expression(problem.dtype_name, problem.causal, n, even_d)
+        return [cfg.name_expression(problem.dtype_name, problem.causal, n, even_d, problem.mods.bits)
                 for n in length_variants(problem, cfg.block_m, cfg.block_n)]
 
     def kernels(self, cfg: FwdConfig, problem: dispatch.FwdProblem) -> list[KernelSpec]:
@@ -123,7 +124,7 @@ class FwdTuning(TunedFamily):
     @staticmethod
     def launch(cfg: FwdConfig, problem: dispatch.FwdProblem, inputs: FwdInputs) -> None:
         x = inputs
-        launch.launch_fwd(cfg, problem, x.q, x.k, x.v, x.out, x.lse, x.scale)
+        launch.launch_fwd(cfg, problem, x.q, x.k, x.v, x.out, x.lse, x.scale, slopes=x.slopes)
 
     def flops(self, problem: dispatch.FwdProblem, shape: CallShape) -> float:
         # The benchmark's count: 4·B·H·Nq·Nk·D, halved for causal.

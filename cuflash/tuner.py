@@ -38,7 +38,7 @@ from typing import Any, Callable, Protocol, Sequence
 from tqdm import tqdm
 
 from . import compile as _compile
-from . import timing
+from . import score_mods, timing
 from . import tune_cache
 from . import dispatch
 from .config import DTYPE_NAMES
@@ -338,29 +338,40 @@ def _covers(entry: dict | None, space: str) -> bool:
     return isinstance(searched, str) and SPACE_RANK.get(searched, -1) >= SPACE_RANK[space]
 
 
-def _problems(passes, dtypes, headdims, causal, seqlens, limits: DeviceLimits):
-    """(family, problem) for every combination; the backward in both dQ modes."""
+def _problems(passes, dtypes, headdims, causal, seqlens, limits: DeviceLimits, window_size=(-1, -1),
+              softcap: float = 0.0, alibi: bool = False):
+    """(family, problem) for every combination; the backward in both dQ modes. The score options
+    apply to every problem, normalised per length as a call's are (a window that every pair passes
+    is none; causal sets the window's right side to 0)."""
     arch = int(limits.device.compute_capability)
+    seen = set()
     for dtype, headdim, is_causal, seqlen in itertools.product(dtypes, headdims, causal, seqlens):
+        is_causal, mods = score_mods.normalise(is_causal, window_size, softcap, 0 if alibi else None, seqlen,
+                                               seqlen)
+        if (dtype, headdim, is_causal, seqlen, mods) in seen:  # a window (W, 0): causal asked for or not
+            continue
+        seen.add((dtype, headdim, is_causal, seqlen, mods))
         if "forward" in passes:
-            yield FWD, FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, limits.smem_per_block, arch)
+            yield FWD, FwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, limits.smem_per_block, arch, mods)
         if "backward" in passes:
             for deterministic in (False, True):
                 yield BWD, BwdProblem(dtype, headdim, is_causal, seqlen, seqlen, 1, deterministic,
-                                      limits.smem_per_block, arch)
+                                      limits.smem_per_block, arch, mods)
 
 
 def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, True), seqlens=None,
-             passes=PASSES, quick: bool = False, clear: bool = False, repeats: int | None = None,
-             candidates_override=None, launcher=None, jobs: int | None = None,
-             progress: bool = True) -> dict[str, dict]:
+             passes=PASSES, window_size=(-1, -1), softcap: float = 0.0, alibi: bool = False, quick: bool = False,
+             clear: bool = False, repeats: int | None = None, candidates_override=None, launcher=None,
+             jobs: int | None = None, progress: bool = True) -> dict[str, dict]:
     """Tune the forward and backward kernels for every combination of the arguments on the current device.
 
     passes: "forward" and/or "backward"; the backward is tuned in its default
     (atomic dQ) and deterministic modes, which are cached apart. Each problem
     is timed on the benchmark's shapes: batch * seqlen = 16k tokens, hidden
-    size 2048, seqlen_q = seqlen_k. `quick` uses the small candidate spaces,
-    10 repeats and seqlens 1k..8k unless given. Problems whose cached entry
+    size 2048, seqlen_q = seqlen_k. `window_size`, `softcap` and `alibi`
+    (the standard slopes) tune those options' kernels, cached under keys of
+    their own that calls with the same options read. `quick` uses the small
+    candidate spaces, 10 repeats and seqlens 1k..8k unless given. Problems whose cached entry
     searched at least this space are skipped; `clear` first removes every
     entry of this device. `candidates_override` (a list of configs) replaces
     the space of the families they belong to; the other families are not
@@ -372,7 +383,7 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
     space = "custom" if candidates_override is not None else ("quick" if quick else "full")
     seqlens = seqlens or (QUICK_SEQLENS if quick else SEQLENS)
     tasks, results = [], {}
-    for family, problem in _problems(passes, dtypes, headdims, causal, seqlens, limits):
+    for family, problem in _problems(passes, dtypes, headdims, causal, seqlens, limits, window_size, softcap, alibi):
         override = _own(family, candidates_override)
         if override == []:  # candidates were given, none of this family
             continue
@@ -419,15 +430,16 @@ def tune_bwd_call(problem: BwdProblem, batch: int, nheads: int, nheads_kv: int) 
 
 class CacheLookup:
     """The tuning cache as dispatch reads it (dispatch.TunedLookup); `install` hands it over. The cache
-    holds plain attention: problems with score options (window, softcap, ALiBi) find nothing."""
+    holds plain attention and windows, softcap and ALiBi (each combination under keys of its own);
+    varlen and dropout problems find nothing (ScoreMods.tuned)."""
 
     @staticmethod
     def fwd(problem: FwdProblem):
-        return None if problem.mods.bits else FWD.cached(problem)[1]
+        return FWD.cached(problem)[1] if problem.mods.tuned else None
 
     @staticmethod
     def bwd(problem: BwdProblem):
-        return None if problem.mods.bits else BWD.cached(problem)[1]
+        return BWD.cached(problem)[1] if problem.mods.tuned else None
 
     @staticmethod
     def state() -> tuple:

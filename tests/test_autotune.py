@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from cuflash import compile as cf_compile
-from cuflash import dispatch, tune_cache, tuner
+from cuflash import dispatch, score_mods, tune_cache, tuner
 from cuflash.cli import autotune as cli_autotune
 from cuflash.cli import info as cli_info
 from cuflash.dispatch import BwdProblem
@@ -391,3 +391,77 @@ def test_quick_hopper_space_is_a_subset_of_the_full_one():
     assert set(quick) <= set(full) and len(quick) < len(full)
     assert {c.block_n for c in quick} == {c.block_n for c in full}
     assert {c.pingpong for c in quick} == {True, False}
+
+
+# ---------------------------------------------------------------- score options
+
+
+def _mods(causal=False, window=(-1, -1), softcap=0.0, alibi=False, seqlen=4096, **extra):
+    causal, mods = score_mods.normalise(causal, window, softcap, 0 if alibi else None, seqlen, seqlen)
+    return dataclasses.replace(mods, **extra) if extra else mods
+
+
+def test_option_problems_have_keys_of_their_own():
+    plain = FwdProblem("float16", 128, False, 4096, 4096, 1)
+    assert FWD.key(dataclasses.replace(plain, mods=_mods(softcap=30.0))) == FWD.key(plain) + "/softcap"
+    assert FWD.key(dataclasses.replace(plain, mods=_mods(softcap=30.0, alibi=True))).endswith("/softcap+alibi")
+    # A window's sides are bucketed like the lengths; an unbounded side is inf.
+    assert FWD.key(dataclasses.replace(plain, mods=_mods(window=(1000, 0)))).endswith("/w1024,0")
+    assert FWD.key(dataclasses.replace(plain, mods=_mods(window=(900, -1)))).endswith("/w1024,inf")
+    assert BWD.key(dataclasses.replace(bwd_problem(), mods=_mods(alibi=True))) == BWD.key(bwd_problem()) + "/alibi"
+    # The slopes' layout and the softcap's value change no kernel: one key.
+    assert FWD.key(dataclasses.replace(plain, mods=_mods(softcap=5.0, alibi=True, alibi_batch_stride=16))) == \
+        FWD.key(dataclasses.replace(plain, mods=_mods(softcap=30.0, alibi=True)))
+
+
+def test_option_problems_compile_their_own_kernels():
+    mods = _mods(window=(256, 0), softcap=30.0)
+    problem = FwdProblem("float16", 128, True, 4096, 4096, 1, mods=mods)
+    cfg = FwdConfig(128, 64, 4, 1, 2)
+    (kernel,) = FWD.kernels(cfg, problem)
+    assert kernel.name == cfg.name_expression("float16", True, True, True, mods.bits) and mods.bits
+    bwd = BwdProblem("float16", 128, True, 4096, 4096, 1, True, mods=mods)
+    bcfg = BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32)
+    dkdv, dq = BWD.kernels(bcfg, bwd)
+    assert dkdv.name == bcfg.dkdv_name("float16", True, True, True, False, mods.bits)
+    assert dq.name == bcfg.dq_name("float16", True, True, True, mods.bits)
+
+
+def test_the_cache_serves_tuned_options_but_not_varlen_or_dropout(cache, monkeypatch):
+    monkeypatch.setattr(tune_cache, "current_device", lambda: DEVICE)
+    tuner.install()
+    plain = FwdProblem("float16", 64, False, 2000, 2000, 1)
+    softcap = dataclasses.replace(plain, mods=_mods(softcap=30.0, seqlen=2000))
+    tuned = FwdConfig(64, 32, 8, 1, 3)
+    tune_cache.put(DEVICE, {FWD.key(plain): {**entry(), "config": dataclasses.asdict(tuned)}})
+    assert dispatch.fwd_config(plain) == (tuned, "cache")
+    assert dispatch.fwd_config(softcap)[1] == "heuristic"  # the plain entry is not the softcap one
+    tune_cache.put(DEVICE, {FWD.key(softcap): {**entry(), "config": dataclasses.asdict(tuned)}})
+    assert dispatch.fwd_config(softcap) == (tuned, "cache")
+    varlen = dataclasses.replace(plain, mods=_mods(seqlen=2000, varlen=score_mods.Varlen(2, 2000, 2000)))
+    dropout = dataclasses.replace(plain, mods=_mods(seqlen=2000, dropout=score_mods.Dropout(0.1, 1, 0)))
+    assert FWD.key(varlen) == FWD.key(plain) and FWD.key(dropout) == FWD.key(plain)
+    assert dispatch.fwd_config(varlen)[1] == "heuristic" and dispatch.fwd_config(dropout)[1] == "heuristic"
+    bwd = BwdProblem("float16", 64, False, 2000, 2000, 1, False, mods=_mods(alibi=True, seqlen=2000))
+    bcfg = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=32)
+    tune_cache.put(DEVICE, {BWD.key(bwd): {**entry(), "config": dataclasses.asdict(bcfg)}})
+    assert dispatch.bwd_config(bwd) == (bcfg, "cache")
+    assert dispatch.bwd_config(dataclasses.replace(bwd, mods=score_mods.NONE))[1] == "heuristic"
+
+
+def test_autotune_problems_carry_the_options_normalised():
+    limits = dataclasses.replace(H100, device=tune_cache.DeviceKey("Test GPU", "90"))
+    pairs = list(tuner._problems(("forward",), ["float16"], [64], [False, True], [1024, 4096], limits,
+                                 window_size=(2048, 0), softcap=30.0))
+    # (2048, 0) is causal: asked with and without causal, each length is one problem; at 1k the
+    # window covers every key, so only the causal mask is left.
+    assert [(p.seqlen_q, p.causal, p.mods.window) for _, p in pairs] == [(1024, True, None), (4096, True, (2048, 0))]
+    assert all(p.mods.softcap == 30.0 and not p.mods.alibi for _, p in pairs)
+    (pair,) = tuner._problems(("forward",), ["float16"], [64], [False], [1024], limits, alibi=True)
+    assert pair[1].mods.alibi and FWD.key(pair[1]).endswith("/alibi")
+
+
+def test_cli_rejects_bad_score_options():
+    for argv in (["--softcap", "-1"], ["--window=-2,0"], ["--window", "a,b"]):
+        with pytest.raises(SystemExit):
+            cli_autotune.main(argv)

@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import device, dispatch, launch, tune_cache, tuner
+from cuflash import device, dispatch, launch, score_mods, tune_cache, tuner
 from cuflash.dispatch import BwdProblem
 from cuflash.config import BwdConfig, FwdConfig
 from cuflash.dispatch import FwdProblem
@@ -176,3 +176,62 @@ def test_backward_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     assert entry["shape"] == {**entry["shape"], "batch": 1, "nheads": 4, "nheads_kv": 2, "seqlen_q": 300}
     assert dispatch.bwd_config(problem)[1] == "cache"
     assert_grads_close(grads, expected)
+
+
+OPTIONS = dict(causal=True, window_size=(64, 0), softcap=20.0)
+
+
+def _option_problem(problem, seqlen_q, seqlen_k, alibi=True):
+    _, mods = score_mods.normalise(True, OPTIONS["window_size"], OPTIONS["softcap"], 0 if alibi else None,
+                                   seqlen_q, seqlen_k)
+    return dataclasses.replace(problem, mods=mods)
+
+
+def test_option_calls_are_tuned_under_their_own_key(cache, monkeypatch):
+    """attention(..., tune=True) with a window, softcap and ALiBi tunes that problem's kernels and caches them
+    under its own key, which the next such call reads; the plain problem stays untuned."""
+    candidate = FwdConfig(64, 32, 4, 1, 2)
+    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
+        family.heuristic(problem), candidate])
+    gen = cupy.random.default_rng(1)
+    q = randn(gen, (1, 300, 4, 64), cupy.float16)
+    k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
+    slopes = cupy.asarray(score_mods.standard_alibi_slopes(4))
+    with dispatch.heuristic_only():
+        expected = cuflash.attention(q, k, v, alibi_slopes=slopes, **OPTIONS)
+    out = cuflash.attention(q, k, v, alibi_slopes=slopes, tune=True, **OPTIONS)
+    plain = device_problem("float16", 64, True, 300, 200, 2)
+    problem = _option_problem(plain, 300, 200)
+    entry = tune_cache.get(tune_cache.current_device(), FWD.key(problem))
+    assert FWD.key(problem).endswith("/w64,0+softcap+alibi") and entry["timed"] >= 1
+    assert dispatch.fwd_config(problem)[1] == "cache"
+    assert tune_cache.get(tune_cache.current_device(), FWD.key(plain)) is None
+    assert float(cupy.abs(out.astype(cupy.float32) - expected.astype(cupy.float32)).max()) < 2e-2
+
+
+def test_backward_option_calls_are_tuned_under_their_own_key(cache, monkeypatch):
+    candidate = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=16)
+    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
+        family.heuristic(problem), candidate])
+    gen = cupy.random.default_rng(2)
+    q, dout = (randn(gen, (1, 300, 4, 64), cupy.float16) for _ in range(2))
+    k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
+    slopes = cupy.asarray(score_mods.standard_alibi_slopes(4))
+    out, lse = cuflash.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **OPTIONS)
+    args = (dout, q, k, v, out, lse)
+    with dispatch.heuristic_only():
+        expected = cuflash.attention_backward(*args, alibi_slopes=slopes, **OPTIONS)
+    grads = cuflash.attention_backward(*args, alibi_slopes=slopes, tune=True, **OPTIONS)
+    problem = _option_problem(device_bwd_problem("float16", 64, True, 300, 200, 2, False), 300, 200)
+    entry = tune_cache.get(tune_cache.current_device(), BWD.key(problem))
+    assert BWD.key(problem).endswith("/atomic/w64,0+softcap+alibi") and entry["timed"] >= 1
+    assert dispatch.bwd_config(problem)[1] == "cache"
+    assert_grads_close(grads, expected)
+
+
+def test_autotune_with_options_times_the_options_kernels(cache):
+    results = tuner.autotune(dtypes=["bfloat16"], headdims=[64], causal=[False], seqlens=[512], softcap=30.0,
+                             alibi=True, repeats=3, candidates_override=[FwdConfig(64, 32, 4, 1, 2)],
+                             progress=False)
+    (key, entry), = results.items()
+    assert key.endswith("/softcap+alibi") and entry["timed"] == 2 and entry["rejected"] == []

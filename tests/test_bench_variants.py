@@ -9,7 +9,8 @@ import pytest
 
 from cuflash.bench import cli, tables
 from cuflash.bench.shapes import Shape, flops_by_library, variant_fields
-from cuflash.bench.variants import NO_WINDOW, Variant, alibi_slopes, parse_window, visible_entries
+from cuflash.bench.variants import NO_WINDOW, Variant, parse_window, visible_entries
+from cuflash.score_mods import standard_alibi_slopes as alibi_slopes
 
 
 def brute_force_mask(nq, nk, causal, window):

@@ -61,7 +61,7 @@ import sys
 
 from .options import dtype_option, list_option, seqlen_option
 from .shapes import DTYPES, HEADDIMS, HIDDEN, QUICK_SEQLENS, SEQLENS
-from .variants import NO_WINDOW, Variant, parse_window
+from .variants import Variant, window_and_softcap
 
 
 def parse_args(argv):
@@ -142,13 +142,7 @@ def parse_args(argv):
 
 def _variant(parser, args) -> Variant:
     """The options of --window, --softcap and --alibi; a usage error where they are invalid or cannot combine."""
-    try:
-        window = NO_WINDOW if args.window is None else parse_window(args.window)
-    except ValueError as exc:
-        parser.error(f"--window: {exc}")
-    if not args.softcap >= 0:
-        parser.error("--softcap must be positive (or 0: none)")
-    variant = Variant(window, args.softcap, args.alibi)
+    variant = Variant(*window_and_softcap(parser, args.window, args.softcap), args.alibi)
     if variant.enabled and (args.fp8 or args.tuned):
         parser.error("--window, --softcap and --alibi do not combine with --fp8 or --tuned")
     return variant

@@ -9,6 +9,8 @@ import dataclasses
 
 import numpy
 
+from ..score_mods import standard_alibi_slopes
+
 NO_WINDOW = (-1, -1)
 
 
@@ -27,9 +29,15 @@ def parse_window(text: str) -> tuple[int, int]:
     return left, right
 
 
-def alibi_slopes(heads: int) -> numpy.ndarray:
-    """The standard ALiBi slopes 2^(-8 (h+1) / H), float32, shape (H,)."""
-    return (2.0 ** (-8.0 * numpy.arange(1, heads + 1) / heads)).astype(numpy.float32)
+def window_and_softcap(parser, window: str | None, softcap: float) -> tuple[tuple[int, int], float]:
+    """The values of a command's --window (text or None) and --softcap; a usage error where invalid."""
+    try:
+        parsed = NO_WINDOW if window is None else parse_window(window)
+    except ValueError as exc:
+        parser.error(f"--window: {exc}")
+    if not softcap >= 0:
+        parser.error("--softcap must be positive (or 0: none)")
+    return parsed, softcap
 
 
 def effective_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
@@ -81,14 +89,14 @@ class Variant:
         if self.softcap > 0:
             kwargs["softcap"] = self.softcap
         if self.alibi:
-            kwargs["alibi_slopes"] = alibi_slopes(heads)
+            kwargs["alibi_slopes"] = standard_alibi_slopes(heads)
         return kwargs
 
     def reference_kwargs(self, heads: int, keep: int) -> dict:
         """naive_attention's (and its backward's) keywords for these options on the first `keep`
         of `heads` query heads."""
         return {"window": self.window, "softcap": self.softcap,
-                "alibi_slopes": alibi_slopes(heads)[:keep] if self.alibi else None}
+                "alibi_slopes": standard_alibi_slopes(heads)[:keep] if self.alibi else None}
 
     def to_json(self) -> dict:
         return {"window": list(self.window), "softcap": self.softcap, "alibi": self.alibi}

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from .. import tune_cache
 from ..bench.options import dtype_option, list_option, seqlen_option
+from ..bench.variants import window_and_softcap
 from ..config import DTYPE_NAMES
 from ..tuner import DEFAULT_HEADDIMS, PASSES, DeviceLimits, autotune
 from .info import ENTRY_HEADERS, entry_row
@@ -31,6 +32,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlen", action="append", metavar="N",
                         help="sequence lengths, e.g. 1k,4k (default: 512..16k; --quick: 1k..8k)")
     parser.add_argument("--only", choices=PASSES, help="tune only the forward or only the backward (default: both)")
+    parser.add_argument("--window", metavar="LEFT,RIGHT",
+                        help="tune calls with this sliding window (W means W,W; -1 leaves a side unbounded)")
+    parser.add_argument("--softcap", type=float, default=0.0, metavar="C", help="tune calls with this softcap")
+    parser.add_argument("--alibi", action="store_true", help="tune calls with ALiBi slopes")
     parser.add_argument("--quick", action="store_true",
                         help="small candidate space, 10 repeats, seqlens 1k..8k: a few minutes")
     parser.add_argument("--clear", action="store_true", help="remove this device's cached entries first")
@@ -47,12 +52,14 @@ def main(argv=None) -> int:
         parser.error("--seqlen values must be positive")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    window, softcap = window_and_softcap(parser, args.window, args.softcap)
 
     started = time.perf_counter()
     try:
         passes = (args.only,) if args.only else PASSES
         results = autotune(dtypes=dtypes, headdims=headdims, causal=causal, seqlens=seqlens, passes=passes,
-                           quick=args.quick, clear=args.clear, repeats=args.repeats, jobs=args.jobs)
+                           window_size=window, softcap=softcap, alibi=args.alibi, quick=args.quick,
+                           clear=args.clear, repeats=args.repeats, jobs=args.jobs)
     except Exception as exc:
         print(f"cuflash autotune: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
