@@ -134,7 +134,8 @@ def varlen():
 
 def kvcache():
     """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
-    capacity, split keys with their combine, GQA and several queries."""
+    capacity, split keys merged in the kernel (16-row tiles) and by the combine kernel (MQA, 64-row
+    tiles), GQA and several queries."""
     gen = cupy.random.default_rng(3)
 
     def randn(*shape):
@@ -155,6 +156,11 @@ def kvcache():
                 cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
                                                block_table=pages, rotary_cos=cos, rotary_sin=sin, causal=True,
                                                num_splits=splits, return_lse=True)
+    # 32 query heads on one kv head, 2 queries: 64 packed rows, whose splits the combine kernel merges.
+    q = randn(batch, 2, 32, headdim)
+    k_cache, v_cache = randn(batch, capacity, 1, headdim), randn(batch, capacity, 1, headdim)
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, num_splits=3,
+                                   return_lse=True)
 
 
 def dropout():
