@@ -113,20 +113,20 @@ __global__ void __launch_bounds__(384, 1)
     for (;; ring.next_tile()) {
         mbar_wait(sm.full_q(), ring.tile_parity());
         const int kv_iter = ring.key_blocks();
-        const int t = segment.tile(lane);
+        const int t = segment.tile();
         if (t >= num_tiles) break;
         // Key blocks [lo, hi) of tile t; slot >= 0: a split tile's segment.
         // Without a causal mask or a window the masked blocks are the last (a partial one).
         const Tile tile = tile_at<BR, CAUSAL>(t, (nq + BR - 1) / BR, nheads);
         OutRows varlen_rows{tile, 0};  // varlen: the tile's rows in O and its sequence
         if constexpr (Mods::VARLEN) {
-            const SeqSpan seq = segment.seq(lane);
+            const SeqSpan seq = segment.seq();
             mods.set_lengths(seq.nq, seq.nk);
             varlen_rows = OutRows{Tile{seq.q0 + tile.m0, tile.h, 0}, seq.nq - tile.m0};
         }
         const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);
-        const int lo = TAIL_SPLIT ? segment.lo(lane) : blocks.begin, hi = TAIL_SPLIT ? segment.hi(lane) : blocks.end;
-        const int slot = TAIL_SPLIT ? segment.slot(lane) : -1;
+        const int lo = TAIL_SPLIT ? segment.lo() : blocks.begin, hi = TAIL_SPLIT ? segment.hi() : blocks.end;
+        const int slot = TAIL_SPLIT ? segment.slot() : -1;
         const int hk = tile.h / group;
         stash_shared(words.addr + TileWords::M0, tile.m0);  // every lane stores the same values
         stash_shared(words.addr + TileWords::HEAD, tile.h);

@@ -85,11 +85,9 @@ __device__ __forceinline__ int draw_next_segment(int* tile_counter, int num_item
 }
 
 // The segment in flight, in shared memory: written by the producer's thread
-// before it arrives on full_q, read by lane 0 of each consumer warp after
-// its wait on full_q and broadcast to the warp (`word`), rewritten only after
-// every consumer warp has arrived on empty_q, which lane 0 does after its
-// reads (docs/sanitizers.md). Only the arriving lane reads the slot, so its
-// own arrival releases every read of it.
+// before it arrives on full_q, read by the consumers after their wait on
+// full_q, rewritten only after every consumer warp has arrived on empty_q
+// (which each does after its last read of it: docs/sanitizers.md).
 struct SegmentSlot {
     volatile int* words;  // tile, lo, hi, slot; then the producer's next segment; then SEQ
     // Varlen: the segment's sequence (first query row, query and key lengths),
@@ -108,19 +106,12 @@ struct SegmentSlot {
         words[SEQ + 2] = seq.nk;
     }
     __device__ __forceinline__ void publish_stop(int num_tiles) const { words[0] = num_tiles; }
-
-    // Word i as lane 0 of the calling (converged) warp read it.
-    __device__ __forceinline__ int word(int i, int lane) const {
-        return __shfl_sync(0xffffffffu, lane == 0 ? words[i] : 0, 0);
-    }
-    __device__ __forceinline__ int tile(int lane) const { return word(0, lane); }
-    __device__ __forceinline__ int lo(int lane) const { return word(1, lane); }
-    __device__ __forceinline__ int hi(int lane) const { return word(2, lane); }
-    __device__ __forceinline__ int slot(int lane) const { return word(3, lane); }
+    __device__ __forceinline__ int tile() const { return words[0]; }
+    __device__ __forceinline__ int lo() const { return words[1]; }
+    __device__ __forceinline__ int hi() const { return words[2]; }
+    __device__ __forceinline__ int slot() const { return words[3]; }
     // k0 is the producer's alone: 0 here.
-    __device__ __forceinline__ SeqSpan seq(int lane) const {
-        return SeqSpan{word(SEQ, lane), 0, word(SEQ + 1, lane), word(SEQ + 2, lane)};
-    }
+    __device__ __forceinline__ SeqSpan seq() const { return SeqSpan{words[SEQ], 0, words[SEQ + 1], words[SEQ + 2]}; }
 };
 
 }  // namespace cuflash
