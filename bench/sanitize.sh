@@ -7,8 +7,8 @@
 # prints each run's error summary; logs go to $OUT (./sanitize_out when unset).
 # API errors are not reported: cuda-python's driver module probes entry points
 # that the installed driver lacks (cuGetProcAddress), which is not a kernel's doing.
-# Exits non-zero if any run reports an error (docs/sanitizers.md: 0 on every
-# family and tool, and how the kernels and the workload keep it so).
+# Exits non-zero if any run reports an error (docs/sanitizers.md: what each
+# family and tool reports, and how the kernels and the workload keep it so).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-./sanitize_out}
