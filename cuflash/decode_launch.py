@@ -45,10 +45,10 @@ COMBINE_ARGS_DTYPE = numpy.dtype([
 COMBINE_ROWS_PER_CTA = 4  # one warp a row
 
 # Rows per tile up to which the decoding kernel merges its splits itself (decode_sm80.cuh). Same-run
-# A/B against the combine kernel (H100, fp16, head dim 128, GB/s of cache read): GQA batch 8 8k 2664
-# against 2556, GQA batch 1 128k 2717 against 2622, MHA batch 1 32k 2842 against 2771 (16-row tiles:
-# 4 and 1 rows used); MQA batch 64 8k 2242 against 2362 and MQA batch 8 128k 2205 against 2511
-# (32-row tiles): there one CTA's merge of 32 rows is slower than the combine kernel's 8-64 CTAs.
+# A/B against the combine kernel (bench/decode_merge_ab.py; bench/PERFLOG.md): 1-5% more GB/s with
+# 16-row tiles (GQA batch 8 8k 2666 against 2562 GB/s, H100, fp16, head dim 128); with 32-row tiles
+# one CTA's merge of 32 rows was slower than the combine kernel's 8-64 CTAs (MQA batch 64 8k 2242
+# against 2362, MQA batch 8 128k 2205 against 2511).
 MERGE_IN_KERNEL_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
 
 

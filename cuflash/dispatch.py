@@ -350,7 +350,7 @@ MAX_HEADDIM_4_ROW_WARPS = 160
 # pipeline fill and its row of the combine cost more than its keys.
 MIN_BLOCKS_PER_SPLIT = 4
 # How full the last wave of split CTAs must be, relative to the fullest choice. FlashDecoding's
-# 0.85 left SMs idle: batch 8, 8 or 1 kv heads, 128k cache (8 CTAs before splitting, 264 resident
+# 0.85 left SMs idle: MQA batch 8 and GQA batch 1, 128k cache (8 CTAs before splitting, 264 resident
 # on an H100) took 29 splits (232 CTAs) and ran at 2505 (MQA) and 2590 GB/s (GQA) against 2608 and
 # 2752 with 32 (256 CTAs); same run, fp16, head dim 128.
 SPLIT_WAVE_EFFICIENCY = 0.95

@@ -377,6 +377,9 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
     the space of the families they belong to; the other families are not
     tuned. Returns {cache key: entry} for every problem tuned or found.
     """
+    left, right = window_size
+    if min(left, right) < -1 or not 0 <= softcap < float("inf"):
+        raise ValueError(f"window_size sides must be >= -1 and softcap finite and >= 0, got {window_size}, {softcap}")
     limits = DeviceLimits.current()
     if clear:
         tune_cache.clear(limits.device)
@@ -409,9 +412,15 @@ def _own(family: Family, override):
 
 
 def _tune_one(family: Family, problem, shape: CallShape) -> None:
-    """Tune one call's problem at its own shape, unless its key is cached already."""
+    """Tune one call's problem at its own shape, unless its key is cached already.
+
+    ALiBi is timed with one row of standard slopes (batch stride 0): a call's (batch, nheads)
+    slopes run the same kernel, and the tuner's inputs hold no slopes for its batch.
+    """
     if family.cached(problem)[1] is not None:
         return
+    if problem.mods.alibi_batch_stride:
+        problem = dataclasses.replace(problem, mods=dataclasses.replace(problem.mods, alibi_batch_stride=0))
     limits = DeviceLimits.current()
     run([Task(family, problem, shape, "full", candidates(family, problem, limits, quick=False))])
 

@@ -462,6 +462,27 @@ def test_autotune_problems_carry_the_options_normalised():
 
 
 def test_cli_rejects_bad_score_options():
-    for argv in (["--softcap", "-1"], ["--window=-2,0"], ["--window", "a,b"]):
+    for argv in (["--softcap", "-1"], ["--softcap", "inf"], ["--window=-2,0"], ["--window", "a,b"]):
         with pytest.raises(SystemExit):
             cli_autotune.main(argv)
+
+
+def test_a_call_with_batched_alibi_slopes_is_tuned_with_one_row(monkeypatch):
+    """The tuner's inputs hold (nheads,) slopes: a call's (batch, nheads) slopes (a batch stride) are timed
+    with stride 0, under the same key."""
+    tasks = []
+    monkeypatch.setattr(tuner.DeviceLimits, "current", classmethod(lambda cls: H100))
+    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [family.heuristic(problem)])
+    monkeypatch.setattr(tuner, "run", lambda new, **kwargs: tasks.extend(new))
+    monkeypatch.setattr(FWD, "cached", lambda problem: (None, None))
+    problem = FwdProblem("float16", 64, False, 512, 512, 1, mods=_mods(alibi=True, seqlen=512, alibi_batch_stride=8))
+    tuner.tune_call(problem, 2, 8, 8)
+    (task,) = tasks
+    assert task.problem.mods.alibi and task.problem.mods.alibi_batch_stride == 0
+    assert FWD.key(task.problem) == FWD.key(problem)
+
+
+def test_autotune_rejects_bad_score_options():
+    for window, softcap in (((-2, 0), 0.0), ((-1, -1), -1.0), ((-1, -1), float("inf"))):
+        with pytest.raises(ValueError, match="window_size"):
+            tuner.autotune(window_size=window, softcap=softcap)

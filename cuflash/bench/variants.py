@@ -35,8 +35,8 @@ def window_and_softcap(parser, window: str | None, softcap: float) -> tuple[tupl
         parsed = NO_WINDOW if window is None else parse_window(window)
     except ValueError as exc:
         parser.error(f"--window: {exc}")
-    if not softcap >= 0:
-        parser.error("--softcap must be positive (or 0: none)")
+    if not 0 <= softcap < float("inf"):
+        parser.error("--softcap must be positive and finite (or 0: none)")
     return parsed, softcap
 
 
