@@ -48,6 +48,12 @@ print(cfg.short_name(), source, entry["tuned_at"])
 """
 
 
+def offer_only(monkeypatch, candidate):
+    """The tuner tries the heuristic config and `candidate`, nothing else."""
+    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
+        family.heuristic(problem), candidate])
+
+
 def device_problem(*fields):
     """A FwdProblem as cuflash.attention builds it on the current device (its shared memory and arch)."""
     dev = cupy.cuda.Device().id
@@ -92,8 +98,7 @@ def test_wrong_candidates_are_rejected(cache):
 
 def test_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     candidate = FwdConfig(64, 32, 4, 1, 2)
-    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
-        family.heuristic(problem), candidate])
+    offer_only(monkeypatch, candidate)
     gen = cupy.random.default_rng(0)
     q = randn(gen, (1, 300, 4, 64), cupy.float16)
     k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
@@ -165,8 +170,7 @@ def test_tuned_backward_is_cached_used_and_matches_the_heuristic(cache, monkeypa
 
 def test_backward_tune_keyword_tunes_the_call_shape(cache, monkeypatch):
     candidate = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=16)
-    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
-        family.heuristic(problem), candidate])
+    offer_only(monkeypatch, candidate)
     args = bwd_inputs(1, 300, 200, 4, 2, 64, causal=True)
     with dispatch.heuristic_only():
         expected = cuflash.attention_backward(*args, causal=True)
@@ -191,8 +195,7 @@ def test_option_calls_are_tuned_under_their_own_key(cache, monkeypatch):
     """attention(..., tune=True) with a window, softcap and ALiBi tunes that problem's kernels and caches them
     under its own key, which the next such call reads; the plain problem stays untuned."""
     candidate = FwdConfig(64, 32, 4, 1, 2)
-    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
-        family.heuristic(problem), candidate])
+    offer_only(monkeypatch, candidate)
     gen = cupy.random.default_rng(1)
     q = randn(gen, (1, 300, 4, 64), cupy.float16)
     k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
@@ -211,8 +214,7 @@ def test_option_calls_are_tuned_under_their_own_key(cache, monkeypatch):
 
 def test_backward_option_calls_are_tuned_under_their_own_key(cache, monkeypatch):
     candidate = BwdConfig(64, 64, 8, 4, 64, dkdv_chunk_m=16)
-    monkeypatch.setattr(tuner, "candidates", lambda family, problem, limits, quick: [
-        family.heuristic(problem), candidate])
+    offer_only(monkeypatch, candidate)
     gen = cupy.random.default_rng(2)
     q, dout = (randn(gen, (1, 300, 4, 64), cupy.float16) for _ in range(2))
     k, v = (randn(gen, (1, 200, 2, 64), cupy.float16) for _ in range(2))
