@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # GPU verification, run from the repository root on the GPU machine:
 #
-#   bench/device_check.sh [tests|bench|all]      (default: all)
+#   bench/device_check.sh [tests|bench|all|verify]      (default: all)
 #
 # tests: list the GPUs and print the environment, compile every shipped kernel
 #        (check), run the GPU tests, and read the Hopper fast paths' SASS
 #        (tools/sass_check.py: wgmma instructions, no local memory);
+# verify: what a kernel change runs before it lands, in one call: check
+#        (sm_90), the four sanitizers over every family (bench/sanitize.sh, a
+#        process per tool) and the GPU tests (a process per test file, 8 at a
+#        time) all at once, then the hardening tests alone (their leak bound
+#        and no-synchronisation check must not share the GPU); every log in
+#        $OUT/verify.log;
 # bench: the forward benchmark (every default shape), forward+backward
 #        (--quick), head dim 256 (bf16), and fp8 (head dims 128 and 256,
 #        2k-16k).
@@ -50,7 +56,47 @@ gpus_and_info() {
     return $rc
 }
 
+# verify_tests LOGS: each test file's GPU tests in a process of its own, 8 at a time, the hardening
+# file left out; a line per file with pytest's summary; fails if a file fails (pytest's exit 5, no
+# GPU test in the file, is not a failure).
+verify_tests() {
+    ls tests/test_*.py | grep -v test_hardening_gpu.py | xargs -P 8 -I{} sh -c '
+        log="$2/$(basename "$1" .py).log"
+        "$0" -m pytest -q -p no:cacheprovider -m gpu "$1" >"$log" 2>&1
+        rc=$?; [ $rc -eq 5 ] && rc=0
+        echo "$1: exit $rc: $(tail -n 1 "$log")"
+        exit $rc' "$PYTHON" {} "$1"
+}
+
+# verify_sanitizers LOGS: bench/sanitize.sh with each tool in a process of its own; fails if any reports.
+verify_sanitizers() {
+    local rc=0 pids=() tool pid
+    for tool in memcheck racecheck synccheck initcheck; do
+        OUT="$1/sanitize" bench/sanitize.sh "$tool" >"$1/sanitize-$tool.txt" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    cat "$1"/sanitize-*.txt
+    return $rc
+}
+
 MODE=${1:-all}
+if [ "$MODE" = verify ]; then
+    logs=$(mktemp -d)
+    step info gpus_and_info
+    "$PYTHON" -m cuflash check --arch sm_90 >"$logs/check.log" 2>&1 &
+    check_pid=$!
+    verify_sanitizers "$logs" >"$logs/sanitizers.txt" 2>&1 &
+    sanitizers_pid=$!
+    step tests verify_tests "$logs"
+    wait "$check_pid" || failed+=(check)
+    echo; echo "=== check"; grep -E "FAIL|kernels compiled" "$logs/check.log"
+    wait "$sanitizers_pid" || failed+=(sanitizers)
+    echo; echo "=== sanitizers"; cat "$logs/sanitizers.txt"
+    step hardening "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_hardening_gpu.py
+    cat "$logs"/*.log "$logs/sanitizers.txt" >"$OUT/verify.log"
+    rm -rf "$logs"
+fi
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     step info gpus_and_info
     step check "$PYTHON" -m cuflash check --arch sm_90
