@@ -60,7 +60,8 @@ HEURISTIC_FWD = {
 }
 
 class TunedLookup(Protocol):
-    """The tuning cache as dispatch reads it (cuflash.tuning installs one)."""
+    """The tuning cache as dispatch reads it (cuflash.tuning installs one), for problems whose
+    options the autotuner measures (ScoreMods.tuned)."""
 
     def fwd(self, problem: FwdProblem) -> FwdConfig | FwdSm90Config | None: ...
 
@@ -213,7 +214,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
 
 def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
     """The forward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled and problem.mods.dropout is None:
+    if _tuned is not None and _cache_enabled and problem.mods.tuned:
         cfg = _tuned.fwd(problem)
         if cfg is not None:
             return cfg, "cache"
@@ -328,7 +329,7 @@ def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
 
 def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
     """The backward config to run and where it came from ("cache" or "heuristic")."""
-    if _tuned is not None and _cache_enabled and problem.mods.dropout is None:
+    if _tuned is not None and _cache_enabled and problem.mods.tuned:
         cfg = _tuned.bwd(problem)
         if cfg is not None:
             return cfg, "cache"

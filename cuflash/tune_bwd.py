@@ -3,7 +3,7 @@
 The same parts as tune_fwd: the search space (data), the `keep()` predicate,
 the cache key, the kernels a configuration may run, and a workload (a full
 backward: preprocess, dK/dV and the dQ conversion, or the deterministic dQ
-kernel). `lookup` is the backward's cache hook.
+kernel).
 """
 
 from __future__ import annotations
@@ -164,8 +164,3 @@ class BwdTuning(TunedFamily):
 
 
 BWD = BwdTuning()
-
-
-def lookup(problem: BwdProblem) -> BwdConfig | None:
-    """The backward's cache hook: the tuned config for `problem`, if any."""
-    return BWD.cached(problem)[1]

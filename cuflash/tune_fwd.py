@@ -1,8 +1,8 @@
 """What the autotuner needs to know about the sm_80 forward kernel.
 
 Its search space (data), the `keep()` predicate, the cache key of a problem,
-the kernels a configuration may run, and a workload to check and time on.
-`lookup` is the dispatcher's cache hook for this family.
+the kernels a configuration may run, and a workload to check and time on
+(dispatch reads the cache through tuner.CacheLookup).
 """
 
 from __future__ import annotations
@@ -152,8 +152,3 @@ class FwdTuning(TunedFamily):
 
 
 FWD = FwdTuning()
-
-
-def lookup(problem: dispatch.FwdProblem) -> FwdConfig | None:
-    """The dispatcher's cache hook: the tuned config for `problem`, if any."""
-    return FWD.cached(problem)[1]

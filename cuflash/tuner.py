@@ -440,15 +440,15 @@ def tune_bwd_call(problem: BwdProblem, batch: int, nheads: int, nheads_kv: int) 
 class CacheLookup:
     """The tuning cache as dispatch reads it (dispatch.TunedLookup); `install` hands it over. The cache
     holds plain attention and windows, softcap and ALiBi (each combination under keys of its own);
-    varlen and dropout problems find nothing (ScoreMods.tuned)."""
+    dispatch does not ask for varlen and dropout problems (ScoreMods.tuned)."""
 
     @staticmethod
     def fwd(problem: FwdProblem):
-        return FWD.cached(problem)[1] if problem.mods.tuned else None
+        return FWD.cached(problem)[1]
 
     @staticmethod
     def bwd(problem: BwdProblem):
-        return BWD.cached(problem)[1] if problem.mods.tuned else None
+        return BWD.cached(problem)[1]
 
     @staticmethod
     def state() -> tuple:
