@@ -1,4 +1,4 @@
-"""What the autotuner needs to know about the sm_80 backward kernels.
+"""What the autotuner needs to know about the backward kernels (sm_80 and Hopper).
 
 The same parts as tune_fwd: the search space (data), the `keep()` predicate,
 the cache key, the kernels a configuration may run, and a workload (a full

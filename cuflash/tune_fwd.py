@@ -1,4 +1,4 @@
-"""What the autotuner needs to know about the sm_80 forward kernel.
+"""What the autotuner needs to know about the forward kernels (sm_80 and Hopper).
 
 Its search space (data), the `keep()` predicate, the cache key of a problem,
 the kernels a configuration may run, and a workload to check and time on
