@@ -69,10 +69,13 @@ verify_tests() {
 }
 
 # verify_sanitizers LOGS: bench/sanitize.sh with each tool in a process of its own; fails if any reports.
+# With several GPUs they run on the last, away from the tests.
 verify_sanitizers() {
-    local rc=0 pids=() tool pid
+    local rc=0 pids=() tool pid gpus last
+    gpus=$(nvidia-smi -L | wc -l)
+    last=$((gpus > 1 ? gpus - 1 : 0))
     for tool in memcheck racecheck synccheck initcheck; do
-        OUT="$1/sanitize" bench/sanitize.sh "$tool" >"$1/sanitize-$tool.txt" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$last OUT="$1/sanitize" bench/sanitize.sh "$tool" >"$1/sanitize-$tool.txt" 2>&1 &
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || rc=1; done

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(384, 1)
 
     if (tid == 0) {
         mbar_init(sm.full_q(), 1);
-        mbar_init(sm.empty_q(), 4 * T::CONSUMERS);  // one arrival per consumer warp
+        mbar_init(sm.empty_q(), 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.full_k(s), 1);
             mbar_init(sm.full_v(s), 1);
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(384, 1)
         const int n_masked = TAIL_SPLIT ? max(0, hi - max(lo, blocks.full_end)) : blocks.end - blocks.full_end;
         const int n_whole_end = hi - blocks.full_begin;
         if (hi == (TAIL_SPLIT ? 0 : lo)) {  // no row of this tile sees a key (a split segment has keys)
-            warp_arrive(sm.empty_q(), lane);
+            thread_arrive(sm.empty_q());
             const OutRows rows = Mods::VARLEN ? varlen_rows : OutRows{tile, out.nq - tile.m0};
             write_empty_rows<64, D, 128>(out.o_tile(rows.at) + c * 64 * o_sn, o_sn, out.lse_rows(rows.at) + c * 64,
                                          rows.valid - c * 64, d, tid - 128 * wg);
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(384, 1)
             // The last S GEMM of the segment has read Q: the producer may load the next.
             auto after_s = [&](int i, int st) {
                 warp_arrive(sm.empty_k(st), lane);
-                if (i == n_blocks - 1) warp_arrive(sm.empty_q(), lane);
+                if (i == n_blocks - 1) thread_arrive(sm.empty_q());
             };
             const int row0 = m0 + warp_row0;
             // Dropout after the row sums (the softmax normalises the undropped P): kept P

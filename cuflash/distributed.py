@@ -18,8 +18,9 @@ Layouts (`shard` cuts a global array into them):
 - "contiguous": rank r holds chunk r of R. Causal steps with s > r see nothing and are skipped.
 
 The backward runs the same steps with the global out and lse (`attention_backward` takes them, so
-each step's dQ, dK, dV are that shard pair's exact share). dQ stays; dK and dV travel with their
-keys and values and reach their owner after a full turn.
+each step's dQ, dK, dV are that shard pair's exact share). dQ stays; the sums of dK and dV follow
+their keys and values one hop behind (sent once a step's kernels are done, they cross during the
+next step's) and reach their owner after a full turn.
 
 Transports move the shards: `InProcessTransport` treats arrays of one process (one GPU or the
 host) as ranks, which is how the ring is tested on one device; `NcclTransport` sends over NCCL
@@ -179,11 +180,21 @@ class InProcessTransport:
         return pending
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A rotation under way: the buffers it fills and, per GPU, the event that marks its end on the
+    communication stream (recorded when it starts, so that waiting for it does not also wait for
+    the transfers queued after it)."""
+    received: list
+    arrived: list
+
+
 class NcclTransport:
     """Ranks over NCCL: `comms` are this process's communicators (one per GPU it drives, in its
     `ranks` order; from `communicators` or `communicator`), `devices` their GPUs. A rotation sends
-    to rank + 1 and receives from rank - 1 on a communication stream per GPU, into new buffers;
-    `finish` makes each GPU's current stream wait for it."""
+    to rank + 1 and receives from rank - 1 on a communication stream per GPU, into new buffers,
+    after the work already queued on each GPU's current stream; `finish` makes each current stream
+    wait for that rotation (and no later one)."""
 
     def __init__(self, comms: list, devices: list[int]):
         import cupy
@@ -223,15 +234,19 @@ class NcclTransport:
                 comm.send(x.data.ptr, x.nbytes, nccl.NCCL_INT8, (rank + 1) % self.world, stream.ptr)
                 comm.recv(y.data.ptr, y.nbytes, nccl.NCCL_INT8, (rank - 1) % self.world, stream.ptr)
         nccl.groupEnd()
-        return received
-
-    def finish(self, pending: list[tuple]) -> list[tuple]:
-        import cupy
-
+        arrived = []
         for device, stream in zip(self.devices, self.streams):
             with cupy.cuda.Device(device):
-                cupy.cuda.get_current_stream().wait_event(stream.record())
-        return pending
+                arrived.append(stream.record())
+        return _InFlight(received, arrived)
+
+    def finish(self, pending: _InFlight) -> list[tuple]:
+        import cupy
+
+        for device, event in zip(self.devices, pending.arrived):
+            with cupy.cuda.Device(device):
+                cupy.cuda.get_current_stream().wait_event(event)
+        return pending.received
 
 
 def unique_id():
@@ -338,29 +353,43 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
     dqs = _each(_accumulator, q)
-    # dK and dV travel with their shards: (k, v, dk, dv) per rank.
-    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv), _accumulator(kk), _accumulator(vv)), k, v)
+    held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)
+    # The dK, dV sums of the shards held at a step travel one hop behind them: sent after the step's
+    # kernels, they cross while the next step's run, and the world-th hop takes them home.
+    sums_in_flight = None
     for t in range(transport.world):
+        pending = transport.start(held) if t + 1 < transport.world else None
+        shares = []  # (key rows, dk, dv) of each rank's step
         for i, rank in enumerate(transport.ranks):
             step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
             if step is None:
+                shares.append(None)
                 continue
-            kk, vv, dk, dv = held[i]
+            kk, vv = held[i]
             rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
             with _on(q[i]):
                 lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
                 dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
                                          lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
                 dqs[i][:, rows] += dq_s
-                dk[:, keys] += dk_s
-                dv[:, keys] += dv_s
-        if t + 1 < transport.world:
-            held = transport.finish(transport.start(held))
-    # The world-th hop takes dK and dV home to their owners (the keys and values need not go).
-    grads = transport.finish(transport.start([(dk, dv) for _, _, dk, dv in held]))
+            shares.append((keys, dk_s, dv_s))
+        if sums_in_flight is None:
+            sums = _each(lambda kk, vv: (_accumulator(kk), _accumulator(vv)), *zip(*held))
+        else:
+            sums = transport.finish(sums_in_flight)
+        for (dk, dv), share in zip(sums, shares):
+            if share is not None:
+                keys, dk_s, dv_s = share
+                with _on(dk):
+                    dk[:, keys] += dk_s
+                    dv[:, keys] += dv_s
+        sums_in_flight = transport.start(sums)
+        if pending is not None:
+            held = transport.finish(pending)
+    sums = transport.finish(sums_in_flight)
     dq = _each(lambda g, x: g.astype(x.dtype, copy=False), dqs, q)
-    dk = _each(lambda g, x: g[0].astype(x.dtype, copy=False), grads, k)
-    dv = _each(lambda g, x: g[1].astype(x.dtype, copy=False), grads, v)
+    dk = _each(lambda g, x: g[0].astype(x.dtype, copy=False), sums, k)
+    dv = _each(lambda g, x: g[1].astype(x.dtype, copy=False), sums, v)
     return dq, dk, dv
 
 

@@ -29,6 +29,7 @@ backward, as flash-attn does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -99,15 +100,19 @@ def _batch_shape(x, rank: int = 4) -> tuple:
     return (-1, *x.shape[len(x.shape) - rank + 1:])
 
 
-def _on_xla_stream(ctx):
-    """CuPy's current stream for the callback's kernels: XLA's."""
-    return external_stream(ctx.stream)
+@contextlib.contextmanager
+def _on_xla_stream(ctx, array):
+    """XLA's stream as CuPy's current one, with the device of `array` (a view of one of the callback's
+    buffers) current: under shard_map over several GPUs, the thread that runs a device's callback
+    need not have that device current."""
+    with array.device, external_stream(ctx.stream):
+        yield
 
 
 def _forward_callback(options, ctx, outputs, q, k, v, state):
     out, lse = outputs
     qc, kc, vc = (_cupy_view(x, _batch_shape(x)) for x in (q, k, v))
-    with _on_xla_stream(ctx):
+    with _on_xla_stream(ctx, qc):
         _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out)),
                            lse=_cupy_view(lse, _batch_shape(lse, 3)), **_with_dropout(options, state))
 
@@ -116,7 +121,7 @@ def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out,
     *grads, scratch = outputs
     dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in grads)
     inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
-    with _on_xla_stream(ctx):
+    with _on_xla_stream(ctx, dq):
         workspace = _launch.BackwardWorkspace(0, dq.device.id, _cupy_view(scratch, (-1,)))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
                                      deterministic=deterministic, workspace=workspace,
@@ -191,10 +196,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 # ---------------------------------------------------------------- packed batches
 
 def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state):
-    out, lse = outputs
-    with _on_xla_stream(ctx):
+    out = _cupy_view(outputs[0], outputs[0].shape)
+    with _on_xla_stream(ctx, out):
         _varlen.attention_varlen(*(_cupy_view(x, x.shape) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=_cupy_view(out, out.shape), lse=_cupy_view(lse, lse.shape),
+                                 out=out, lse=_cupy_view(outputs[1], outputs[1].shape),
                                  **_with_dropout(options, state))
 
 
@@ -202,7 +207,7 @@ def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dou
                               state):
     dq, dk, dv = (_cupy_view(x, x.shape) for x in outputs)
     arrays = [_cupy_view(x, x.shape) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
-    with _on_xla_stream(ctx):
+    with _on_xla_stream(ctx, dq):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
                                           **_with_dropout(options, state))
 
@@ -268,12 +273,11 @@ _KVCACHE_ARRAYS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad"
 
 
 def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays):
-    out, k_out, v_out = outputs  # the caches' outputs alias their inputs: the append lands there
+    # The caches' outputs alias their inputs: the append lands there.
+    out, k_out, v_out = (_cupy_view(x, x.shape) for x in outputs)
     given = {name: _cupy_view(x, x.shape) for name, x in zip(names, arrays)}
-    with _on_xla_stream(ctx):
-        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape), _cupy_view(k_out, k_out.shape),
-                                         _cupy_view(v_out, v_out.shape), out=_cupy_view(out, out.shape),
-                                         **given, **options)
+    with _on_xla_stream(ctx, out):
+        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape), k_out, v_out, out=out, **given, **options)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,

@@ -26,15 +26,22 @@ import jax
 import jax.numpy as jnp
 
 from . import distributed
-from .jax import _backward_call, _forward_call, _option_items
+from .jax import _backward_call, _dropout_state, _forward_call, _option_items
+
+
+def _kernel_options(causal, softmax_scale, softcap) -> dict:
+    """cuflash.jax's call options of one step: no window, no dropout."""
+    return dict(_option_items(causal, softmax_scale, None, softcap), dropout_p=0.0)
 
 
 def _kernel_forward(q, k, v, *, causal, softmax_scale, softcap):
-    return _forward_call(q, k, v, dict(_option_items(causal, softmax_scale, None, softcap)))
+    _, state = _dropout_state(0.0, None)
+    return _forward_call(q, k, v, state, _kernel_options(causal, softmax_scale, softcap))
 
 
 def _kernel_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap):
-    return _backward_call(dout, q, k, v, out, lse, dict(_option_items(causal, softmax_scale, None, softcap)), False)
+    _, state = _dropout_state(0.0, None)
+    return _backward_call(dout, q, k, v, out, lse, state, _kernel_options(causal, softmax_scale, softcap), False)
 
 
 def _bound(local: tuple, softmax_scale, softcap) -> tuple:

@@ -172,3 +172,81 @@ def test_one_rank_ring_is_bitwise_single_gpu_cuflash():
     for (g,), w in zip(grads, wants):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(g.get().astype(np.float32), w.get().astype(np.float32), atol=2e-3)
+
+
+# --- Several GPUs --------------------------------------------------------------------------------
+
+
+def gpu_count() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, causal", [("zigzag", True), ("zigzag", False), ("contiguous", True)])
+def test_ring_over_nccl_across_gpus(layout, causal):
+    """One rank per GPU of the process over NCCL: the 2x rule against the float64 reference, and the
+    forward bitwise equal to the same ring simulated on one GPU (same steps, same merge order)."""
+    import cupy
+
+    world = gpu_count()
+    if world < 2:
+        pytest.skip("needs two GPUs")
+    rng = np.random.default_rng(17 * world)
+    n, dtype = 97 * 2 * world, np.float16
+    q = randn(rng, (2, n, 4, 64), dtype)
+    k, v = (randn(rng, (2, n, 2, 64), dtype) for _ in range(2))
+    dout = randn(rng, q.shape, dtype)
+    devices = list(range(world))
+    transport = distributed.NcclTransport(distributed.communicators(devices), devices)
+
+    def on_gpus(x):
+        placed = []
+        for device, piece in zip(devices, shards(x, world, layout)):
+            with cupy.cuda.Device(device):
+                placed.append(cupy.asarray(piece))
+        return placed
+
+    qs, ks, vs, douts = (on_gpus(x) for x in (q, k, v, dout))
+    outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, layout=layout, causal=causal,
+                                            return_lse=True)
+    assert [o.device.id for o in outs] == devices
+    got = distributed.unshard([o.get() for o in outs], layout)
+    ref = reference.attention(q, k, v, causal=causal)
+    assert_close_2x(got, ref, reference.attention_naive_lowp(q, k, v, causal=causal, dtype=dtype), ATOL[np.dtype(dtype)])
+
+    one_gpu = [[cupy.asarray(s) for s in shards(x, world, layout)] for x in (q, k, v)]
+    sim_outs, sim_lses = distributed.ring_attention(*one_gpu, transport=distributed.InProcessTransport(world),
+                                                    layout=layout, causal=causal, return_lse=True)
+    for a, b in zip(outs + lses, sim_outs + sim_lses):
+        np.testing.assert_array_equal(a.get(), b.get())
+
+    grads = distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, layout=layout,
+                                                causal=causal)
+    refs = reference.attention_backward(dout, q, k, v, causal=causal)
+    naives = reference.attention_backward_naive_lowp(dout, q, k, v, causal=causal, dtype=dtype)
+    for got_shards, want, naive in zip(grads, refs, naives):
+        assert [g.device.id for g in got_shards] == devices
+        got = distributed.unshard([g.get() for g in got_shards], layout)
+        rounding = world * 0.5 * np.finfo(np.float16).eps * np.abs(want).max()  # as in the one-GPU test
+        assert_close_2x(got, want, naive, ATOL[np.dtype(dtype)] + rounding)
+
+
+@pytest.mark.gpu
+def test_ring_over_nccl_one_process_per_gpu():
+    """tests/ring_processes_check.py: a process per GPU, communicators from one unique id."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    world = gpu_count()
+    if world < 2:
+        pytest.skip("needs two GPUs")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(root / "tests" / "ring_processes_check.py"), str(world)], env=env,
+                            cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.count("forward and gradients match") == world, result.stdout

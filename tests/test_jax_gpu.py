@@ -1,12 +1,16 @@
 """cuflash.jax: attention inside jax.jit, with gradients, vmap and remat, against cuflash.reference
 (2x rule) and the eager CuPy path (bitwise)."""
 
+import os
+
 import numpy as np
 import pytest
 
 from cuflash import reference
 from tests.numerics import ATOL, assert_close_2x, randn
 
+# JAX would otherwise take 75% of the GPU's memory when it starts, from tests that share the GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 pytestmark = pytest.mark.gpu
@@ -263,3 +267,40 @@ def test_varlen_dropout_in_jit_equals_eager():
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), eager_out.get().view(np.uint16))
     for g, e in zip(grads, eager_grads):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
+
+
+def test_ring_attention_under_shard_map_on_the_gpus(rng):
+    """cuflash.jax_ring with cuflash's kernels, one rank per GPU present (a ring of one on one GPU),
+    zigzag causal: forward and gradients against the float64 reference (2x rule)."""
+    import functools
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from cuflash import distributed, jax_ring
+
+    devices = jax.devices()
+    world = len(devices)
+    mesh = jax.make_mesh((world,), ("sp",), devices=devices)
+    host, dout_host = inputs(rng, nq=2 * world * 67, nk=2 * world * 67)
+    n = host[0].shape[1]
+    order = np.concatenate([distributed.shard_positions(n, r, world) for r in range(world)])
+    spec = NamedSharding(mesh, PartitionSpec(None, "sp"))
+    q, k, v, dout = (jax.device_put(jnp.asarray(x[:, order]), spec) for x in (*host, dout_host))
+    ring = jax.shard_map(functools.partial(jax_ring.ring_attention, axis_name="sp", causal=True), mesh=mesh,
+                         in_specs=PartitionSpec(None, "sp"), out_specs=PartitionSpec(None, "sp"), check_vma=False)
+
+    def loss(q, k, v):
+        out = ring(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    atol = ATOL[np.dtype(np.float16)]
+    ref = reference.attention(*host, causal=True)
+    naive = reference.attention_naive_lowp(*host, causal=True, dtype=np.float16)
+    assert_close_2x(np.asarray(out), ref[:, order], naive[:, order], atol)
+    refs = reference.attention_backward(dout_host, *host, causal=True)
+    naives = reference.attention_backward_naive_lowp(dout_host, *host, causal=True, dtype=np.float16)
+    for g, r, nv in zip(grads, refs, naives):
+        # Each step's share is rounded to fp16 before the fp32 sum: world roundings of half an ulp.
+        rounding = world * 0.5 * np.finfo(np.float16).eps * np.abs(r).max()
+        assert_close_2x(np.asarray(g), r[:, order], nv[:, order], atol + rounding)
