@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy
 
+from .arrays import dtype_name
 from .backward import attention_backward
 from .forward import attention
 
@@ -60,9 +62,9 @@ def _contiguous(x):
     return _xp(x).ascontiguousarray(x)
 
 
-def _accumulator(x, shape=None):
+def _accumulator(x):
     """Zeros for sums over x's steps: float32 for 16-bit x, x's dtype where it is wider."""
-    return _xp(x).zeros(x.shape if shape is None else shape, numpy.promote_types(x.dtype, numpy.float32))
+    return _xp(x).zeros(x.shape, numpy.promote_types(x.dtype, numpy.float32))
 
 
 def _each(fn, *lists) -> list:
@@ -305,10 +307,44 @@ def lse_merge(xp, out_a, lse_a, out_b, lse_b):
     return out_a * weight(lse_a) + out_b.astype(out_a.dtype) * weight(lse_b), lse.astype(lse_a.dtype)
 
 
+# acc <- (wa acc + wb part) / (wa + wb), wa = e^(lse_a - m), wb = e^(lse_b - m), m = max(lse_a, lse_b):
+# lse_merge's formula in one pass over the accumulator and the step's output (the generic form
+# takes about ten, measured as 4-5 ms of a 62 ms 128k-token ring step pair on an H100). Rows
+# with no key on either side (both -inf) stay 0; a NaN lse gives NaN.
+_MERGE_BODY = """
+    const float m = fmaxf(lse_a, lse_b);
+    if (m == -INFINITY) {
+        acc = 0.f;
+    } else {
+        const float wa = expf(lse_a - m), wb = expf(lse_b - m);
+        acc = (wa * acc + wb * PART) / (wa + wb);
+    }
+"""
+
+
+@functools.cache
+def _merge_kernel(bf16_bits: bool):
+    """The merge as a CuPy elementwise kernel: part float16 or float32, or bfloat16 as its uint16 bits."""
+    import cupy
+
+    part = "__uint_as_float(((unsigned int)part) << 16)" if bf16_bits else "(float)part"
+    return cupy.ElementwiseKernel("T part, float32 lse_a, float32 lse_b", "float32 acc",
+                                  _MERGE_BODY.replace("PART", part), "cuflash_ring_merge")
+
+
 def _merge(out_acc, lse_acc, out, lse, q0):
     """out_acc, lse_acc (rows q0...) <- their merge with a step's (out, lse) of those rows."""
     rows = slice(q0, q0 + out.shape[1])
-    out_acc[:, rows], lse_acc[:, :, rows] = lse_merge(_xp(out_acc), out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+    xp = _xp(out_acc)
+    if xp is numpy or out_acc.dtype != numpy.float32 or lse.dtype != numpy.float32:
+        out_acc[:, rows], lse_acc[:, :, rows] = lse_merge(xp, out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+        return
+    bf16_bits = dtype_name(out.dtype) == "bfloat16"
+    part = out.view(numpy.uint16) if bf16_bits else out
+    per_row = (lambda x: x.transpose(0, 2, 1)[..., None])  # (batch, heads, rows) as (batch, rows, heads, 1)
+    acc_lse = lse_acc[:, :, rows]
+    _merge_kernel(bf16_bits)(part, per_row(acc_lse), per_row(lse), out_acc[:, rows])
+    lse_acc[:, :, rows] = xp.logaddexp(acc_lse, lse)
 
 
 def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
@@ -323,8 +359,7 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
-    outs = _each(_accumulator, q)
-    lses = _each(lambda x: _accumulator(x, (x.shape[0], x.shape[2], x.shape[1])) - numpy.inf, q)
+    outs, lses = [None] * len(q), [None] * len(q)  # from the first step, which covers every row
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)  # what a transport sends
     for t in range(transport.world):
         pending = transport.start(held) if t + 1 < transport.world else None
@@ -336,7 +371,10 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
             with _on(q[i]):
                 out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
                                  causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
-                _merge(outs[i], lses[i], out, lse, step.q0)
+                if t == 0:  # the rank's own shard: every row
+                    outs[i], lses[i] = out.astype(numpy.promote_types(out.dtype, numpy.float32)), lse
+                else:
+                    _merge(outs[i], lses[i], out, lse, step.q0)
         if pending is not None:
             held = transport.finish(pending)
     outs = _each(lambda o, x: o.astype(x.dtype, copy=False), outs, q)

@@ -1,19 +1,21 @@
 """``python -m cuflash bench --ring``: ring attention on the GPUs present against one GPU.
 
 Batch 1, 16 heads of head dim 128 (fp16 by default, ``--dtype``), sequences of 32k, 128k and
-512k tokens (``--seqlen``), causal and not, zigzag layout. Per row:
+512k tokens (``--seqlen``), causal and not, zigzag layout. With ``--backward`` every timed call
+is a forward (with lse) and a backward. Per row:
 
 * ``1 GPU ms``: ``cuflash.attention`` over the whole sequence on device 0 (empty where it does
   not fit);
 * ``ring ms``: ``cuflash.distributed.ring_attention`` over every GPU of the process
   (``NcclTransport``), and ``ring / 1 GPU``, its time over the one-GPU time;
 * ``steps ms``: the same ring's R steps of kernels with no transfer (each rank keeps its own
-  shard: the compute alone); ``comm ms``: its R - 1 transfers with no kernel;
+  shard: the compute alone); ``comm ms``: the ring's transfers with no kernel (the forward's R - 1
+  rotations of K and V; with ``--backward`` also the backward's, and its R hops of the dK, dV sums);
 * ``hidden``: the share of the transfers the ring hides, 1 - (ring - steps) / comm.
 
-Each time is the median of ``--repeats`` calls that end by synchronising every device (host
-wall time between CUDA events on device 0, cuflash.timing). With one GPU there is no ring to
-time and the command says so.
+Each time is the median of ``--repeats`` calls that end by synchronising every device (wall time
+between CUDA events on device 0), the ring, its steps and its transfers timed in interleaved
+rounds (cuflash.timing). With one GPU there is no ring to time and the command says so.
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ def _sync_all(devices) -> None:
             cupy.cuda.get_current_stream().synchronize()
 
 
-def _timed(call, devices, repeats: int) -> float:
+def _synced(call, devices):
+    """call, then wait for every device: one timed call of a subject."""
     def run():
         call()
         _sync_all(devices)
 
-    with cupy.cuda.Device(devices[0]):
-        return timing.median_ms([run], repeats)
+    return timing.Calls([run])
 
 
 def _shards(x_global_on_host, world: int, devices):
@@ -61,34 +63,66 @@ def _shards(x_global_on_host, world: int, devices):
     return shards
 
 
-def _one_gpu_ms(q, k, v, causal: bool, device: int, repeats: int) -> float | None:
-    """cuflash.attention over the whole sequence on one GPU; None where it does not fit."""
+def _one_gpu_ms(q, k, v, dout, causal: bool, backward: bool, device: int, repeats: int) -> float | None:
+    """cuflash.attention (and its backward) over the whole sequence on one GPU; None where it does
+    not fit."""
     try:
         with cupy.cuda.Device(device):
-            qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
-            return _timed(lambda: cuflash.attention(qd, kd, vd, causal=causal), [device], repeats)
+            qd, kd, vd, dd = (cupy.asarray(x) for x in (q, k, v, dout))
+
+            def call():
+                out, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
+                if backward:
+                    cuflash.attention_backward(dd, qd, kd, vd, out, lse, causal=causal)
+
+            return timing.time_calls({"1 GPU": _synced(call, [device])}, repeats)["1 GPU"].get("ms")
     except cupy.cuda.memory.OutOfMemoryError:
         return None
 
 
-def _row(n: int, causal: bool, dtype, devices, transport, repeats: int) -> dict:
-    world = len(devices)
-    rng = numpy.random.default_rng(n)
-    q, k, v = (rng.standard_normal((1, n, NHEADS, HEADDIM), dtype=numpy.float32).astype(dtype) for _ in range(3))
-    row = {"seqlen": n, "causal": causal, "1 GPU ms": _one_gpu_ms(q, k, v, causal, devices[0], repeats)}
-    qs, ks, vs = (_shards(x, world, devices) for x in (q, k, v))
-    ring = dict(causal=causal)
-    row["ring ms"] = _timed(lambda: distributed.ring_attention(qs, ks, vs, transport=transport, **ring), devices,
-                            repeats)
-    row["steps ms"] = _timed(lambda: distributed.ring_attention(qs, ks, vs, transport=_Stay(world), **ring), devices,
-                             repeats)
+def _ring_call(qs, ks, vs, douts, transport, causal: bool, backward: bool):
+    def call():
+        outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, causal=causal, return_lse=True)
+        if backward:
+            distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, causal=causal)
 
-    def transfers():
-        held = list(zip(ks, vs))
-        for _ in range(world - 1):
+    return call
+
+
+def _transfers_call(ks, vs, transport, backward: bool):
+    """The ring's transfers alone, in its order (module docstring)."""
+    world = transport.world
+
+    def rotate(held, times):
+        for _ in range(times):
             held = transport.finish(transport.start(held))
 
-    row["comm ms"] = _timed(transfers, devices, repeats)
+    def call():
+        rotate(list(zip(ks, vs)), world - 1)
+        if backward:
+            rotate(list(zip(ks, vs)), world - 1)
+            sums = [(cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)) for k, v in zip(ks, vs)]
+            rotate(sums, world)
+
+    return call
+
+
+def _row(n: int, causal: bool, backward: bool, dtype, devices, transport, repeats: int) -> dict:
+    world = len(devices)
+    rng = numpy.random.default_rng(n)
+    q, k, v, dout = (rng.standard_normal((1, n, NHEADS, HEADDIM), dtype=numpy.float32).astype(dtype)
+                     for _ in range(4))
+    row = {"seqlen": n, "causal": causal,
+           "1 GPU ms": _one_gpu_ms(q, k, v, dout, causal, backward, devices[0], repeats)}
+    qs, ks, vs, douts = (_shards(x, world, devices) for x in (q, k, v, dout))
+    with cupy.cuda.Device(devices[0]):
+        timed = timing.time_calls({
+            "ring": _synced(_ring_call(qs, ks, vs, douts, transport, causal, backward), devices),
+            "steps": _synced(_ring_call(qs, ks, vs, douts, _Stay(world), causal, backward), devices),
+            "comm": _synced(_transfers_call(ks, vs, transport, backward), devices),
+        }, repeats)
+    for name in ("ring", "steps", "comm"):
+        row[f"{name} ms"] = timed[name].get("ms")
     row["ring / 1 GPU"] = row["ring ms"] / row["1 GPU ms"] if row["1 GPU ms"] else None
     overhead = max(row["ring ms"] - row["steps ms"], 0.0)
     row["hidden"] = max(0.0, 1.0 - overhead / row["comm ms"]) if row["comm ms"] > 0 else None
@@ -110,7 +144,8 @@ def run(args) -> int:
                 log(f"bench --ring: skipping {n} tokens (not a multiple of {2 * len(devices)})")
                 continue
             log(f"ring: {n} tokens, causal={causal}, {len(devices)} GPUs")
-            rows.append(_row(n, causal, dtype, devices, transport, args.repeats))
-    print(f"\nRing attention on {len(devices)} GPUs (zigzag, {NHEADS} heads of {HEADDIM}, batch 1), ms:")
+            rows.append(_row(n, causal, args.backward, dtype, devices, transport, args.repeats))
+    what = "forward+backward" if args.backward else "forward"
+    print(f"\nRing attention {what} on {len(devices)} GPUs (zigzag, {NHEADS} heads of {HEADDIM}, batch 1), ms:")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     return 0
