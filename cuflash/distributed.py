@@ -313,7 +313,7 @@ def lse_merge(xp, out_a, lse_a, out_b, lse_b):
 # with no key on either side (both -inf) stay 0; a NaN lse gives NaN.
 _MERGE_BODY = """
     const float m = fmaxf(lse_a, lse_b);
-    if (m == -INFINITY) {
+    if (isinf(m) && m < 0.f) {
         acc = 0.f;
     } else {
         const float wa = expf(lse_a - m), wb = expf(lse_b - m);

@@ -101,7 +101,10 @@ def _transfers_call(ks, vs, transport, backward: bool):
         rotate(list(zip(ks, vs)), world - 1)
         if backward:
             rotate(list(zip(ks, vs)), world - 1)
-            sums = [(cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)) for k, v in zip(ks, vs)]
+            sums = []
+            for k, v in zip(ks, vs):
+                with k.device:
+                    sums.append((cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)))
             rotate(sums, world)
 
     return call
@@ -122,7 +125,9 @@ def _row(n: int, causal: bool, backward: bool, dtype, devices, transport, repeat
             "comm": _synced(_transfers_call(ks, vs, transport, backward), devices),
         }, repeats)
     for name in ("ring", "steps", "comm"):
-        row[f"{name} ms"] = timed[name].get("ms")
+        if "error" in timed[name]:
+            raise RuntimeError(f"bench --ring: {name}: {timed[name]['error']}")
+        row[f"{name} ms"] = timed[name]["ms"]
     row["ring / 1 GPU"] = row["ring ms"] / row["1 GPU ms"] if row["1 GPU ms"] else None
     overhead = max(row["ring ms"] - row["steps ms"], 0.0)
     row["hidden"] = max(0.0, 1.0 - overhead / row["comm ms"]) if row["comm ms"] > 0 else None
