@@ -250,3 +250,36 @@ def test_ring_over_nccl_one_process_per_gpu():
                             cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("forward and gradients match") == world, result.stdout
+
+
+@pytest.mark.gpu
+def test_ring_memory_per_rank_does_not_grow_with_the_ring():
+    """Each rank's device memory during the forward and the backward (CuPy's pool, emptied before;
+    ranks simulated on one GPU, so per rank = total / world) for shards of a fixed size at world 2
+    and 4: O(shard) and independent of the world size, as the module docstring promises."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    n_local, nheads, headdim = 512, 8, 64
+    shard_bytes = n_local * nheads * headdim * 2  # one fp16 q shard
+    per_rank = {}
+    for world in (2, 4):
+        rng = np.random.default_rng(world)
+        x = [[cupy.asarray(randn(rng, (1, n_local, nheads, headdim), np.float16)) for _ in range(world)]
+             for _ in range(4)]
+        qs, ks, vs, douts = x
+        transport = distributed.InProcessTransport(world)
+        distributed.ring_attention(qs, ks, vs, transport=transport, causal=True)  # compiles outside the count
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        before = pool.used_bytes()
+        outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, causal=True, return_lse=True)
+        distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, causal=True)
+        cupy.cuda.Device().synchronize()
+        per_rank[world] = (pool.total_bytes() - before) / world
+        print(f"world {world}: {per_rank[world] / shard_bytes:.1f} q shards per rank")
+    assert per_rank[4] <= 1.15 * per_rank[2] + 2**20, per_rank
+    # Forward: K, V held and received, the fp32 accumulator, a step's output; backward: K, V held
+    # and received, dQ and the dK, dV sums in fp32, held and in flight, a step's shares, the
+    # kernels' workspace: about 25 q shards, with the pool's rounding.
+    assert per_rank[4] <= 32 * shard_bytes, per_rank
