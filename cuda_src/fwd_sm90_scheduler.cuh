@@ -86,8 +86,8 @@ __device__ __forceinline__ int draw_next_segment(int* tile_counter, int num_item
 
 // The segment in flight, in shared memory: written by the producer's thread
 // before it arrives on full_q, read by the consumers after their wait on
-// full_q, rewritten only after every consumer warp has arrived on empty_q
-// (which each does after its last read of it: docs/sanitizers.md).
+// full_q, rewritten only after every consumer thread has arrived on empty_q
+// (which each does after its own last read of it: docs/sanitizers.md).
 struct SegmentSlot {
     volatile int* words;  // tile, lo, hi, slot; then the producer's next segment; then SEQ
     // Varlen: the segment's sequence (first query row, query and key lengths),

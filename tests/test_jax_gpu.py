@@ -28,6 +28,16 @@ def inputs(rng, dtype=np.float16, batch=2, nq=197, nk=300, nheads=4, nheads_kv=2
     return host, dout
 
 
+def jitted_value_and_grads(fn, q, k, v, dout):
+    """fn(q, k, v) and the gradients of sum(out * dout) (in fp32) in q, k and v, under jax.jit."""
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(32, 8), softcap=3.0), {}])
 def test_jit_forward_and_grad_match_reference_and_eager(rng, options):
     import cupy
@@ -180,11 +190,7 @@ def test_shard_map_runs_each_device_on_its_shard(rng):
     sharded = jax.shard_map(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True), mesh=mesh,
                             in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
 
-    def loss(q, k, v):
-        out = sharded(q, k, v)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    out, grads = jitted_value_and_grads(sharded, q, k, v, dout)
     atol = ATOL[np.dtype(np.float16)]
     ref = reference.attention(*host, causal=True)
     assert_close_2x(np.asarray(out), ref, reference.attention_naive_lowp(*host, causal=True, dtype=np.float16), atol)
@@ -289,11 +295,7 @@ def test_ring_attention_under_shard_map_on_the_gpus(rng):
     ring = jax.shard_map(functools.partial(jax_ring.ring_attention, axis_name="sp", causal=True), mesh=mesh,
                          in_specs=PartitionSpec(None, "sp"), out_specs=PartitionSpec(None, "sp"), check_vma=False)
 
-    def loss(q, k, v):
-        out = ring(q, k, v)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    out, grads = jitted_value_and_grads(ring, q, k, v, dout)
     atol = ATOL[np.dtype(np.float16)]
     ref = reference.attention(*host, causal=True)
     naive = reference.attention_naive_lowp(*host, causal=True, dtype=np.float16)

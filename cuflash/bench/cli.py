@@ -87,6 +87,9 @@ def parse_args(argv):
     parser.add_argument("--ring", action="store_true",
                         help="ring attention over every GPU present (NCCL) against one GPU, 32k-512k tokens, "
                              "with the share of the transfers hidden; needs two or more GPUs")
+    parser.add_argument("--nccl-channels", type=int, metavar="N",
+                        help="with --ring: NCCL's channels (NCCL_MAX_NCHANNELS and NCCL_MAX_P2P_NCHANNELS) for "
+                             "this run; fewer leave more SMs to the attention kernels (docs/distributed.md)")
     parser.add_argument("--decode-nq", type=int, default=1, metavar="N",
                         help="new queries per decoding step (causal when more than 1) (default: 1)")
     parser.add_argument("--headdim", action="append", metavar="D",

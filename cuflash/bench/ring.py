@@ -13,12 +13,15 @@ is a forward (with lse) and a backward. Per row:
   rotations of K and V; with ``--backward`` also the backward's, and its R hops of the dK, dV sums);
 * ``hidden``: the share of the transfers the ring hides, 1 - (ring - steps) / comm.
 
-Each time is the median of ``--repeats`` calls that end by synchronising every device (wall time
+``--nccl-channels N`` caps NCCL's channels for the run (docs/distributed.md has why). Each time is
+the median of ``--repeats`` calls that end by synchronising every device (wall time
 between CUDA events on device 0), the ring, its steps and its transfers timed in interleaved
 rounds (cuflash.timing). With one GPU there is no ring to time and the command says so.
 """
 
 from __future__ import annotations
+
+import os
 
 import cupy
 import numpy
@@ -139,6 +142,13 @@ def run(args) -> int:
     if len(devices) < 2:
         log("bench --ring: one GPU present; ring attention over NCCL needs two or more")
         return 1
+    if args.nccl_channels is not None:
+        if args.nccl_channels < 1:
+            log("bench --ring: --nccl-channels must be at least 1")
+            return 2
+        # NCCL reads its environment when the first communicator is made, which is below.
+        for name in ("NCCL_MAX_NCHANNELS", "NCCL_MAX_P2P_NCHANNELS"):
+            os.environ[name] = str(args.nccl_channels)
     dtype = first_dtype(args)
     transport = distributed.NcclTransport(distributed.communicators(devices), devices)
     seqlens = args.seqlens if args.seqlen else SEQLENS
