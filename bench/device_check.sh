@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification, run from the repository root on the GPU machine:
 #
-#   bench/device_check.sh [tests|bench|all|verify]      (default: all)
+#   bench/device_check.sh [tests|bench|all|verify|ring]      (default: all)
 #
 # tests: list the GPUs and print the environment, compile every shipped kernel
 #        (check), run the GPU tests, and read the Hopper fast paths' SASS
@@ -12,6 +12,10 @@
 #        time) all at once, then the hardening tests alone (their leak bound
 #        and no-synchronisation check must not share the GPU); every log in
 #        $OUT/verify.log;
+# ring: on a machine with several GPUs, the ring attention tests (one
+#        process, a process per GPU, JAX shard_map), then bench --ring
+#        forward and forward+backward, with NCCL's default channels and with
+#        2 (docs/distributed.md);
 # bench: the forward benchmark (every default shape), forward+backward
 #        (--quick), head dim 256 (bf16), and fp8 (head dims 128 and 256,
 #        2k-16k).
@@ -99,6 +103,14 @@ if [ "$MODE" = verify ]; then
     step hardening "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_hardening_gpu.py
     cat "$logs"/*.log "$logs/sanitizers.txt" >"$OUT/verify.log"
     rm -rf "$logs"
+fi
+if [ "$MODE" = ring ]; then
+    step info gpus_and_info
+    step tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py tests/test_jax_gpu.py -k "ring"
+    step ring "$PYTHON" -m cuflash bench --ring --seqlen 32k,128k,512k --repeats 5
+    step ring_2ch "$PYTHON" -m cuflash bench --ring --seqlen 128k,512k --repeats 5 --nccl-channels 2
+    step ring_bwd "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3
+    step ring_bwd_2ch "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3 --nccl-channels 2
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     step info gpus_and_info

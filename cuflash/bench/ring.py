@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 import cupy
-import numpy
 from tabulate import tabulate
 
 import cuflash
@@ -58,25 +57,26 @@ def _synced(call, devices):
     return timing.Calls([run])
 
 
-def _shards(x_global_on_host, world: int, devices):
+def _shards(x, world: int, devices):
+    """Rank r's shard of x (a global array on devices[0]) on devices[r]."""
     shards = []
     for rank, device in enumerate(devices):
+        with cupy.cuda.Device(devices[0]):
+            piece = distributed.shard(x, rank, world)
         with cupy.cuda.Device(device):
-            shards.append(cupy.asarray(distributed.shard(x_global_on_host, rank, world)))
+            shards.append(piece.copy())  # ndarray.copy() lands on the current device
     return shards
 
 
 def _one_gpu_ms(q, k, v, dout, causal: bool, backward: bool, device: int, repeats: int) -> float | None:
-    """cuflash.attention (and its backward) over the whole sequence on one GPU; None where it does
-    not fit."""
+    """cuflash.attention (and its backward) over the whole sequence (arrays on `device`); None where
+    it does not fit."""
     try:
         with cupy.cuda.Device(device):
-            qd, kd, vd, dd = (cupy.asarray(x) for x in (q, k, v, dout))
-
             def call():
-                out, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
+                out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                 if backward:
-                    cuflash.attention_backward(dd, qd, kd, vd, out, lse, causal=causal)
+                    cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
             return timing.time_calls({"1 GPU": _synced(call, [device])}, repeats)["1 GPU"].get("ms")
     except cupy.cuda.memory.OutOfMemoryError:
@@ -115,9 +115,10 @@ def _transfers_call(ks, vs, transport, backward: bool):
 
 def _row(n: int, causal: bool, backward: bool, dtype, devices, transport, repeats: int) -> dict:
     world = len(devices)
-    rng = numpy.random.default_rng(n)
-    q, k, v, dout = (rng.standard_normal((1, n, NHEADS, HEADDIM), dtype=numpy.float32).astype(dtype)
-                     for _ in range(4))
+    with cupy.cuda.Device(devices[0]):  # drawn on the GPU: 512k tokens are 4 GiB of float32 a tensor
+        rng = cupy.random.default_rng(n)
+        q, k, v, dout = (rng.standard_normal((1, n, NHEADS, HEADDIM), dtype=cupy.float32).astype(dtype)
+                         for _ in range(4))
     row = {"seqlen": n, "causal": causal,
            "1 GPU ms": _one_gpu_ms(q, k, v, dout, causal, backward, devices[0], repeats)}
     qs, ks, vs, douts = (_shards(x, world, devices) for x in (q, k, v, dout))
