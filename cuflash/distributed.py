@@ -308,9 +308,9 @@ def lse_merge(xp, out_a, lse_a, out_b, lse_b):
 
 
 # acc <- (wa acc + wb part) / (wa + wb), wa = e^(lse_a - m), wb = e^(lse_b - m), m = max(lse_a, lse_b):
-# lse_merge's formula in one pass over the accumulator and the step's output (the generic form
-# takes about ten, measured as 4-5 ms of a 62 ms 128k-token ring step pair on an H100). Rows
-# with no key on either side (both -inf) stay 0; a NaN lse gives NaN.
+# lse_merge's formula in one pass over the accumulator and the step's output, where the generic
+# form takes about ten: on two H100s the 128k-token causal ring went from 61.7 to 58.5 ms with it
+# (bench/PERFLOG.md). Rows with no key on either side (both -inf) stay 0; a NaN lse gives NaN.
 _MERGE_BODY = """
     const float m = fmaxf(lse_a, lse_b);
     if (isinf(m) && m < 0.f) {
@@ -332,6 +332,11 @@ def _merge_kernel(bf16_bits: bool):
                                   _MERGE_BODY.replace("PART", part), "cuflash_ring_merge")
 
 
+def _per_row(lse):
+    """An lse (batch, heads, rows) as a view (batch, rows, heads, 1), which broadcasts over an output."""
+    return lse.transpose(0, 2, 1)[..., None]
+
+
 def _merge(out_acc, lse_acc, out, lse, q0):
     """out_acc, lse_acc (rows q0...) <- their merge with a step's (out, lse) of those rows."""
     rows = slice(q0, q0 + out.shape[1])
@@ -341,9 +346,8 @@ def _merge(out_acc, lse_acc, out, lse, q0):
         return
     bf16_bits = dtype_name(out.dtype) == "bfloat16"
     part = out.view(numpy.uint16) if bf16_bits else out
-    per_row = (lambda x: x.transpose(0, 2, 1)[..., None])  # (batch, heads, rows) as (batch, rows, heads, 1)
     acc_lse = lse_acc[:, :, rows]
-    _merge_kernel(bf16_bits)(part, per_row(acc_lse), per_row(lse), out_acc[:, rows])
+    _merge_kernel(bf16_bits)(part, _per_row(acc_lse), _per_row(lse), out_acc[:, rows])
     lse_acc[:, :, rows] = xp.logaddexp(acc_lse, lse)
 
 
