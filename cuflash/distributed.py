@@ -62,9 +62,19 @@ def _contiguous(x):
     return _xp(x).ascontiguousarray(x)
 
 
+def _accumulator_dtype(x):
+    """The dtype of sums over x's steps: float32 for 16-bit x, x's dtype where it is wider."""
+    return numpy.promote_types(x.dtype, numpy.float32)
+
+
 def _accumulator(x):
-    """Zeros for sums over x's steps: float32 for 16-bit x, x's dtype where it is wider."""
-    return _xp(x).zeros(x.shape, numpy.promote_types(x.dtype, numpy.float32))
+    """Zeros for sums over x's steps."""
+    return _xp(x).zeros(x.shape, _accumulator_dtype(x))
+
+
+def _widened(x):
+    """A first step's result as a new sum over steps (a copy in the accumulator's dtype)."""
+    return x.astype(_accumulator_dtype(x))
 
 
 def _each(fn, *lists) -> list:
@@ -376,7 +386,7 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
                 out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
                                  causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
                 if t == 0:  # the rank's own shard: every row
-                    outs[i], lses[i] = out.astype(numpy.promote_types(out.dtype, numpy.float32)), lse
+                    outs[i], lses[i] = _widened(out), lse
                 else:
                     _merge(outs[i], lses[i], out, lse, step.q0)
         if pending is not None:
@@ -415,16 +425,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
                                          lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
                 dqs[i][:, rows] += dq_s
             shares.append((keys, dk_s, dv_s))
-        if sums_in_flight is None:
-            sums = _each(lambda kk, vv: (_accumulator(kk), _accumulator(vv)), *zip(*held))
+        if sums_in_flight is None:  # the ranks' own shards, whose steps cover every key: the first sums
+            sums = _each(lambda share, x: (_widened(share[1]), _widened(share[2])), shares, q)
         else:
             sums = transport.finish(sums_in_flight)
-        for (dk, dv), share in zip(sums, shares):
-            if share is not None:
-                keys, dk_s, dv_s = share
-                with _on(dk):
-                    dk[:, keys] += dk_s
-                    dv[:, keys] += dv_s
+            for (dk, dv), share in zip(sums, shares):
+                if share is not None:
+                    keys, dk_s, dv_s = share
+                    with _on(dk):
+                        dk[:, keys] += dk_s
+                        dv[:, keys] += dv_s
         sums_in_flight = transport.start(sums)
         if pending is not None:
             held = transport.finish(pending)

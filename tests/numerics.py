@@ -29,6 +29,13 @@ def assert_close_2x(out, ref64, naive, atol):
     )
 
 
+def ring_rounding(world: int, want, dtype=np.float16) -> float:
+    """The extra tolerance of a gradient summed over a ring's steps: each of the `world` steps
+    returns its share rounded to `dtype` before the fp32 sum, up to `world` roundings of half an
+    ulp of the largest entry where a one-pass kernel has one."""
+    return world * 0.5 * float(np.finfo(dtype).eps) * float(np.abs(want).max())
+
+
 def check_lse(lse, ref_lse):
     """A device lse against the float64 reference: exactly -inf for rows that see no key, finite and
     close elsewhere."""

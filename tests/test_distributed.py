@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cuflash import distributed, reference
-from tests.numerics import ATOL, assert_close_2x, randn
+from tests.numerics import ATOL, assert_close_2x, randn, ring_rounding
 
 
 def host_attention(q, k, v, *, causal, softmax_scale, softcap):
@@ -128,10 +128,7 @@ def test_ring_with_cuflash_kernels_on_one_gpu(world, layout, causal):
     naives = reference.attention_backward_naive_lowp(dout, q, k, v, causal=causal, dtype=dtype)
     for got_shards, want, naive in zip(grads, refs, naives):
         got = distributed.unshard([g.get() for g in got_shards], layout)
-        # Each of the R steps returns its share of a gradient rounded to fp16 before the fp32 sum:
-        # up to R roundings of half an ulp of the largest entry where the one-pass kernel has one.
-        rounding = world * 0.5 * np.finfo(np.float16).eps * np.abs(want).max()
-        assert_close_2x(got, want, naive, ATOL[np.dtype(dtype)] + rounding)
+        assert_close_2x(got, want, naive, ATOL[np.dtype(dtype)] + ring_rounding(world, want, dtype))
 
 
 @pytest.mark.gpu
@@ -229,8 +226,7 @@ def test_ring_over_nccl_across_gpus(layout, causal):
     for got_shards, want, naive in zip(grads, refs, naives):
         assert [g.device.id for g in got_shards] == devices
         got = distributed.unshard([g.get() for g in got_shards], layout)
-        rounding = world * 0.5 * np.finfo(np.float16).eps * np.abs(want).max()  # as in the one-GPU test
-        assert_close_2x(got, want, naive, ATOL[np.dtype(dtype)] + rounding)
+        assert_close_2x(got, want, naive, ATOL[np.dtype(dtype)] + ring_rounding(world, want, dtype))
 
 
 @pytest.mark.gpu

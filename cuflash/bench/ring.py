@@ -69,18 +69,18 @@ def _shards(x, world: int, devices):
 
 
 def _one_gpu_ms(q, k, v, dout, causal: bool, backward: bool, device: int, repeats: int) -> float | None:
-    """cuflash.attention (and its backward) over the whole sequence (arrays on `device`); None where
-    it does not fit."""
-    try:
-        with cupy.cuda.Device(device):
-            def call():
-                out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-                if backward:
-                    cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    """cuflash.attention (and its backward) over the whole sequence (arrays on `device`); None, with
+    the reason logged, where it fails (out of memory at the longest lengths)."""
+    def call():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        if backward:
+            cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
-            return timing.time_calls({"1 GPU": _synced(call, [device])}, repeats)["1 GPU"].get("ms")
-    except cupy.cuda.memory.OutOfMemoryError:
-        return None
+    with cupy.cuda.Device(device):
+        timed = timing.time_calls({"1 GPU": _synced(call, [device])}, repeats)["1 GPU"]
+    if "error" in timed:
+        log(f"bench --ring: one GPU, {q.shape[1]} tokens: {timed['error']}")
+    return timed.get("ms")
 
 
 def _ring_call(qs, ks, vs, douts, transport, causal: bool, backward: bool):
@@ -95,6 +95,10 @@ def _ring_call(qs, ks, vs, douts, transport, causal: bool, backward: bool):
 def _transfers_call(ks, vs, transport, backward: bool):
     """The ring's transfers alone, in its order (module docstring)."""
     world = transport.world
+    sums = []  # the backward's fp32 dK, dV sums, one pair per rank on its GPU
+    for k, v in zip(ks, vs) if backward else ():
+        with k.device:
+            sums.append((cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)))
 
     def rotate(held, times):
         for _ in range(times):
@@ -104,10 +108,6 @@ def _transfers_call(ks, vs, transport, backward: bool):
         rotate(list(zip(ks, vs)), world - 1)
         if backward:
             rotate(list(zip(ks, vs)), world - 1)
-            sums = []
-            for k, v in zip(ks, vs):
-                with k.device:
-                    sums.append((cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)))
             rotate(sums, world)
 
     return call
