@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification, run from the repository root on the GPU machine:
 #
-#   bench/device_check.sh [tests|bench|all|verify|ring]      (default: all)
+#   bench/device_check.sh [tests|bench|all|verify|ring|fuzz]      (default: all)
 #
 # tests: list the GPUs and print the environment, compile every shipped kernel
 #        (check), run the GPU tests, and read the Hopper fast paths' SASS
@@ -16,6 +16,12 @@
 #        process, a process per GPU, JAX shard_map), then bench --ring
 #        forward and forward+backward, with NCCL's default channels and with
 #        2 (docs/distributed.md);
+# fuzz: the long fuzz runs of tests/test_fuzz_gpu.py (CUFLASH_FUZZ_CASES, default
+#        5,000) and the KV-cache cases they imply (a quarter), each in
+#        FUZZ_PROCS processes (default: one per core, less one) of one BLAS
+#        thread each: the float64 references are many small products, and
+#        processes that each start a thread per core slowed the run about 3x;
+#        FUZZ_FROM takes a run up again at a case;
 # bench: the forward benchmark (every default shape), forward+backward
 #        (--quick), head dim 256 (bf16), and fp8 (head dims 128 and 256,
 #        2k-16k).
@@ -87,6 +93,21 @@ verify_sanitizers() {
     return $rc
 }
 
+# fuzz_shards FILE: FILE's GPU tests in $FUZZ_PROCS processes (CUFLASH_FUZZ_SHARD), each with one BLAS
+# thread; a line per process with pytest's summary; fails if any process fails.
+fuzz_shards() {
+    local name rc=0 pids=() i procs=${FUZZ_PROCS:-$(($(nproc) > 1 ? $(nproc) - 1 : 1))}
+    name=$(basename "$1" .py)
+    for ((i = 0; i < procs; i++)); do
+        OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 CUFLASH_FUZZ_SHARD=$i/$procs \
+            "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu "$1" -k fuzz >"$OUT/$name-$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    for ((i = 0; i < procs; i++)); do echo "$name $i/$procs: $(tail -n 1 "$OUT/$name-$i.log")"; done
+    return $rc
+}
+
 MODE=${1:-all}
 if [ "$MODE" = verify ]; then
     logs=$(mktemp -d)
@@ -111,6 +132,11 @@ if [ "$MODE" = ring ]; then
     step ring_2ch "$PYTHON" -m cuflash bench --ring --seqlen 128k,512k --repeats 5 --nccl-channels 2
     step ring_bwd "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3
     step ring_bwd_2ch "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3 --nccl-channels 2
+fi
+if [ "$MODE" = fuzz ]; then
+    export CUFLASH_FUZZ_CASES=${CUFLASH_FUZZ_CASES:-5000} CUFLASH_FUZZ_FROM=${FUZZ_FROM:-0}
+    step fuzz fuzz_shards tests/test_fuzz_gpu.py
+    step fuzz_kvcache fuzz_shards tests/test_kvcache_gpu.py
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     step info gpus_and_info
