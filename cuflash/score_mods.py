@@ -141,6 +141,40 @@ def standard_alibi_slopes(heads: int) -> numpy.ndarray:
     return (2.0 ** (-8.0 * numpy.arange(1, heads + 1) / heads)).astype(numpy.float32)
 
 
+def window_size(value, causal: bool) -> tuple[int, int]:
+    """(left, right) of a sliding window: None or a pair of ints >= -1, -1 meaning unbounded.
+
+    Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
+    j <= i + seqlen_k - seqlen_q + right (right >= 0); causal forces right = 0.
+    """
+    expected = "window_size must be a pair of ints >= -1 (-1: unbounded)"
+    if value is None:
+        left, right = -1, -1
+    else:
+        try:
+            pair = tuple(value)
+        except TypeError:
+            raise TypeError(f"{expected}, got {type(value).__name__}") from None
+        if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, numpy.integer)) for x in pair):
+            raise TypeError(f"{expected}, got {value!r}")
+        left, right = (int(x) for x in pair)
+        if left < -1 or right < -1:
+            raise ValueError(f"{expected}, got {value!r}")
+    return left, 0 if causal else right
+
+
+def softcap(value) -> float:
+    """The softcap of a call: None or a finite number >= 0; 0.0 means off."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
+        raise TypeError(f"softcap must be a float >= 0 (0: off) or None, got {type(value).__name__}")
+    cap = float(value)
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
+    return cap
+
+
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
               seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None,
               dropout: Dropout | None = None) -> tuple[bool, ScoreMods]:

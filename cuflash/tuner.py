@@ -377,9 +377,7 @@ def autotune(*, dtypes=DTYPE_NAMES, headdims=DEFAULT_HEADDIMS, causal=(False, Tr
     the space of the families they belong to; the other families are not
     tuned. Returns {cache key: entry} for every problem tuned or found.
     """
-    left, right = window_size
-    if min(left, right) < -1 or not 0 <= softcap < float("inf"):
-        raise ValueError(f"window_size sides must be >= -1 and softcap finite and >= 0, got {window_size}, {softcap}")
+    window_size, softcap = score_mods.window_size(window_size, False), score_mods.softcap(softcap)
     limits = DeviceLimits.current()
     if clear:
         tune_cache.clear(limits.device)

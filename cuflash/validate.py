@@ -12,6 +12,7 @@ import math
 import numpy
 
 from . import device, score_mods
+from .score_mods import softcap, window_size  # the face's checks of these options, shared with the tuner
 from .arrays import ALIGN_BYTES, dtype_name, is_aligned, last_dim_contiguous
 from .config import FP8_DTYPE_NAME
 
@@ -35,40 +36,6 @@ def softmax_scale(value, headdim: int) -> float:
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
     return scale
-
-
-def window_size(value, causal: bool) -> tuple[int, int]:
-    """(left, right) of a sliding window: None or a pair of ints >= -1, -1 meaning unbounded.
-
-    Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
-    j <= i + seqlen_k - seqlen_q + right (right >= 0); causal forces right = 0.
-    """
-    expected = "window_size must be a pair of ints >= -1 (-1: unbounded)"
-    if value is None:
-        left, right = -1, -1
-    else:
-        try:
-            pair = tuple(value)
-        except TypeError:
-            raise TypeError(f"{expected}, got {type(value).__name__}") from None
-        if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, numpy.integer)) for x in pair):
-            raise TypeError(f"{expected}, got {value!r}")
-        left, right = (int(x) for x in pair)
-        if left < -1 or right < -1:
-            raise ValueError(f"{expected}, got {value!r}")
-    return left, 0 if causal else right
-
-
-def softcap(value) -> float:
-    """The softcap of a call: None or a finite number >= 0; 0.0 means off."""
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
-        raise TypeError(f"softcap must be a float >= 0 (0: off) or None, got {type(value).__name__}")
-    cap = float(value)
-    if not (math.isfinite(cap) and cap >= 0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
-    return cap
 
 
 def alibi_slopes(x, batch: int, nheads: int) -> int | None:

@@ -483,6 +483,7 @@ def test_a_call_with_batched_alibi_slopes_is_tuned_with_one_row(monkeypatch):
 
 
 def test_autotune_rejects_bad_score_options():
-    for window, softcap in (((-2, 0), 0.0), ((-1, -1), -1.0), ((-1, -1), float("inf"))):
-        with pytest.raises(ValueError, match="window_size"):
+    for window, softcap, named in (((-2, 0), 0.0, "window_size"), ((-1, -1), -1.0, "softcap"),
+                                   ((-1, -1), float("inf"), "softcap")):
+        with pytest.raises(ValueError, match=named):
             tuner.autotune(window_size=window, softcap=softcap)

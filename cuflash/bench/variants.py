@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy
 
-from ..score_mods import standard_alibi_slopes
+from ..score_mods import softcap as checked_softcap, standard_alibi_slopes, window_size as checked_window_size
 
 NO_WINDOW = (-1, -1)
 
@@ -21,9 +21,7 @@ def parse_window(text: str) -> tuple[int, int]:
         parts *= 2
     if len(parts) != 2:
         raise ValueError(f"expected W or LEFT,RIGHT, got {text!r}")
-    left, right = (int(p) for p in parts)
-    if min(left, right) < -1:
-        raise ValueError(f"window sides must be >= -1 (unbounded), got {text!r}")
+    left, right = checked_window_size([int(p) for p in parts], False)
     if (left, right) == NO_WINDOW:
         raise ValueError("a window needs a bound on at least one side")
     return left, right
@@ -35,9 +33,10 @@ def window_and_softcap(parser, window: str | None, softcap: float) -> tuple[tupl
         parsed = NO_WINDOW if window is None else parse_window(window)
     except ValueError as exc:
         parser.error(f"--window: {exc}")
-    if not 0 <= softcap < float("inf"):
-        parser.error("--softcap must be positive and finite (or 0: none)")
-    return parsed, softcap
+    try:
+        return parsed, checked_softcap(softcap)
+    except ValueError as exc:
+        parser.error(f"--softcap: {exc}")
 
 
 def effective_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
