@@ -56,7 +56,7 @@ def test_switches_make_the_variant():
 
 @pytest.mark.parametrize("argv", [
     ["--window", "0,-2"], ["--window", "-1,-1"], ["--softcap", "-1"], ["--softcap", "nan"],
-    ["--alibi", "--fp8"], ["--window", "64", "--tuned"],
+    ["--alibi", "--fp8"], ["--window", "64", "--tuned"], ["--ring", "--nccl-channels", "0"],
 ])
 def test_bad_switches_are_usage_errors(argv):
     with pytest.raises(SystemExit):

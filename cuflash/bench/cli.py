@@ -134,6 +134,8 @@ def parse_args(argv):
     args.masks = [False, True] if args.causal is None else [args.causal]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.nccl_channels is not None and args.nccl_channels < 1:
+        parser.error("--nccl-channels must be at least 1")
     if any(n <= 0 for n in args.seqlens):
         parser.error("--seqlen values must be positive")
     for d in args.headdims:

@@ -144,9 +144,6 @@ def run(args) -> int:
         log("bench --ring: one GPU present; ring attention over NCCL needs two or more")
         return 1
     if args.nccl_channels is not None:
-        if args.nccl_channels < 1:
-            log("bench --ring: --nccl-channels must be at least 1")
-            return 2
         # NCCL reads its environment when the first communicator is made, which is below.
         for name in ("NCCL_MAX_NCHANNELS", "NCCL_MAX_P2P_NCHANNELS"):
             os.environ[name] = str(args.nccl_channels)
