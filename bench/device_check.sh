@@ -19,9 +19,7 @@
 # fuzz: the long fuzz runs of tests/test_fuzz_gpu.py (CUFLASH_FUZZ_CASES, default
 #        5,000) and the KV-cache cases they imply (a quarter), each in
 #        FUZZ_PROCS processes (default: one per core, less one) of one BLAS
-#        thread each: the float64 references are many small products, and
-#        processes that each start a thread per core slowed the run about 3x;
-#        FUZZ_FROM takes a run up again at a case;
+#        thread each (blas_threads); FUZZ_FROM takes a run up again at a case;
 # bench: the forward benchmark (every default shape), forward+backward
 #        (--quick), head dim 256 (bf16), and fp8 (head dims 128 and 256,
 #        2k-16k).
@@ -66,10 +64,18 @@ gpus_and_info() {
     return $rc
 }
 
-# verify_tests LOGS: each test file's GPU tests in a process of its own, 8 at a time, the hardening
-# file left out; a line per file with pytest's summary; fails if a file fails (pytest's exit 5, no
-# GPU test in the file, is not a failure).
+# blas_threads N: at most N BLAS threads in each process started from here on (in this shell). The
+# tests' float64 references are many small products: processes that each started a thread per core
+# slowed the long fuzz run about 3x (bench/PERFLOG.md).
+blas_threads() {
+    export OMP_NUM_THREADS=$1 OPENBLAS_NUM_THREADS=$1 MKL_NUM_THREADS=$1
+}
+
+# verify_tests LOGS: each test file's GPU tests in a process of its own, 8 at a time (the cores
+# shared among them), the hardening file left out; a line per file with pytest's summary; fails if a
+# file fails (pytest's exit 5, no GPU test in the file, is not a failure).
 verify_tests() {
+    blas_threads $(($(nproc) > 8 ? $(nproc) / 8 : 1))
     ls tests/test_*.py | grep -v test_hardening_gpu.py | xargs -P 8 -I{} sh -c '
         log="$2/$(basename "$1" .py).log"
         "$0" -m pytest -q -p no:cacheprovider -m gpu "$1" >"$log" 2>&1
@@ -98,9 +104,10 @@ verify_sanitizers() {
 fuzz_shards() {
     local name rc=0 pids=() i procs=${FUZZ_PROCS:-$(($(nproc) > 1 ? $(nproc) - 1 : 1))}
     name=$(basename "$1" .py)
+    blas_threads 1
     for ((i = 0; i < procs; i++)); do
-        OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 CUFLASH_FUZZ_SHARD=$i/$procs \
-            "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu "$1" -k fuzz >"$OUT/$name-$i.log" 2>&1 &
+        CUFLASH_FUZZ_SHARD=$i/$procs "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu "$1" -k fuzz \
+            >"$OUT/$name-$i.log" 2>&1 &
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
