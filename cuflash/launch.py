@@ -29,8 +29,10 @@ from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
 # Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
-# Query rows per CTA of the backward's row-wise kernels (preprocess, dQ convert): one warp a row.
-ROWS_PER_CTA = 8
+# Threads per CTA of the backward's row-wise kernels: the preprocess gives a
+# query row half a warp, the sm_80 dQ convert a warp, the Hopper dQ convert a
+# CTA per block of the dK/dV kernel's query rows.
+ROW_KERNEL_THREADS = 256
 
 
 def _strides(*arrays) -> list:
@@ -357,11 +359,14 @@ class BwdLaunch:
 
         # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
         self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
-        self.pre_grid = (-(-padded_rows(seqlen_q) // ROWS_PER_CTA), nheads, batch)
+        self.pre_grid = (-(-padded_rows(seqlen_q) // (ROW_KERNEL_THREADS // 16)), nheads, batch)
         # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
+        # It zeroes dq_accum's rows (cfg.headdim floats each) for the atomic dQ; 0 floats without.
         dout_strides = [numpy.int64(s) for s in contiguous_strides(dout.shape)[:3]] if self.copies[3] else _strides(dout)
-        self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, numpy.int32(seqlen_q), numpy.int32(nq_pad),
-                                    numpy.int32(headdim), *_strides(out), *dout_strides, scales[-1]])
+        accum_row = numpy.int32(cfg.headdim if self.atomic_dq else 0)
+        self.pre_args = KernelArgs([out, dout, lse, scratch, scratch, scratch, numpy.int32(seqlen_q),
+                                    numpy.int32(nq_pad), numpy.int32(headdim), accum_row, *_strides(out),
+                                    *dout_strides, scales[-1]])
 
         even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0 and not varlen
         self.dkdv = kernel(cfg.kernel_family,
@@ -377,8 +382,9 @@ class BwdLaunch:
 
         if self.atomic_dq:
             self.last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name, varlen), 0, device_id)
-            self.last_grid = (-(-seqlen_q // ROWS_PER_CTA), nheads, batch)
-            self.last_threads = 32 * ROWS_PER_CTA
+            rows_per_cta = cfg.dkdv_block_m if cfg.hopper else ROW_KERNEL_THREADS // 32
+            self.last_grid = (-(-seqlen_q // rows_per_cta), nheads, batch)
+            self.last_threads = ROW_KERNEL_THREADS
             sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
             if not cfg.hopper:
                 sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
@@ -425,9 +431,7 @@ class BwdLaunch:
                 for args in (self.pre_args, self.dkdv_args, self.last_args):
                     _point_options(args, options)
                 self.last_addresses = addresses
-            self.pre.launch(self.pre_grid, 32 * ROWS_PER_CTA, self.pre_args, stream)
-            if self.atomic_dq:
-                cupy().cuda.runtime.memsetAsync(dq_accum, 0, 4 * (self.floats - 2 * self.rows), stream)
+            self.pre.launch(self.pre_grid, ROW_KERNEL_THREADS, self.pre_args, stream)
             self.dkdv.launch(self.dkdv_grid, cfg.dkdv_threads, self.dkdv_args, stream)
             self.last.launch(self.last_grid, self.last_threads, self.last_args, stream)
 
@@ -438,6 +442,7 @@ class BwdLaunch:
         pre[0], pre[1], pre[2] = out, dout, lse
         pre.set_address(3, lse2)
         pre.set_address(4, delta)
+        pre.set_address(5, dq_accum if self.atomic_dq else lse2)  # lse2: not written without atomics
 
         args = self.dkdv_args
         self._set_inputs(args, q, k, v, dout, cfg.dkdv_block_m, cfg.dkdv_block_n)
