@@ -67,11 +67,6 @@ def _accumulator_dtype(x):
     return numpy.promote_types(x.dtype, numpy.float32)
 
 
-def _accumulator(x):
-    """Zeros for sums over x's steps."""
-    return _xp(x).zeros(x.shape, _accumulator_dtype(x))
-
-
 def _widened(x):
     """A first step's result as a new sum over steps (a copy in the accumulator's dtype)."""
     return x.astype(_accumulator_dtype(x))
@@ -404,7 +399,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
-    dqs = _each(_accumulator, q)
+    dqs = [None] * len(q)
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)
     # The dK, dV sums of the shards held at a step travel one hop behind them: sent after the step's
     # kernels, they cross while the next step's run, and the world-th hop takes them home.
@@ -423,7 +418,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
                 lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
                 dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
                                          lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
-                dqs[i][:, rows] += dq_s
+                if t == 0:  # the rank's own shard: every row
+                    dqs[i] = _widened(dq_s)
+                else:
+                    dqs[i][:, rows] += dq_s
             shares.append((keys, dk_s, dv_s))
         if sums_in_flight is None:  # the ranks' own shards, whose steps cover every key: the first sums
             sums = _each(lambda share, x: (_widened(share[1]), _widened(share[2])), shares, q)

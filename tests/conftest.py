@@ -1,5 +1,5 @@
-"""Fixtures shared by the test modules, and the skips behind the `gpu` and
-`hopper` markers (registered in pyproject.toml)."""
+"""Fixtures shared by the test modules, and the skips behind the `gpu`,
+`hopper` and `multi_gpu` markers (registered in pyproject.toml)."""
 
 import functools
 import zlib
@@ -11,14 +11,19 @@ from cuflash import backward, dispatch, forward, tune_cache, varlen
 
 
 @functools.cache
-def gpu_available():
-    """True when CuPy imports and sees at least one CUDA device."""
+def gpu_count() -> int:
+    """CUDA devices CuPy sees (0 without CuPy, a driver or a device)."""
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy.cuda.runtime.getDeviceCount()
     except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
-        return False
+        return 0
+
+
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    return gpu_count() > 0
 
 
 @functools.cache
@@ -33,10 +38,13 @@ def hopper_available():
 
 @pytest.fixture(autouse=True)
 def require_gpu(request):
-    """Skip tests marked `gpu` when no CUDA device is usable, and tests marked
-    `hopper` when the device is not an sm_90 GPU."""
+    """Skip tests marked `gpu` when no CUDA device is usable, tests marked
+    `hopper` when the device is not an sm_90 GPU, and tests marked `multi_gpu`
+    where fewer than two devices are."""
     if request.node.get_closest_marker("gpu") and not gpu_available():
         pytest.skip("no usable CUDA device")
+    if request.node.get_closest_marker("multi_gpu") and gpu_count() < 2:
+        pytest.skip("needs two GPUs")
     if request.node.get_closest_marker("hopper") and not hopper_available():
         pytest.skip("needs an sm_90 GPU")
 

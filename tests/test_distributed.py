@@ -174,22 +174,15 @@ def test_one_rank_ring_is_bitwise_single_gpu_cuflash():
 # --- Several GPUs --------------------------------------------------------------------------------
 
 
-def gpu_count() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
-
-
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 @pytest.mark.parametrize("layout, causal", [("zigzag", True), ("zigzag", False), ("contiguous", True)])
 def test_ring_over_nccl_across_gpus(layout, causal):
     """One rank per GPU of the process over NCCL: the 2x rule against the float64 reference, and the
     forward bitwise equal to the same ring simulated on one GPU (same steps, same merge order)."""
     import cupy
 
-    world = gpu_count()
-    if world < 2:
-        pytest.skip("needs two GPUs")
+    world = cupy.cuda.runtime.getDeviceCount()
     rng = np.random.default_rng(17 * world)
     n, dtype = 97 * 2 * world, np.float16
     q = randn(rng, (2, n, 4, 64), dtype)
@@ -230,6 +223,7 @@ def test_ring_over_nccl_across_gpus(layout, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 def test_ring_over_nccl_one_process_per_gpu():
     """tests/ring_processes_check.py: a process per GPU, communicators from one unique id."""
     import os
@@ -237,9 +231,9 @@ def test_ring_over_nccl_one_process_per_gpu():
     import sys
     from pathlib import Path
 
-    world = gpu_count()
-    if world < 2:
-        pytest.skip("needs two GPUs")
+    import cupy
+
+    world = cupy.cuda.runtime.getDeviceCount()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, str(root / "tests" / "ring_processes_check.py"), str(world)], env=env,

@@ -595,11 +595,10 @@ def test_many_signatures_keep_caches_and_memory_bounded(rng):
 # --- Several GPUs -----------------------------------------------------------------
 
 
+@pytest.mark.multi_gpu
 def test_arrays_on_another_device_run_there(rng):
     """With device 0 current, arrays on device 1 run on device 1 (the full path, then the launch
     plans), leave device 0 current and match the reference; mixing devices raises."""
-    if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip("needs two GPUs")
     host = make_host(rng, np.float16)
     with cupy.cuda.Device(1):
         dout, q, k, v = (cupy.asarray(x) for x in host)

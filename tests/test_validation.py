@@ -139,9 +139,8 @@ def test_bad_softmax_scale(scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 def test_inputs_on_different_devices():
-    if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip("needs two CUDA devices")
     q, k, v = cp_qkv()
     with cupy.cuda.Device(1):
         k = cupy.zeros(k.shape, k.dtype)
