@@ -23,8 +23,9 @@ import numpy as np
 
 import cuflash
 import cuflash.jax
+from cuflash.bench.shapes import HIDDEN, TOKENS
 
-TOKENS, HIDDEN, STEPS = 16 * 1024, 2048, 20
+STEPS = 20  # steps per timed batch
 
 
 def step_time_ms(fn, *args) -> float:

@@ -1,11 +1,12 @@
 """cuflash.torch under torch.compile against SDPA's cuDNN and flash backends, forward+backward.
 
-    PYTHONPATH=. python bench/torch_attention.py [--json PATH]
+    PYTHONPATH=. python bench/torch_attention.py [--headdim 64,128] [--seqlen 2048,8192] [--json PATH]
 
 Each row: batch x seqlen = 16k tokens, hidden 2048, fp16. A step is one
 compiled (fullgraph) attention call plus torch.autograd.grad for a fixed
-output gradient; the time is CUDA events around 20 steps on torch's stream,
-best of 3. TFLOP/s count 3.5 forward passes, halved for causal.
+output gradient; the subjects are timed by cuflash.timing (CUDA events
+around each step on torch's stream, interleaved rounds, median of 20).
+TFLOP/s count 3.5 forward passes, halved for causal.
 """
 
 from __future__ import annotations
@@ -16,36 +17,31 @@ import json
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuflash import timing
+from cuflash.bench.libs import TorchEvents
+from cuflash.bench.shapes import HIDDEN, TOKENS
 from cuflash.torch import flash_attn_func
 
-TOKENS, HIDDEN, STEPS = 16 * 1024, 2048, 20
+STEPS = 20  # timed steps per subject
 
 
-def step_ms(fn, q, k, v, dout) -> float:
+def step_calls(fn, q, k, v, dout) -> timing.Calls:
+    """One forward+backward step of `fn` as a subject for cuflash.timing."""
     def step():
         out = fn(q, k, v)
         return torch.autograd.grad(out, (q, k, v), dout)
-    for _ in range(3):
-        step()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(STEPS):
-            step()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / STEPS)
-    return best
+    return timing.Calls([step], TorchEvents(torch))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--headdim", default="64,128")
+    parser.add_argument("--seqlen", default="2048,8192")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
-    for headdim in (64, 128):
-        for seqlen in (2048, 8192):
+    for headdim in map(int, args.headdim.split(",")):
+        for seqlen in map(int, args.seqlen.split(",")):
             for causal in (False, True):
                 batch, nheads = TOKENS // seqlen, HIDDEN // headdim
                 q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.float16)
@@ -61,10 +57,15 @@ def main() -> None:
                         return out.transpose(1, 2)
                     return call
                 flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
+                subjects = {"cuflash.torch": ours, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                            "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+                times = timing.time_calls({name: step_calls(fn, q, k, v, dout) for name, fn in subjects.items()},
+                                          repeats=STEPS)
+                failed = {name: t["error"] for name, t in times.items() if "error" in t}
+                if failed:
+                    raise RuntimeError(f"headdim {headdim} seqlen {seqlen} causal {causal}: {failed}")
                 row = {"headdim": headdim, "seqlen": seqlen, "causal": causal,
-                       "cuflash.torch": step_ms(ours, q, k, v, dout),
-                       "sdpa-cudnn": step_ms(sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, dout),
-                       "sdpa-flash": step_ms(sdpa(SDPBackend.FLASH_ATTENTION), q, k, v, dout)}
+                       **{name: t["ms"] for name, t in times.items()}}
                 for name in ("cuflash.torch", "sdpa-cudnn", "sdpa-flash"):
                     row[name + " TFLOP/s"] = round(flops / row[name] / 1e9, 1)
                 row["x cudnn"] = round(row["sdpa-cudnn"] / row["cuflash.torch"], 2)
