@@ -3,9 +3,9 @@
 Usage (on a GPU): PYTHONPATH=. python bench/bwd_pieces.py [--headdim 128] [--seqlen 2048,8192]
 
 fp16, 16k tokens, hidden 2048, causal and not. The pieces are the launches of
-launch.BwdLaunch.run (the heuristic's config, atomic dQ): the preprocess
-(Delta, lse2, the dQ accumulator's zeroing), the dK/dV kernel, the dQ
-convert, and the whole backward; cuDNN's is the autograd backward of SDPA
+launch.BwdLaunch.run (its `stages`; the heuristic's config, atomic dQ): the
+preprocess (Delta, lse2, the dQ accumulator's zeroing), the dK/dV kernel, the
+dQ convert ("dq"), and the whole backward; cuDNN's is the autograd backward of SDPA
 with the cuDNN backend. All are timed in interleaved rounds (cuflash.timing).
 """
 
@@ -49,13 +49,8 @@ def main():
                 run.run(q, k, v, dout, out, lse, dq, dk, dv, stream, workspace)
 
             whole()  # points the three launches' arguments at this call's arrays
-            pieces = {
-                "preprocess": lambda: run.pre.launch(run.pre_grid, launch.ROW_KERNEL_THREADS, run.pre_args, stream),
-                "dkdv": lambda: run.dkdv.launch(run.dkdv_grid, cfg.dkdv_threads, run.dkdv_args, stream),
-                "dq_convert": lambda: run.last.launch(run.last_grid, run.last_threads, run.last_args, stream),
-                "whole": whole,
-            }
-            entries = {name: timing.Calls([fn]) for name, fn in pieces.items()}
+            entries = {name: timing.Calls([lambda name=name: run.launch_stage(name, stream)]) for name in run.stages}
+            entries["whole"] = timing.Calls([whole])
             tq_, tk_, tv_ = (x.transpose(1, 2).detach().requires_grad_() for x in (tq, tk, tv))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 o = F.scaled_dot_product_attention(tq_, tk_, tv_, is_causal=causal)

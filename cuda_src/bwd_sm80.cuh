@@ -58,21 +58,24 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 // dq_accum took 60 + 45 us). nq_pad: rows per head of lse2, delta and
 // dq_accum (seq_span.cuh); varlen: the grid covers the longest sequence's
 // padded rows.
+constexpr int PRE_ROW_LANES = 16;  // lanes per query row of bwd_preprocess_kernel (cuflash/launch.py's grid)
+
 template <bool BF16, bool VARLEN>
 __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __restrict__ dout,
                                       const float* __restrict__ lse, float* __restrict__ lse2,
                                       float* __restrict__ delta, float* __restrict__ dq_accum, int nq, int nq_pad,
                                       int d, int accum_row, long long o_sb, long long o_sn, long long o_sh,
                                       long long do_sb, long long do_sn, long long do_sh, const ScoreModArgs mod_args) {
-    const int sub = threadIdx.x & 15;
-    const unsigned half_mask = 0xffffu << (threadIdx.x & 16);
-    const int row = blockIdx.x * (blockDim.x / 16) + (threadIdx.x >> 4);
+    static_assert(PRE_ROW_LANES == 16, "the lanes of a row are half a warp: half_mask, the shuffles");
+    const int sub = threadIdx.x % PRE_ROW_LANES;
+    const unsigned half_mask = 0xffffu << (threadIdx.x & PRE_ROW_LANES);
+    const int row = blockIdx.x * (blockDim.x / PRE_ROW_LANES) + threadIdx.x / PRE_ROW_LANES;
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
     const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
     if (row >= (VARLEN ? (seq.nq + BWD_ROW_PAD - 1) / BWD_ROW_PAD * BWD_ROW_PAD : nq_pad)) return;
     const long long idx = seq.padded_row0<VARLEN>(b, h, nheads, nq_pad) + row;
     float4* accum = reinterpret_cast<float4*>(dq_accum + idx * accum_row);
-    for (int c = sub; c < accum_row / 4; c += 16) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = sub; c < accum_row / 4; c += PRE_ROW_LANES) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (row >= seq.nq) {
         if (sub == 0) {
             lse2[idx] = pos_inf();
@@ -84,7 +87,7 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     const u16* do_row = dout + b * do_sb + h * do_sh + (seq.q0 + row) * do_sn;
     float sum = 0.f;
     if (((reinterpret_cast<size_t>(o_row) | reinterpret_cast<size_t>(do_row)) & 15) == 0 && d % 8 == 0) {
-        for (int c = 8 * sub; c < d; c += 128) {
+        for (int c = 8 * sub; c < d; c += 8 * PRE_ROW_LANES) {
             const uint4 x = *reinterpret_cast<const uint4*>(o_row + c);
             const uint4 y = *reinterpret_cast<const uint4*>(do_row + c);
             const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
@@ -95,10 +98,10 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
             }
         }
     } else {
-        for (int c = sub; c < d; c += 16) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
+        for (int c = sub; c < d; c += PRE_ROW_LANES) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
     }
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(half_mask, sum, off);
+    for (int off = PRE_ROW_LANES / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(half_mask, sum, off);
     if (sub == 0) {
         const float l = lse[seq.lse_row0<VARLEN>(mod_args, b, h, nheads) + row];
         lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;

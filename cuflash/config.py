@@ -228,6 +228,8 @@ class FwdSm90Config:
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every
 # backward block of query rows (32, 64 or 128) divides it, so no row-bound checks.
 BWD_ROW_PAD = cpp_int_constant("seq_span.cuh", "BWD_ROW_PAD")
+# Lanes of the backward preprocess per query row (half a warp).
+PRE_ROW_LANES = cpp_int_constant("bwd_sm80.cuh", "PRE_ROW_LANES")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -423,8 +423,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
                 else:
                     dqs[i][:, rows] += dq_s
             shares.append((keys, dk_s, dv_s))
-        if sums_in_flight is None:  # the ranks' own shards, whose steps cover every key: the first sums
-            sums = _each(lambda share, x: (_widened(share[1]), _widened(share[2])), shares, q)
+        if t == 0:  # the ranks' own shards, whose steps cover every key: the first sums
+            sums = [(_widened(dk_s), _widened(dv_s)) for _, dk_s, dv_s in shares]
         else:
             sums = transport.finish(sums_in_flight)
             for (dk, dv), share in zip(sums, shares):

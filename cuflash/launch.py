@@ -21,7 +21,7 @@ import numpy
 
 from . import fp8, tail_split, tma
 from .arrays import aligned_copy, contiguous_strides, elem_strides
-from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig
+from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, PRE_ROW_LANES, BwdConfig
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
 from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
@@ -358,8 +358,8 @@ class BwdLaunch:
         scratch = lse
 
         # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
-        self.pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
-        self.pre_grid = (-(-padded_rows(seqlen_q) // (ROW_KERNEL_THREADS // 16)), nheads, batch)
+        pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
+        pre_grid = (-(-padded_rows(seqlen_q) // (ROW_KERNEL_THREADS // PRE_ROW_LANES)), nheads, batch)
         # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
         # It zeroes dq_accum's rows (cfg.headdim floats each) for the atomic dQ; 0 floats without.
         dout_strides = [numpy.int64(s) for s in contiguous_strides(dout.shape)[:3]] if self.copies[3] else _strides(dout)
@@ -369,10 +369,9 @@ class BwdLaunch:
                                     *dout_strides, scales[-1]])
 
         even_n = seqlen_q % cfg.dkdv_block_m == 0 and seqlen_k % cfg.dkdv_block_n == 0 and not varlen
-        self.dkdv = kernel(cfg.kernel_family,
-                           cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq, mods.bits),
-                           cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
-        self.dkdv_grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
+        dkdv = kernel(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, even_n, even_d, self.atomic_dq, mods.bits),
+                      cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
+        dkdv_grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
         if cfg.hopper:
             self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, *ints, *_strides(dk, dv),
                                          *scales])
@@ -381,27 +380,36 @@ class BwdLaunch:
                                          *_strides(q, k, v, dout, dk, dv), *scales])
 
         if self.atomic_dq:
-            self.last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name, varlen), 0, device_id)
+            last = kernel(cfg.kernel_family, cfg.dq_accum_convert_name(dtype_name, varlen), 0, device_id)
             rows_per_cta = cfg.dkdv_block_m if cfg.hopper else ROW_KERNEL_THREADS // 32
-            self.last_grid = (-(-seqlen_q // rows_per_cta), nheads, batch)
-            self.last_threads = ROW_KERNEL_THREADS
+            last_grid = (-(-seqlen_q // rows_per_cta), nheads, batch)
+            last_threads = ROW_KERNEL_THREADS
             sizes = (numpy.int32(seqlen_q), numpy.int32(nq_pad), numpy.int32(headdim))
             if not cfg.hopper:
                 sizes += (numpy.int32(cfg.headdim),)  # the row length of dq_accum
             self.last_args = KernelArgs([scratch, dq, *sizes, *_strides(dq), numpy.float32(scale), scales[-1]])
         else:
             even_n = seqlen_q % cfg.dq_block_m == 0 and seqlen_k % cfg.dq_block_n == 0 and not varlen
-            self.last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d, mods.bits),
-                               cfg.dq_smem_bytes(), device_id)
-            self.last_grid = (-(-seqlen_q // cfg.dq_block_m), nheads, batch)
-            self.last_threads = cfg.dq_threads
+            last = kernel(cfg.kernel_family, cfg.dq_name(dtype_name, causal, even_n, even_d, mods.bits),
+                          cfg.dq_smem_bytes(), device_id)
+            last_grid = (-(-seqlen_q // cfg.dq_block_m), nheads, batch)
+            last_threads = cfg.dq_threads
             if cfg.hopper:
                 self.last_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, dq, *ints, *_strides(dq), *scales])
             else:
                 self.last_args = KernelArgs([q, k, v, dout, scratch, scratch, dq, *ints,
                                              *_strides(q, k, v, dout, dq), *scales])
+        # run()'s launches in order: (kernel, grid, threads, packed arguments) by name.
+        self.stages = {"preprocess": (pre, pre_grid, ROW_KERNEL_THREADS, self.pre_args),
+                       "dkdv": (dkdv, dkdv_grid, cfg.dkdv_threads, self.dkdv_args),
+                       "dq": (last, last_grid, last_threads, self.last_args)}
         self.last_addresses = None
         self.lock = threading.Lock()
+
+    def launch_stage(self, name: str, stream: int) -> None:
+        """One of run()'s launches alone, on the arrays of the last run() (to time it)."""
+        kernel_, grid, threads, args = self.stages[name]
+        kernel_.launch(grid, threads, args, stream)
 
     @staticmethod
     def _maps(q, k, v, dout, block_m: int, block_n: int):
@@ -410,7 +418,6 @@ class BwdLaunch:
 
     def run(self, q, k, v, dout, out, lse, dq, dk, dv, stream: int, workspace: BackwardWorkspace | None,
             slopes=None, cu_seqlens=None) -> None:
-        cfg = self.cfg
         if workspace is None:
             require_not_capturing("attention_backward without workspace=")
             workspace = BackwardWorkspace(self.floats, self.device_id)
@@ -431,9 +438,8 @@ class BwdLaunch:
                 for args in (self.pre_args, self.dkdv_args, self.last_args):
                     _point_options(args, options)
                 self.last_addresses = addresses
-            self.pre.launch(self.pre_grid, ROW_KERNEL_THREADS, self.pre_args, stream)
-            self.dkdv.launch(self.dkdv_grid, cfg.dkdv_threads, self.dkdv_args, stream)
-            self.last.launch(self.last_grid, self.last_threads, self.last_args, stream)
+            for kernel_, grid, threads, args in self.stages.values():
+                kernel_.launch(grid, threads, args, stream)
 
     def _point(self, q, k, v, dout, out, lse, dq, dk, dv, lse2: int, delta: int, dq_accum: int) -> None:
         """Write the call's tensor maps and addresses into the three kernels' packed arguments."""
