@@ -43,7 +43,7 @@ from . import launch as _launch
 from . import score_mods as _score_mods
 from . import validate as _validate
 from . import varlen as _varlen
-from .device import cupy, external_stream
+from .device import cupy, external_array, external_stream
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -78,7 +78,7 @@ def _dropout_state(dropout_p, dropout_key):
     return p, jax.random.bits(dropout_key, (_score_mods.DROPOUT_STATE_WORDS,), jnp.uint32)
 
 
-def _with_dropout(options: dict, state) -> dict:
+def _with_dropout(options: dict, state, device_id: int) -> dict:
     """cuflash's keywords: the options (a new dict), and dropout's seed words (a view of the state
     buffer) where p > 0."""
     options = dict(options)
@@ -86,13 +86,37 @@ def _with_dropout(options: dict, state) -> dict:
     if p == 0:
         return options
     # Under jax.vmap the words are broadcast (or batched): every element takes the first's.
-    words = _cupy_view(state, (-1, _score_mods.DROPOUT_STATE_WORDS))[0]
+    words = _cupy_view(state, (-1, _score_mods.DROPOUT_STATE_WORDS), device_id)[0]
     return dict(options, dropout_p=p, seed=words)
 
 
-def _cupy_view(buffer, shape):
-    """A CuPy array over an XLA buffer (zero-copy), its leading dims merged into the batch of `shape`."""
-    return cupy().from_dlpack(buffer).reshape(shape)
+def _device_of(buffer) -> int:
+    """The GPU that holds an XLA buffer (under shard_map over several GPUs, the thread that runs a
+    device's callback need not have that device current)."""
+    return cupy().cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
+
+
+def _cupy_view(buffer, shape, device_id: int):
+    """A CuPy array over an XLA buffer on device_id (zero-copy), reshaped to `shape` (e.g. leading
+    vmapped dims merged into the batch).
+
+    Built from the buffer's address: a DLPack import cost ~5 us a buffer on the H100 host, plus its
+    release when the callback returns; views are memoised on the layout, and XLA hands a jitted
+    step the same buffers every time."""
+    interface = buffer.__cuda_array_interface__
+    return _view(interface["data"][0], interface["shape"], interface.get("strides"), tuple(shape),
+                 numpy.dtype(buffer.dtype), device_id)
+
+
+@functools.lru_cache(maxsize=256)
+def _view(address: int, buffer_shape: tuple, byte_strides, shape: tuple, dtype, device_id: int):
+    if byte_strides is None:  # C-contiguous
+        strides = [1] * len(buffer_shape)
+        for i in range(len(buffer_shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * buffer_shape[i + 1]
+    else:
+        strides = [s // dtype.itemsize for s in byte_strides]
+    return external_array(address, buffer_shape, tuple(strides), dtype, device_id).reshape(shape)
 
 
 def _batch_shape(x, rank: int = 4) -> tuple:
@@ -111,21 +135,24 @@ def _on_xla_stream(ctx, array):
 
 def _forward_callback(options, ctx, outputs, q, k, v, state):
     out, lse = outputs
-    qc, kc, vc = (_cupy_view(x, _batch_shape(x)) for x in (q, k, v))
+    device_id = _device_of(out)
+    qc, kc, vc = (_cupy_view(x, _batch_shape(x), device_id) for x in (q, k, v))
     with _on_xla_stream(ctx, qc):
-        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out)),
-                           lse=_cupy_view(lse, _batch_shape(lse, 3)), **_with_dropout(options, state))
+        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out), device_id),
+                           lse=_cupy_view(lse, _batch_shape(lse, 3), device_id),
+                           **_with_dropout(options, state, device_id))
 
 
 def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state):
     *grads, scratch = outputs
-    dq, dk, dv = (_cupy_view(x, _batch_shape(x)) for x in grads)
-    inputs = [_cupy_view(x, _batch_shape(x)) for x in (dout, q, k, v, out)]
+    device_id = _device_of(scratch)
+    dq, dk, dv = (_cupy_view(x, _batch_shape(x), device_id) for x in grads)
+    inputs = [_cupy_view(x, _batch_shape(x), device_id) for x in (dout, q, k, v, out)]
     with _on_xla_stream(ctx, dq):
-        workspace = _launch.BackwardWorkspace(0, dq.device.id, _cupy_view(scratch, (-1,)))
-        _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3)), dq=dq, dk=dk, dv=dv,
-                                     deterministic=deterministic, workspace=workspace,
-                                     **_with_dropout(options, state))
+        workspace = _launch.BackwardWorkspace(0, device_id, _cupy_view(scratch, (-1,), device_id))
+        _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3), device_id), dq=dq, dk=dk,
+                                     dv=dv, deterministic=deterministic, workspace=workspace,
+                                     **_with_dropout(options, state, device_id))
 
 
 def _forward_call(q, k, v, state, options):
@@ -196,20 +223,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 # ---------------------------------------------------------------- packed batches
 
 def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state):
-    out = _cupy_view(outputs[0], outputs[0].shape)
+    device_id = _device_of(outputs[0])
+    out, lse = (_cupy_view(x, x.shape, device_id) for x in outputs)
     with _on_xla_stream(ctx, out):
-        _varlen.attention_varlen(*(_cupy_view(x, x.shape) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=out, lse=_cupy_view(outputs[1], outputs[1].shape),
-                                 **_with_dropout(options, state))
+        _varlen.attention_varlen(*(_cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
+                                 out=out, lse=lse, **_with_dropout(options, state, device_id))
 
 
 def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k,
                               state):
-    dq, dk, dv = (_cupy_view(x, x.shape) for x in outputs)
-    arrays = [_cupy_view(x, x.shape) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
+    device_id = _device_of(outputs[0])
+    dq, dk, dv = (_cupy_view(x, x.shape, device_id) for x in outputs)
+    arrays = [_cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
     with _on_xla_stream(ctx, dq):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
-                                          **_with_dropout(options, state))
+                                          **_with_dropout(options, state, device_id))
 
 
 def _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, options):
@@ -274,10 +302,12 @@ _KVCACHE_ARRAYS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad"
 
 def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays):
     # The caches' outputs alias their inputs: the append lands there.
-    out, k_out, v_out = (_cupy_view(x, x.shape) for x in outputs)
-    given = {name: _cupy_view(x, x.shape) for name, x in zip(names, arrays)}
+    device_id = _device_of(outputs[0])
+    out, k_out, v_out = (_cupy_view(x, x.shape, device_id) for x in outputs)
+    given = {name: _cupy_view(x, x.shape, device_id) for name, x in zip(names, arrays)}
     with _on_xla_stream(ctx, out):
-        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape), k_out, v_out, out=out, **given, **options)
+        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape, device_id), k_out, v_out, out=out, **given,
+                                         **options)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
