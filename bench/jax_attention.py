@@ -4,17 +4,19 @@
 
 Each row: batch x seqlen = 16k tokens, hidden 2048, fp16. A step is the
 jitted gradient of sum(out * dout) with respect to q, k and v (one forward
-and one backward); its time is the wall time of 20 steps launched back to
-back, then one block_until_ready, per step. "eager" times cuflash.attention
-(return_lse) plus cuflash.attention_backward between CUDA events on CuPy's
-stream. TFLOP/s count 3.5 forward passes, halved for causal.
+and one backward). The jitted steps run on XLA's stream, so they are timed by
+cuflash.timing's WallClock: a timed call is STEPS steps launched back to back,
+between device-wide synchronisations, and a step's time is the call's over
+STEPS. "eager" times STEPS calls of cuflash.attention (return_lse) plus
+cuflash.attention_backward between CUDA events on CuPy's stream. The three are
+timed in cuflash.timing's interleaved rounds. TFLOP/s count 3.5 forward
+passes, halved for causal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import cupy
 import jax
@@ -23,38 +25,24 @@ import numpy as np
 
 import cuflash
 import cuflash.jax
+from cuflash import timing
 from cuflash.bench.shapes import HIDDEN, TOKENS
 
-STEPS = 20  # steps per timed batch
+STEPS = 20  # jitted steps per timed call
+REPEATS = 5  # timed calls per subject
 
 
-def step_time_ms(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
+def steps(fn, *args):
+    """A timed call: STEPS calls of fn launched back to back."""
+    def call():
         for _ in range(STEPS):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        best = min(best, (time.perf_counter() - start) / STEPS * 1e3)
-    return best
+            fn(*args)
+    return call
 
 
-def eager_ms(q, k, v, dout, causal) -> float:
-    def step():
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    step()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(STEPS):
-            step()
-        end.record()
-        end.synchronize()
-        best = min(best, cupy.cuda.get_elapsed_time(start, end) / STEPS)
-    return best
+def eager_step(q, k, v, dout, causal):
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
 
 def main() -> None:
@@ -80,9 +68,13 @@ def main() -> None:
                 cudnn = grad_of(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                              implementation="cudnn"))
                 flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
+                wall = timing.WallClock()
+                entries = {"cuflash.jax": timing.Calls([steps(ours, q, k, v)], wall),
+                           "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], wall),
+                           "eager": timing.Calls([steps(eager_step, *(cupy.asarray(x) for x in host), causal)])}
+                results = timing.time_calls(entries, REPEATS)
                 row = {"headdim": headdim, "seqlen": seqlen, "causal": causal,
-                       "cuflash.jax": step_time_ms(ours, q, k, v), "jax-cudnn": step_time_ms(cudnn, q, k, v),
-                       "eager": eager_ms(*(cupy.asarray(x) for x in host), causal)}
+                       **{name: result["ms"] / STEPS for name, result in results.items()}}
                 for name in ("cuflash.jax", "jax-cudnn", "eager"):
                     row[name + " TFLOP/s"] = round(flops / row[name] / 1e9, 1)
                 row["jit/eager"] = round(row["cuflash.jax"] / row["eager"], 3)

@@ -12,6 +12,10 @@ How a call is timed:
   call before;
 * the result is the median over the timed calls.
 
+Work launched on a stream outside cuflash's and CuPy's reach (XLA's, inside
+`jax.jit`) is timed by `WallClock` instead of events: host time between
+device-wide synchronisations, around batches of calls.
+
 Several subjects (libraries, configurations, kernel variants) are timed in
 interleaved rounds, each round starting one subject further along the list: a
 variant timed first in every round measured 5-10% low in A/B runs
@@ -27,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import time
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 WARMUP = 3  # warm-up calls at least; more when there are more input sets
@@ -62,6 +67,33 @@ class CupyEvents:
 
 
 CUPY_EVENTS = CupyEvents()
+
+
+@dataclasses.dataclass(frozen=True)
+class WallClockMark:
+    seconds: float
+
+    def synchronize(self) -> None:
+        """Already synchronised when it was taken."""
+
+
+class WallClock:
+    """Host wall time between device-wide synchronisations, as Events: for calls that launch on a
+    stream no event can be recorded on from outside (XLA's, under jax.jit). Each mark waits for
+    every stream of the device, so a timed call should be a batch of launches long beside the
+    synchronisation's and the first launch's latency (bench/jax_attention.py times 20 steps a call).
+    sync: the device-wide wait (`synchronize`; a test passes its own)."""
+
+    def __init__(self, sync: Callable[[], Any] | None = None):
+        self._sync = sync
+
+    def record(self) -> WallClockMark:
+        (self._sync or synchronize)()
+        return WallClockMark(time.perf_counter())
+
+    @staticmethod
+    def elapsed_ms(start: WallClockMark, end: WallClockMark) -> float:
+        return (end.seconds - start.seconds) * 1e3
 
 
 @dataclasses.dataclass(frozen=True)
