@@ -5,7 +5,7 @@
 Each row: batch x seqlen = 16k tokens, hidden 2048, fp16. A step is the
 jitted gradient of sum(out * dout) with respect to q, k and v (one forward
 and one backward). The jitted steps run on XLA's stream, so they are timed by
-cuflash.timing's WallClock: a timed call is STEPS steps launched back to back,
+cuflash.timing's HostEvents: a timed call is STEPS steps launched back to back,
 between device-wide synchronisations, and a step's time is the call's over
 STEPS. "eager" times STEPS calls of cuflash.attention (return_lse) plus
 cuflash.attention_backward between CUDA events on CuPy's stream. The three are
@@ -68,9 +68,9 @@ def main() -> None:
                 cudnn = grad_of(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                              implementation="cudnn"))
                 flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
-                wall = timing.WallClock()
-                entries = {"cuflash.jax": timing.Calls([steps(ours, q, k, v)], wall),
-                           "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], wall),
+                host_clock = timing.HostEvents()
+                entries = {"cuflash.jax": timing.Calls([steps(ours, q, k, v)], host_clock),
+                           "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], host_clock),
                            "eager": timing.Calls([steps(eager_step, *(cupy.asarray(x) for x in host), causal)])}
                 results = timing.time_calls(entries, REPEATS)
                 row = {"headdim": headdim, "seqlen": seqlen, "causal": causal,

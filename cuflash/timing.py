@@ -13,7 +13,7 @@ How a call is timed:
 * the result is the median over the timed calls.
 
 Work launched on a stream outside cuflash's and CuPy's reach (XLA's, inside
-`jax.jit`) is timed by `WallClock` instead of events: host time between
+`jax.jit`) is timed by `HostEvents` instead of CUDA events: host time between
 device-wide synchronisations, around batches of calls.
 
 Several subjects (libraries, configurations, kernel variants) are timed in
@@ -70,29 +70,29 @@ CUPY_EVENTS = CupyEvents()
 
 
 @dataclasses.dataclass(frozen=True)
-class WallClockMark:
+class HostMark:
     seconds: float
 
     def synchronize(self) -> None:
         """Already synchronised when it was taken."""
 
 
-class WallClock:
-    """Host wall time between device-wide synchronisations, as Events: for calls that launch on a
-    stream no event can be recorded on from outside (XLA's, under jax.jit). Each mark waits for
-    every stream of the device, so a timed call should be a batch of launches long beside the
-    synchronisation's and the first launch's latency (bench/jax_attention.py times 20 steps a call).
+class HostEvents:
+    """Host clock readings after a device-wide synchronisation, as Events: for calls that launch on
+    streams no event can be recorded on from outside (XLA's, under jax.jit). Each reading waits for
+    every stream of the device, so the launch latency adds to each timed call: small beside calls of
+    a millisecond or more, or a batch of launches (bench/jax_attention.py times 20 steps a call).
     sync: the device-wide wait (`synchronize`; a test passes its own)."""
 
     def __init__(self, sync: Callable[[], Any] | None = None):
         self._sync = sync
 
-    def record(self) -> WallClockMark:
+    def record(self) -> HostMark:
         (self._sync or synchronize)()
-        return WallClockMark(time.perf_counter())
+        return HostMark(time.perf_counter())
 
     @staticmethod
-    def elapsed_ms(start: WallClockMark, end: WallClockMark) -> float:
+    def elapsed_ms(start: HostMark, end: HostMark) -> float:
         return (end.seconds - start.seconds) * 1e3
 
 

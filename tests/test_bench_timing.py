@@ -127,17 +127,17 @@ def test_describe_is_one_line():
     assert timing.describe(KeyError()) == "KeyError: "
 
 
-def test_wall_clock_waits_for_the_device_before_each_reading(monkeypatch):
+def test_host_events_waits_for_the_device_before_each_reading(monkeypatch):
     log, readings = [], iter([1.0, 1.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: log.append("read") or next(readings))
-    wall = timing.WallClock(sync=lambda: log.append("sync"))
+    wall = timing.HostEvents(sync=lambda: log.append("sync"))
     start, end = wall.record(), wall.record()
     end.synchronize()
     assert log == ["sync", "read", "sync", "read"]
     assert wall.elapsed_ms(start, end) == pytest.approx(500.0)
 
 
-def test_time_calls_takes_wall_clock_subjects(monkeypatch):
+def test_time_calls_takes_host_events_subjects(monkeypatch):
     """A subject on a stream without events (XLA's) is timed by host time between device synchronisations."""
     now, syncs = [0.0], []
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
@@ -146,7 +146,7 @@ def test_time_calls_takes_wall_clock_subjects(monkeypatch):
     def twenty_steps():
         now[0] += 0.040
 
-    results = timing.time_calls({"jit": timing.Calls([twenty_steps], timing.WallClock())}, repeats=5)
+    results = timing.time_calls({"jit": timing.Calls([twenty_steps], timing.HostEvents())}, repeats=5)
     assert results["jit"]["ms"] == pytest.approx(40.0)
     assert results["jit"]["repeats"] == 5
     assert len(syncs) >= 2 * 5  # every timed call between two device-wide waits

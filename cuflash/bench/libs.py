@@ -25,16 +25,14 @@ the peers for a sliding window, run only in such runs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
-import time
 
 import cupy
 
 import cuflash
 from cuflash import dispatch
-from cuflash.timing import CUPY_EVENTS, synchronize
+from cuflash.timing import CUPY_EVENTS, HostEvents
 
 from .inputs import GiB
 from .naive import naive_attention
@@ -227,28 +225,6 @@ class TorchSdpaFwdBwd(TorchSdpa):
     @staticmethod
     def to_cupy(grads):
         return tuple(cupy.from_dlpack(g.transpose(1, 2).contiguous()) for g in grads)
-
-
-@dataclasses.dataclass(frozen=True)
-class _HostMark:
-    seconds: float
-
-    def synchronize(self):
-        pass  # taken after a device synchronisation already
-
-
-class HostEvents:
-    """Host clock readings after a device synchronisation (cuflash.timing's Events for a library whose
-    streams are out of reach). The timed call must wait for its own work (JAX: block_until_ready)."""
-
-    @staticmethod
-    def record():
-        synchronize()
-        return _HostMark(time.perf_counter())
-
-    @staticmethod
-    def elapsed_ms(start, end) -> float:
-        return (end.seconds - start.seconds) * 1e3
 
 
 class JaxCudnn:
