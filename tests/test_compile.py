@@ -46,3 +46,30 @@ def test_cpp_int_constant_reads_its_header():
     assert cf_compile.cpp_int_constant("sm90_tiles.cuh", "SM90_ENTRY_REGS") == 168
     with pytest.raises(RuntimeError, match="NO_SUCH"):
         cf_compile.cpp_int_constant("sm90_tiles.cuh", "NO_SUCH")
+
+
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
+def test_check_compiles_sm80_tiles_for_hopper_only_where_dispatch_runs_them(headdim):
+    """`cuflash check` leaves out the sm_90 build of an sm_80 forward or dK/dV tile exactly where
+    dispatch runs a Hopper kernel instead on an sm_90 device."""
+    from cuflash import dispatch
+    from cuflash.cli.check import targets
+
+    both = ["sm_80", "sm_90"]
+    fwd = dispatch.heuristic_fwd_config(dispatch.FwdProblem("float16", headdim, False, 4096, 4096, 1, arch=90))
+    fwd_on_hopper = "sm_90" in targets("fwd_sm80", f"cuflash::fwd_kernel<{headdim}, 0>", headdim, both)
+    assert fwd_on_hopper == (fwd.family == "fwd_sm80")
+    bwd = dispatch.heuristic_bwd_config(dispatch.BwdProblem("float16", headdim, False, 4096, 4096, 1, False, arch=90))
+    for kernel in ("bwd_dkdv_kernel", "bwd_dq_kernel"):
+        bwd_on_hopper = "sm_90" in targets("bwd_sm80", f"cuflash::{kernel}<{headdim}, 0>", headdim, both)
+        assert bwd_on_hopper == (not bwd.hopper)
+
+
+def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
+    from cuflash.cli.check import targets
+
+    both = ["sm_80", "sm_90"]
+    assert targets("bwd_sm80", "cuflash::bwd_preprocess_kernel<0, false>", 64, both) == both
+    assert targets("decode_sm80", "cuflash::decode_kernel<128, 2, 3, 0, 0, 0, 0>", 128, both) == both
+    assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, both) == ["sm_90a"]
+    assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []

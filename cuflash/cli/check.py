@@ -6,6 +6,10 @@ path: the forward kernels at head dims 64 and 128, the Hopper forward at 256
 too, the Hopper backward, the sm_80 backward built for sm_80 (on Hopper the
 sm_90a backward replaces its head-dim 64/128 dK/dV tiles), and the decoding
 kernel at head dims 64 and 128. Other spills are reported.
+
+Each specialisation compiles for the targets it can run on: the sm_80
+forward and backward tiles of a head dim that a Hopper kernel serves
+(`hopper_replaces`) compile for sm_80 alone.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from tqdm import tqdm
 from .. import compile as _compile
 from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS, SM90_SMEM_LIMIT, BwdConfig,
                       combine_name)
-from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_plans,
-                        sm90_table_configs, small_fwd_configs)
+from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_headdim,
+                        hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
@@ -168,6 +172,25 @@ def score_mods_of(name: str) -> int:
     return int(name.rstrip(">").rsplit(",", 1)[1])
 
 
+# sm_80 kernels -> the Hopper kernel head dim that replaces them on sm_90 at a kernel head dim (None: none).
+HOPPER_REPLACES = {"fwd_kernel": sm90_headdim, "bwd_dkdv_kernel": hopper_bwd_headdim, "bwd_dq_kernel": hopper_bwd_headdim}
+
+
+def hopper_replaces(name: str, headdim: int) -> bool:
+    """Whether dispatch runs a Hopper kernel instead of this sm_80 specialisation on sm_90 (so it never
+    runs there). The sm_80 backward's row-wise kernels and the decoding kernel run on every target."""
+    replacement = HOPPER_REPLACES.get(name.split("<")[0].removeprefix("cuflash::"))
+    return replacement is not None and replacement(headdim) is not None
+
+
+def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]:
+    """The targets among `archs` to compile a specialisation for."""
+    tied = _compile.FAMILY_ARCH.get(family)
+    if tied is not None:  # fwd_sm90: sm_90a, when sm_90 is asked for
+        return [tied] if any(tied.startswith(arch) for arch in archs) else []
+    return [arch for arch in archs if not (arch.startswith("sm_90") and hopper_replaces(name, headdim))]
+
+
 def fast_path(family: str, headdim: int, arch: str, mods: int = 0) -> bool:
     """Whether a kernel of this family, head dim, target and score options must be spill-free.
     Kernels with score options may spill (listed, not failed): the Hopper backward's accumulators and
@@ -190,14 +213,8 @@ def main(argv=None) -> int:
     archs = args.arch or ["sm_80", "sm_90"]
 
     specs = shipped_specialisations()
-    # A family tied to one target (fwd_sm90: sm_90a) compiles once, when its
-    # architecture is among those asked for.
-    jobs = sorted({
-        (family, name, _compile.FAMILY_ARCH.get(family, arch))
-        for arch in archs
-        for family, _, name, _ in specs
-        if family not in _compile.FAMILY_ARCH or _compile.FAMILY_ARCH[family].startswith(arch)
-    })
+    jobs = sorted({(family, name, arch) for family, cfg, name, _ in specs
+                   for arch in targets(family, name, cfg.headdim, archs)})
     print(f"compiling {len(jobs)} kernel specialisations for {', '.join(archs)} with {args.jobs} processes ...",
           flush=True)
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
