@@ -73,6 +73,11 @@ def main() -> None:
                            "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], host_clock),
                            "eager": timing.Calls([steps(eager_step, *(cupy.asarray(x) for x in host), causal)])}
                 results = timing.time_calls(entries, REPEATS)
+                failed = {name: result["error"] for name, result in results.items() if "error" in result}
+                if failed:
+                    print(json.dumps({"headdim": headdim, "seqlen": seqlen, "causal": causal, "errors": failed}),
+                          flush=True)
+                    continue
                 row = {"headdim": headdim, "seqlen": seqlen, "causal": causal,
                        **{name: result["ms"] / STEPS for name, result in results.items()}}
                 for name in ("cuflash.jax", "jax-cudnn", "eager"):

@@ -279,8 +279,10 @@ __global__ void __launch_bounds__(384, 1)
             Wgmma<BM, DTYPE>::ss(acc_s, desc_k_major_sw128<BN>(sK, 64 * c, ks), desc_k_major_sw128<BM>(sQ(st), 0, ks),
                                  ks > 0);
         wgmma_commit();
-        if (ATOMIC_DQ && t > 0) reduce_dq(dq_block);
-        wgmma_fence();
+        if constexpr (ATOMIC_DQ) {
+            if (t > 0) reduce_dq(dq_block);
+            wgmma_fence();
+        }
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
             Wgmma<BM, DTYPE>::ss(acc_dp, desc_k_major_sw128<BN>(sV, 64 * c, ks),

@@ -139,6 +139,15 @@ def external_array(address: int, shape: tuple, strides: tuple, dtype, device_id:
     return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=tuple(s * itemsize for s in strides))
 
 
+@functools.lru_cache(maxsize=4096)
+def memoised_external_array(address: int, shape: tuple, strides: tuple, dtype, device_id: int):
+    """external_array without an owner, memoised on its arguments: a framework that hands the same
+    buffers on every step (a training loop's tensors, XLA's buffer assignment) gets its views back for
+    a lookup. The views own nothing: a caller uses one only while it holds the memory. 4,096 views
+    cover the buffers of a few hundred attention calls a step."""
+    return external_array(address, shape, strides, dtype, device_id)
+
+
 def stream_is_capturing() -> bool:
     """Whether CuPy's current stream is recording a CUDA graph (cupy.cuda.Stream.begin_capture)."""
     return cupy().cuda.get_current_stream().is_capturing()

@@ -13,7 +13,6 @@ outputs are allocated by torch.
 
 from __future__ import annotations
 
-import functools
 
 import numpy
 import torch
@@ -24,7 +23,7 @@ from . import kv_cache as _kv_cache
 from . import validate as _validate
 from . import varlen as _varlen
 from .arrays import BF16
-from .device import cupy, external_array, external_stream
+from .device import cupy, external_stream, memoised_external_array
 
 
 def _on_torch_stream(device):
@@ -48,12 +47,7 @@ def _cp(x):
     dtype = _DTYPES.get(x.dtype)
     if dtype is None or not x.is_cuda:
         return cupy().from_dlpack(x.detach())
-    return _view(x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.device.index)
-
-
-@functools.lru_cache(maxsize=256)
-def _view(address: int, shape: tuple, strides: tuple, dtype, device_index: int):
-    return external_array(address, shape, strides, dtype, device_index)
+    return memoised_external_array(x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.device.index)
 
 
 _LIBRARY = torch.library.Library("cuflash", "DEF")

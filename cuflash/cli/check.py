@@ -3,13 +3,14 @@ NVRTC (no GPU needed) and report registers, shared memory and spills.
 
 Exits non-zero on any compile error, or on any spill in a kernel of a fast
 path: the forward kernels at head dims 64 and 128, the Hopper forward at 256
-too, the Hopper backward, the sm_80 backward built for sm_80 (on Hopper the
-sm_90a backward replaces its head-dim 64/128 dK/dV tiles), and the decoding
-kernel at head dims 64 and 128. Other spills are reported.
+too, the Hopper backward, the sm_80 backward built for sm_80, and the
+decoding kernel at head dims 64 and 128. Other spills are reported.
 
-Each specialisation compiles for the targets it can run on: the sm_80
-forward and backward tiles of a head dim that a Hopper kernel serves
-(`hopper_replaces`) compile for sm_80 alone.
+Each specialisation compiles for the targets dispatch's tables run it on: the
+sm_80 forward and backward tiles of a head dim that a Hopper kernel serves
+(`hopper_replaces`) compile for sm_80 alone. (The autotuner may still try
+such a tile on Hopper: it compiles its own candidates and drops any that fail
+or spill.)
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ HOPPER_REPLACES = {"fwd_kernel": sm90_headdim, "bwd_dkdv_kernel": hopper_bwd_hea
 
 
 def hopper_replaces(name: str, headdim: int) -> bool:
-    """Whether dispatch runs a Hopper kernel instead of this sm_80 specialisation on sm_90 (so it never
-    runs there). The sm_80 backward's row-wise kernels and the decoding kernel run on every target."""
+    """Whether dispatch's tables run a Hopper kernel instead of this sm_80 specialisation on sm_90 (only
+    a tuned config could run it there). The sm_80 backward's row-wise kernels and the decoding
+    kernel run on every target."""
     replacement = HOPPER_REPLACES.get(name.split("<")[0].removeprefix("cuflash::"))
     return replacement is not None and replacement(headdim) is not None
 
@@ -186,7 +188,7 @@ def hopper_replaces(name: str, headdim: int) -> bool:
 def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]:
     """The targets among `archs` to compile a specialisation for."""
     tied = _compile.FAMILY_ARCH.get(family)
-    if tied is not None:  # fwd_sm90: sm_90a, when sm_90 is asked for
+    if tied is not None:  # the Hopper families: sm_90a, when sm_90 is asked for
         return [tied] if any(tied.startswith(arch) for arch in archs) else []
     return [arch for arch in archs if not (arch.startswith("sm_90") and hopper_replaces(name, headdim))]
 
