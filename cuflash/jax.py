@@ -44,7 +44,7 @@ from . import launch as _launch
 from . import score_mods as _score_mods
 from . import validate as _validate
 from . import varlen as _varlen
-from .device import cupy, external_array, external_stream
+from .device import cupy, external_stream, memoised_external_array
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -102,26 +102,13 @@ def _cupy_view(buffer, shape, device_id: int):
     """A CuPy array over an XLA buffer on device_id (zero-copy), reshaped to `shape` (as many elements;
     e.g. leading vmapped dims merged into the batch).
 
-    Built from the buffer's address: a DLPack import cost ~5 us a buffer on the H100 host, plus its
-    release when the callback returns. A buffer with strides of its own (XLA's are row-major) goes
-    through DLPack."""
+    Built from the buffer's address and memoised: a DLPack import cost ~5 us a buffer on the H100
+    host, plus its release when the callback returns. A buffer with strides of its own (XLA's are
+    row-major) goes through DLPack."""
     interface = buffer.__cuda_array_interface__
     if interface.get("strides") is not None:
         return cupy().from_dlpack(buffer).reshape(shape)
-    return _row_major_view(interface["data"][0], tuple(shape), buffer.dtype, device_id)
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_major_view(address: int, shape: tuple, dtype, device_id: int):
-    """A row-major view without an owner, memoised: XLA hands a jitted step the same buffers every
-    time, so a hit costs a lookup (building the strides on every call took the forward callback's
-    host time from 53 to 124 us at the GPT example's size). 4,096 views cover the buffers of a few
-    hundred attention calls a step."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return external_array(address, shape, tuple(reversed(strides)), dtype, device_id)
+    return memoised_external_array(interface["data"][0], tuple(shape), None, buffer.dtype, device_id)
 
 
 def _batch_shape(x, rank: int = 4) -> tuple:

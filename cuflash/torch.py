@@ -13,7 +13,6 @@ outputs are allocated by torch.
 
 from __future__ import annotations
 
-
 import numpy
 import torch
 

@@ -174,7 +174,8 @@ def score_mods_of(name: str) -> int:
 
 
 # sm_80 kernels -> the Hopper kernel head dim that replaces them on sm_90 at a kernel head dim (None: none).
-HOPPER_REPLACES = {"fwd_kernel": sm90_headdim, "bwd_dkdv_kernel": hopper_bwd_headdim, "bwd_dq_kernel": hopper_bwd_headdim}
+HOPPER_REPLACES = {"fwd_kernel": sm90_headdim, "bwd_dkdv_kernel": hopper_bwd_headdim,
+                   "bwd_dq_kernel": hopper_bwd_headdim}
 
 
 def hopper_replaces(name: str, headdim: int) -> bool:
