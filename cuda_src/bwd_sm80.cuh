@@ -336,15 +336,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             // dS = P o (dP o M / (1 - p) - delta) with the keep mask M.
             u32 p_frag[KS_C][4];
             acc_to_a<BF16, NT_C>(p_frag, acc_s);
-            unsigned long long kept = ~0ull;
+            KeepBits<NT_C> kept = no_keep_bits<NT_C>();
             if constexpr (Mods::DROPOUT) {
                 kept = dropout_bits_t<NT_C, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, mc, n0 + warp_key0,
                                                                  lane);
-#pragma unroll
-                for (int j = 0; j < NT_C; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        acc_s[j][e] = (kept >> (4 * j + e)) & 1 ? acc_s[j][e] * mod_args.dropout_scale : 0.f;
+                apply_dropout(acc_s, kept, mod_args.dropout_scale);
                 u32 dropped_frag[KS_C][4];
                 acc_to_a<BF16, NT_C>(dropped_frag, acc_s);
                 gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, dropped_frag, do_smem, q_bt_off, qc);
@@ -368,7 +364,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             const int e = 2 * r + c;
-                            acc_dp[j][e] = (kept >> (4 * j + e)) & 1 ? acc_dp[j][e] * mod_args.dropout_scale : 0.f;
+                            acc_dp[j][e] = kept.test(4 * j + e) ? acc_dp[j][e] * mod_args.dropout_scale : 0.f;
                         }
                     }
                     acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dl.x);

@@ -288,6 +288,12 @@ __global__ void __launch_bounds__(384, 1)
             Wgmma<BM, DTYPE>::ss(acc_dp, desc_k_major_sw128<BN>(sV, 64 * c, ks),
                                  desc_k_major_sw128<BM>(sdO(st), 0, ks), ks > 0);
         wgmma_commit();
+        // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; below, dP^T o M / (1 - p) in
+        // place of dP^T, and (P o M / (1 - p))^T for dV.
+        KeepBits<NT_S> kept = no_keep_bits<NT_S>();
+        if constexpr (Mods::DROPOUT)
+            kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
+                                                             lane);
         wgmma_wait<1>();
 
         // P^T = 2^(score^T c - lse2[query]) (score_mods.cuh); keys past nk
@@ -316,15 +322,7 @@ __global__ void __launch_bounds__(384, 1)
                         acc_s[j * 4 + e] = 0.f;
         }
         wgmma_wait<0>();
-        // Dropout (dropout.cuh): dP^T o M / (1 - p) in place of dP^T below, and (P o M / (1 - p))^T for dV.
-        unsigned long long kept = ~0ull;
-        if constexpr (Mods::DROPOUT) {
-            kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
-                                                             lane);
-#pragma unroll
-            for (int i = 0; i < NT_S * 4; ++i)
-                acc_dp[i] = (kept >> i) & 1 ? acc_dp[i] * mod_args.dropout_scale : 0.f;
-        }
+        if constexpr (Mods::DROPOUT) apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
         // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
@@ -340,10 +338,7 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
         }
-        if constexpr (Mods::DROPOUT) {
-#pragma unroll
-            for (int i = 0; i < NT_S * 4; ++i) acc_s[i] = (kept >> i) & 1 ? acc_s[i] * mod_args.dropout_scale : 0.f;
-        }
+        if constexpr (Mods::DROPOUT) apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
         AFragments<DTYPE, BM> p_frag, ds_frag;
         p_frag.pack(acc_s);
         ds_frag.pack(acc_dp);
@@ -569,6 +564,10 @@ __global__ void __launch_bounds__(384, 1)
                 Wgmma<BN, DTYPE>::ss(acc_dp, desc_k_major_sw128<BM>(sdO, 64 * c, ks),
                                      desc_k_major_sw128<BN>(sV(st), 0, ks), ks > 0);
             wgmma_commit();
+            // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; dP o M / (1 - p) in place of dP.
+            KeepBits<NT_S> kept = no_keep_bits<NT_S>();
+            if constexpr (Mods::DROPOUT)
+                kept = dropout_bits<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0 + warp_row0, n0, lane);
             wgmma_wait<1>();
 
             // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk (zero
@@ -593,10 +592,8 @@ __global__ void __launch_bounds__(384, 1)
                             acc_s[j * 4 + e] = 0.f;
             }
             wgmma_wait<0>();
-            // Dropout (dropout.cuh): dP o M / (1 - p) in place of dP.
             if constexpr (Mods::DROPOUT)
-                dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), mod_args, b * nheads + h,
-                                                  m0 + warp_row0, n0, lane, mod_args.dropout_scale);
+                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
             // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)

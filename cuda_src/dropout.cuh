@@ -9,8 +9,8 @@
 // The draw of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
 // output for counter (r, c, bh, offset_lo) and key (seed_lo, seed_hi ^ offset_hi).
 // In an mma accumulator a thread holds exactly one unit of each 16 x 16 tile
-// (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}); the dK/dV
-// kernels, holding S^T, take two units for eight elements. Element (i, j) is
+// (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}); in the dK/dV
+// kernels, holding S^T, two lanes share two units (dropout_bits_t). Element (i, j) is
 // kept when its draw is below dropout_threshold = round((1 - p) 2^16), and
 // kept values are scaled by 1 / (1 - p). The seed and offset are the
 // ScoreModArgs fields, or, in the kernels built with MOD_DROPOUT_STATE (the
@@ -62,14 +62,32 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4
     return ((w >> (16 * half)) & 0xffffu) < key.threshold;
 }
 
-// Dropout on a warp's 16-row tile in the mma accumulator layout of S (rows are queries): tile
-// row0 and first column col0 (multiples of 16); dropped elements become 0, kept ones x `kept`.
-template <bool STATE, int NT>
-__device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
-                                             int lane, float kept = 1.f) {
+// The keep bits of a thread's elements of an mma accumulator tile of NT n8 tiles: bit 4 j + e
+// (of word (4 j + e) / 32) for element e of n8 tile j. Drawn before the scores they mask are in,
+// so that the Philox rounds overlap the GEMM that computes them.
+template <int NT>
+struct KeepBits {
+    u32 words[(4 * NT + 31) / 32];
+    __device__ __forceinline__ void set(int i) { words[i / 32] |= 1u << (i % 32); }
+    __device__ __forceinline__ bool test(int i) const { return (words[i / 32] >> (i % 32)) & 1; }
+};
+
+template <int NT>
+__device__ __forceinline__ KeepBits<NT> no_keep_bits() {
+    KeepBits<NT> bits;
+#pragma unroll
+    for (int w = 0; w < (4 * NT + 31) / 32; ++w) bits.words[w] = 0;
+    return bits;
+}
+
+// The keep bits of a warp's 16-row tile of S (rows are queries): tile row0 and first column col0
+// (multiples of 16). In S's accumulator layout a thread holds exactly one unit of each 16 x 16 tile.
+template <int NT, bool STATE>
+__device__ __forceinline__ KeepBits<NT> dropout_bits(const ScoreModArgs& args, int bh, int row0, int col0, int lane) {
     static_assert(NT % 2 == 0, "units span two n8 tiles");
     const DropoutKey key = dropout_key<STATE>(args);
     const int r = row0 + (lane >> 2);
+    KeepBits<NT> bits = no_keep_bits<NT>();
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
         const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
@@ -77,33 +95,58 @@ __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModAr
         for (int t = 0; t < 2; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                x[2 * jj + t][e] = dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
+                if (dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1)) bits.set(4 * (2 * jj + t) + e);
     }
+    return bits;
 }
 
-// The keep bits (bit 4 j + e for element e of n8 tile j) of a warp's 16 keys x 8 NT queries of S^T
-// in the mma accumulator layout: keys key0 + lane / 4 + 8 (e / 2), queries query0 + 8 j + 2 (lane % 4)
-// + e % 2 (key0 and query0 multiples of 16). Two units per pair of n8 tiles.
+// Dropout on an accumulator tile given its keep bits: dropped elements become 0, kept ones x `kept`.
+template <int NT>
+__device__ __forceinline__ void apply_dropout(float (&x)[NT][4], const KeepBits<NT>& bits, float kept) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = bits.test(4 * j + e) ? x[j][e] * kept : 0.f;
+}
+
+// Dropout on a warp's 16-row tile of S (rows are queries), the bits drawn in place.
+template <bool STATE, int NT>
+__device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
+                                             int lane, float kept = 1.f) {
+    apply_dropout(x, dropout_bits<NT, STATE>(args, bh, row0, col0, lane), kept);
+}
+
+// The keep bits of a warp's 16 keys x 8 NT queries of S^T in the mma accumulator layout: keys
+// key0 + lane / 4 + 8 (e / 2), queries query0 + 8 j + 2 (lane % 4) + e % 2 (key0 and query0
+// multiples of 16). Lanes L and L ^ 4 hold the same queries and the two halves of the same units:
+// for each pair of n8 tiles, those of queries q0 and q0 + 1 (q0 = query0 + 16 jj + 2 (L % 4)),
+// each lane draws one of the two units (the lane with bit 2 clear, query q0's) and hands the
+// partner the keep bits of the partner's half: one Philox call per eight elements, as in S.
 template <int NT, bool STATE>
-__device__ __forceinline__ unsigned long long dropout_bits_t(const ScoreModArgs& args, int bh, int query0, int key0,
-                                                             int lane) {
-    static_assert(NT % 2 == 0 && NT <= 16, "units span two n8 tiles; 64 bits");
+__device__ __forceinline__ KeepBits<NT> dropout_bits_t(const ScoreModArgs& args, int bh, int query0, int key0,
+                                                       int lane) {
+    static_assert(NT % 2 == 0, "units span two n8 tiles");
     const DropoutKey key = dropout_key<STATE>(args);
     const int c = key0 + ((lane >> 2) & ~1), half = (lane >> 2) & 1;
-    unsigned long long bits = 0;
+    KeepBits<NT> bits = no_keep_bits<NT>();
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
-        const int q0 = query0 + 16 * jj + 2 * (lane & 3);
+        // this lane's unit: query q0 + half (and + 8), keys c, c + 1, c + 8, c + 9
+        const uint4 unit = dropout_unit(key, bh, query0 + 16 * jj + 2 * (lane & 3) + half, c);
+        // bit 4 t + 2 e1 of `own` / `partner`: the element of query + 8 t and key + 8 e1 in this
+        // lane's / the partner's half (key c + half / c + 1 - half)
+        u32 own = 0, partner = 0;
 #pragma unroll
-        for (int e0 = 0; e0 < 2; ++e0) {  // the unit of query q0 + e0 (and q0 + e0 + 8)
-            const uint4 unit = dropout_unit(key, bh, q0 + e0, c);
+        for (int t = 0; t < 2; ++t)
 #pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; ++e1)
-                    if (dropout_keeps(key, unit, 2 * t + e1, half))
-                        bits |= 1ull << (4 * (2 * jj + t) + 2 * e1 + e0);
-        }
+            for (int e1 = 0; e1 < 2; ++e1) {
+                own |= (u32)dropout_keeps(key, unit, 2 * t + e1, half) << (4 * t + 2 * e1);
+                partner |= (u32)dropout_keeps(key, unit, 2 * t + e1, half ^ 1) << (4 * t + 2 * e1);
+            }
+        const u32 from_partner = __shfl_xor_sync(0xffffffffu, partner, 4);  // query q0 + (half ^ 1)'s unit
+        // element e = 2 e1 + e0 of n8 tile 2 jj + t: query offset e0 comes from unit half == e0
+        const u32 byte = (own << half) | (from_partner << (half ^ 1));
+        bits.words[jj / 4] |= byte << (8 * (jj % 4));
     }
     return bits;
 }
