@@ -175,6 +175,16 @@ def softcap(value) -> float:
     return cap
 
 
+def dropout_probability(value) -> float:
+    """The dropout_p of a call: a real in [0, 1); 0.0 means off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(value).__name__}")
+    prob = float(value)
+    if not 0.0 <= prob < 1.0:  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1), got {value!r}")
+    return prob
+
+
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
               seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None,
               dropout: Dropout | None = None) -> tuple[bool, ScoreMods]:

@@ -12,7 +12,8 @@ import math
 import numpy
 
 from . import device, score_mods
-from .score_mods import softcap, window_size  # the face's checks of these options, shared with the tuner
+# The face's checks of these options, shared with the tuner and the benchmark.
+from .score_mods import dropout_probability, softcap, window_size
 from .arrays import ALIGN_BYTES, dtype_name, is_aligned, last_dim_contiguous
 from .config import FP8_DTYPE_NAME
 
@@ -247,11 +248,7 @@ def dropout(p, seed, offset) -> tuple[float, object, int]:
     """(dropout_p, seed, offset) of a call: p a real in [0, 1), seed and offset ints in [0, 2**64),
     or seed a device array of the seed and offset as 4 uint32 words (score_mods.DROPOUT_STATE_WORDS),
     read by the kernels, with offset 0."""
-    if isinstance(p, bool) or not isinstance(p, (int, float, numpy.floating, numpy.integer)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
-    prob = float(p)
-    if not 0.0 <= prob < 1.0:  # also rejects NaN
-        raise ValueError(f"dropout_p must be in [0, 1), got {p!r}")
+    prob = dropout_probability(p)
     if isinstance(seed, device.cupy().ndarray):
         words = score_mods.DROPOUT_STATE_WORDS
         if seed.dtype != numpy.uint32 or seed.shape != (words,) or not seed.flags.c_contiguous:

@@ -1,5 +1,6 @@
-"""The benchmark's attention options (--window, --softcap, --alibi): their parsing, the visible-entry FLOP
-count, the rows' FLOPs and table; on a GPU, the naive CuPy reference with the options against float64 NumPy."""
+"""The benchmark's attention options (--window, --softcap, --alibi, --dropout): their parsing, the visible-entry
+FLOP count, the rows' FLOPs, peers and table; on a GPU, the naive CuPy reference with the options against float64
+NumPy."""
 
 import itertools
 import math
@@ -9,7 +10,7 @@ import pytest
 
 from cuflash.bench import cli, tables
 from cuflash.bench.shapes import Shape, flops_by_library, variant_fields
-from cuflash.bench.variants import NO_WINDOW, Variant, parse_window, visible_entries
+from cuflash.bench.variants import DROPOUT_OFFSET, DROPOUT_SEED, NO_WINDOW, Variant, parse_window, visible_entries
 from cuflash.score_mods import standard_alibi_slopes as alibi_slopes
 
 
@@ -63,6 +64,78 @@ def test_bad_switches_are_usage_errors(argv):
         cli.parse_args(argv)
 
 
+def test_dropout_switch_makes_the_variant():
+    args = cli.parse_args(["--dropout", "0.1", "--backward", "--causal", "--headdim", "64,128", "--seqlen", "8k",
+                           "--dtype", "fp16", "--quick", "--json", "out.json"])
+    assert args.variant == Variant(dropout=0.1)
+    assert args.variant.enabled and not args.variant.has_score_options
+    assert args.variant.describe() == "dropout 0.1"
+    assert args.variant.kwargs(4, causal=True) == {"dropout_p": 0.1, "seed": DROPOUT_SEED, "offset": DROPOUT_OFFSET}
+    assert (args.backward, args.masks, args.headdims, args.seqlens, args.dtypes) == (
+        True, [True], [64, 128], [8192], ["float16"])
+    assert args.variant.to_json()["dropout"] == 0.1
+
+
+def test_dropout_combines_with_the_score_options():
+    variant = cli.parse_args(["--dropout", "0.25", "--window", "128,0", "--alibi", "--no-causal"]).variant
+    assert variant == Variant((128, 0), 0.0, True, 0.25)
+    assert variant.describe() == "window (128, 0), alibi, dropout 0.25"
+    kwargs = variant.kwargs(2, causal=False)
+    assert kwargs["window_size"] == (128, 0) and kwargs["dropout_p"] == 0.25 and kwargs["seed"] == DROPOUT_SEED
+    assert "dropout" not in variant.reference_kwargs(2, 2)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-0.1", "1.5", "nan", "inf", "x"])
+def test_bad_dropout_is_a_usage_error_naming_the_switch(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args([f"--dropout={value}"])
+    assert exc.value.code == 2
+    assert "--dropout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["--fp8", "--tuned", "--varlen", "--decode", "--ring"])
+def test_dropout_refuses_the_other_modes(capsys, mode):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--dropout", "0.1", mode])
+    assert exc.value.code == 2
+    assert f"--dropout does not combine with {mode}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, torch_loaded, jax_loaded", [
+    (["--dropout", "0.1"], True, False),
+    (["--dropout", "0.1", "--backward"], True, False),
+    (["--dropout", "0.1", "--window", "64"], False, False),
+    (["--dropout", "0.1", "--no-peers"], False, False),
+    (["--window", "64"], False, True),
+    (["--softcap", "30"], False, False),
+])
+def test_each_run_with_options_loads_the_peers_that_take_them(monkeypatch, argv, torch_loaded, jax_loaded):
+    from cuflash.bench import run
+
+    loaded = []
+
+    def load_torch_libs(log, backward, dropout_p):
+        loaded.append(("torch", backward, dropout_p))
+        return ["torch-flash", "torch-cudnn"]
+
+    def load_jax_libs(log, variant, backward):
+        loaded.append(("jax", backward))
+        return ["jax-cudnn"]
+
+    monkeypatch.setattr(run, "load_torch_libs", load_torch_libs)
+    monkeypatch.setattr(run, "load_jax_libs", load_jax_libs)
+    args = cli.parse_args(argv)
+    mine, timed, torch_libs = run._variant_libraries(args)
+    assert [lib.name for lib in mine] == (["cuflash+opts", "cuflash-det+opts", "cuflash"] if args.backward
+                                          else ["cuflash+opts", "cuflash"])
+    assert all(lib.variant == args.variant for lib in mine[:-1]) and mine[-1].variant == Variant()
+    expected = ([("torch", args.backward, 0.1)] if torch_loaded else []) + (
+        [("jax", args.backward)] if jax_loaded else [])
+    assert loaded == expected
+    assert torch_libs == (["torch-flash", "torch-cudnn"] if torch_loaded else [])
+    assert timed[len(mine):] == torch_libs + (["jax-cudnn"] if jax_loaded else [])
+
+
 def test_alibi_slopes_are_the_standard_geometric_series():
     np.testing.assert_array_equal(alibi_slopes(8), [2.0 ** -(h + 1) for h in range(8)])
     assert alibi_slopes(16)[0] == 2.0 ** -0.5 and alibi_slopes(16)[-1] == 2.0 ** -8
@@ -91,6 +164,8 @@ def test_variant_flops():
     assert full.variant_flops(Variant(softcap=30.0, alibi=True)) == full.flops
     assert full.variant_flops(Variant((4096, 4096))) == full.flops
     assert causal.variant_flops(Variant(alibi=True)) == causal.flops  # the papers' N^2 / 2
+    assert full.variant_flops(Variant(dropout=0.1)) == full.flops  # dropout masks no visible entry
+    assert causal.variant_flops(Variant(dropout=0.1)) == causal.flops
     # The exact causal count, N (N + 1) / 2, is within 1 / N of the papers' N^2 / 2.
     exact = causal.variant_flops(Variant((-1, 0)))
     assert exact == causal.flops * (1 + 1 / 4096)
@@ -154,6 +229,52 @@ def test_variant_table():
                                                                "cuflash+opts": {"error": "x"}}}
     line = tables.variant_speed_table([softcap]).splitlines()[-1].split()
     assert line[4:] == [tables.DASH, "50.0%", "600.0", "ERR", tables.DASH, tables.DASH, tables.DASH]
+
+
+def test_dropout_table_shows_the_torch_peers():
+    row = {"dtype": "float16", "headdim": 64, "causal": False, "seqlen": 8192, "window": None, "visible": 1.0,
+           "check": {"ok": True, "reference": None, "all_finite": True},
+           "libs": {"cuflash": {"tflops": 500.0}, "cuflash+opts": {"tflops": 400.0},
+                    "torch-flash": {"tflops": 250.0}, "torch-cudnn": {"skipped": "No available kernel"}}}
+    peers = tables.variant_peers(Variant(dropout=0.1))
+    assert peers == ("torch-flash", "torch-cudnn")
+    assert tables.variant_peers(Variant((64, 0))) == ("jax-cudnn",)
+    header, _, line = tables.variant_speed_table([row], peers=peers).splitlines()
+    assert header.split()[-5:] == ["opts/plain", "torch-flash", "opts/flash", "torch-cudnn", "opts/cudnn"]
+    assert line.split()[6:] == ["500.0", "400.0", "0.80", "250.0", "1.60", tables.DASH, tables.DASH]
+    nonfinite = {**row, "check": {"ok": False, "reference": None, "all_finite": False}}
+    assert tables.variant_speed_table([nonfinite], peers=peers).splitlines()[-1].split()[7] == "400.0!"
+
+
+def test_dropout_checks_read_as_finite_or_not():
+    finite, nonfinite = ({"ok": ok, "reference": None, "all_finite": ok} for ok in (True, False))
+    assert tables.verdict(finite) == "output finite (dropout: no reference)"
+    assert tables.verdict(nonfinite) == "NON-FINITE output"
+    row = {"check": finite, "check_det": nonfinite, "determinism": "det ok"}
+    assert tables.bwd_verdict(row, ["cuflash+opts", "cuflash-det+opts"]) == (
+        "cuflash+opts gradients finite (dropout: no reference); cuflash-det+opts NON-FINITE gradients; det ok")
+
+
+@pytest.mark.gpu
+def test_dropout_rows_run_cuflash_with_dropout_and_check_finite_results():
+    import cupy
+
+    from cuflash.bench.fwd import check_shape
+    from cuflash.bench.fwd_bwd import check_shape_bwd
+    from cuflash.bench.inputs import random_dout, random_qkv
+    from cuflash.bench.libs import Cuflash, CuflashFwdBwd
+
+    shape, dims, dropout = Shape("float16", 64, True, 256), (2, 256, 4, 64), Variant(dropout=0.1)
+    qkv = random_qkv(*dims, np.float16, 0)
+    plain, dropped, again = (lib.prepare(*qkv, True)() for lib in (Cuflash(), Cuflash(variant=dropout),
+                                                                   Cuflash(variant=dropout)))
+    assert not cupy.array_equal(plain, dropped) and cupy.array_equal(dropped, again)  # one fixed mask
+    assert check_shape(shape, qkv, Cuflash(variant=dropout), None) == {
+        "ok": True, "reference": None, "all_finite": True}
+    inputs = (*qkv, random_dout(*dims, np.float16, 0))
+    result = check_shape_bwd(shape, inputs, CuflashFwdBwd(False, dropout), CuflashFwdBwd(True, dropout), None)
+    assert result["determinism"] == "det ok"
+    assert result["check"]["all_finite"] and result["check_det"]["all_finite"]
 
 
 def reference_attention(q, k, v, causal, window, softcap, slopes):

@@ -6,11 +6,11 @@ package (`import cuflash` loads none of it). It uses cuflash's public API,
 
 options   option spellings shared with the other commands (no heavy imports)
 shapes    the benchmark's problems: 16k tokens, hidden 2048; their FLOPs
-variants  the attention options (--window, --softcap, --alibi) and the visible-entry count
+variants  the attention options (--window, --softcap, --alibi, --dropout) and the visible-entry count
 inputs    random inputs and dtypes
 libs      the timed implementations behind one interface
 naive     unfused attention in CuPy (the naive baseline and fallback reference)
-checks    correctness of outputs and gradients
+checks    correctness of outputs and gradients (only finite, with dropout)
 measure   timing a row's libraries, device facts, logging
 memory    peak extra memory of one call
 forward   the forward benchmark's rows

@@ -45,8 +45,23 @@ forward+backward:
   ``local_window_size``, when JAX is installed and the option is a window
   with right = 0 (causal, or LEFT,0) and nothing else.
 
+With ``--dropout P`` (0 < P < 1; it combines with those options) every
+shape times, forward or forward+backward:
+
+* ``cuflash+opts`` (and ``cuflash-det+opts``): ``dropout_p=P`` with a fixed
+  seed and offset, passed to the forward and the backward alike;
+* ``cuflash``: the plain kernel on the same shape, so that opts/plain is the
+  cost of dropout;
+* ``torch-flash`` / ``torch-cudnn``: SDPA on that backend with ``dropout_p=P``,
+  when dropout is the only option (a backend that refuses a shape is not run).
+
+Every library draws a mask of its own, so no output is compared: cuflash's
+output must be finite (with ``--backward``: cuflash's and cuflash-det's
+gradients, and two cuflash-det calls must give identical bits).
+
 A windowed call's FLOPs count only the (query, key) pairs its mask lets
-through, exactly. There is no memory section in such a run.
+through, exactly; dropout's FLOPs are the plain shape's. There is no memory
+section in a run with options.
 
 The result is a table of TFLOP/s on stdout (progress goes to stderr), an
 optional JSON file with every raw number, and a table of the peak extra
@@ -61,7 +76,7 @@ import sys
 
 from .options import dtype_option, list_option, seqlen_option
 from .shapes import DTYPES, HEADDIMS, HIDDEN, QUICK_SEQLENS, SEQLENS
-from .variants import Variant, window_and_softcap
+from .variants import Variant, dropout_option, window_and_softcap
 
 
 def parse_args(argv):
@@ -124,6 +139,11 @@ def parse_args(argv):
     parser.add_argument("--alibi", action="store_true",
                         help="ALiBi biases with the standard slopes 2^(-8(h+1)/H); times cuflash with "
                              "them next to plain cuflash (no peer has them)")
+    parser.add_argument("--dropout", type=float, metavar="P",
+                        help="dropout on the attention probabilities, 0 < P < 1, fixed seed and offset; times "
+                             "cuflash with it next to plain cuflash and torch-flash and torch-cudnn with "
+                             "dropout_p=P (dropout alone); outputs are only checked to be finite, since every "
+                             "library draws its own mask")
     parser.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
     args = parser.parse_args(argv)
 
@@ -146,10 +166,17 @@ def parse_args(argv):
 
 
 def _variant(parser, args) -> Variant:
-    """The options of --window, --softcap and --alibi; a usage error where they are invalid or cannot combine."""
-    variant = Variant(*window_and_softcap(parser, args.window, args.softcap), args.alibi)
-    if variant.enabled and (args.fp8 or args.tuned):
+    """The options of --window, --softcap, --alibi and --dropout; a usage error where they are invalid or
+    cannot combine."""
+    window, softcap = window_and_softcap(parser, args.window, args.softcap)
+    variant = Variant(window, softcap, args.alibi, dropout_option(parser, args.dropout))
+    if variant.has_score_options and (args.fp8 or args.tuned):
         parser.error("--window, --softcap and --alibi do not combine with --fp8 or --tuned")
+    modes = {"--fp8": args.fp8, "--tuned": args.tuned, "--varlen": args.varlen, "--decode": args.decode,
+             "--ring": args.ring}
+    refused = [switch for switch, given in modes.items() if given]
+    if variant.dropout > 0 and refused:
+        parser.error(f"--dropout does not combine with {', '.join(refused)}")
     return variant
 
 

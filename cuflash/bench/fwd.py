@@ -9,7 +9,7 @@ import cupy
 
 from cuflash.timing import describe, synchronize
 
-from .checks import compare
+from .checks import all_finite, compare
 from .inputs import cupy_dtype, random_qkv
 from .measure import input_sets, log, time_libraries
 from .naive import REFERENCE_HEADS, naive_attention
@@ -23,13 +23,15 @@ TOLERANCE = {"float16": (2e-2, 0.0), "bfloat16": (2e-2, 2.0**-7)}
 
 def check_shape(shape, qkv, cuflash, reference) -> dict:
     """Run cuflash once and compare it with the reference (torch-flash, else float32 naive CuPy
-    with cuflash's options)."""
+    with cuflash's options); with dropout, which no reference draws alike, check only that it is finite."""
     atol, rtol = TOLERANCE[shape.dtype]
     try:
         with cuflash.context():
             out = cuflash.to_cupy(cuflash.prepare(*qkv, shape.causal)())
     except Exception as exc:
         return {"ok": False, "reference": None, "error": describe(exc)}
+    if cuflash.variant.dropout > 0:
+        return all_finite([out])
     ref = None
     if reference is not None:
         try:

@@ -19,7 +19,8 @@ shape" and is shown as a dash, never as a failure.
 
 The cuflash wrappers take a :class:`~cuflash.bench.variants.Variant`, options
 passed on every call (``cuflash+opts``); ``JaxCudnn`` and ``JaxCudnnFwdBwd``,
-the peers for a sliding window, run only in such runs.
+the peers for a sliding window, run only in such runs. The torch wrappers take
+a dropout probability (the peers of a run with dropout).
 """
 
 from __future__ import annotations
@@ -159,20 +160,21 @@ class CuflashFwdBwd:
 
 
 class TorchSdpa:
-    """torch.nn.functional.scaled_dot_product_attention pinned to one backend.
+    """torch.nn.functional.scaled_dot_product_attention pinned to one backend, with `dropout_p`.
 
     The tensors are zero-copy DLPack views of the CuPy inputs, transposed to
     torch's (B, H, N, D) convention. Nq == Nk in every shape here, so torch's
     top-left causal alignment equals the bottom-right one used elsewhere.
     """
 
-    def __init__(self, name, backend_name):
+    def __init__(self, name, backend_name, dropout_p=0.0):
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
         self.name = name
+        self.dropout_p = dropout_p
         self.torch = torch
         self._backend = getattr(SDPBackend, backend_name)
         self._sdpa_kernel = sdpa_kernel
@@ -181,8 +183,8 @@ class TorchSdpa:
     def prepare(self, q, k, v, causal):
         torch = self.torch
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        return self._checked(lambda: sdpa(tq, tk, tv, is_causal=causal))
+        sdpa, dropout_p = torch.nn.functional.scaled_dot_product_attention, self.dropout_p
+        return self._checked(lambda: sdpa(tq, tk, tv, is_causal=causal, dropout_p=dropout_p))
 
     def _checked(self, run):
         """run, after one call: an unsupported backend raises there, reported as a skip rather than an error."""
@@ -213,11 +215,11 @@ class TorchSdpaFwdBwd(TorchSdpa):
         torch = self.torch
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         tdout = torch.from_dlpack(dout).transpose(1, 2)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+        sdpa, dropout_p = torch.nn.functional.scaled_dot_product_attention, self.dropout_p
         grad = torch.autograd.grad
 
         def run():
-            out = sdpa(tq, tk, tv, is_causal=causal)
+            out = sdpa(tq, tk, tv, is_causal=causal, dropout_p=dropout_p)
             return grad(out, (tq, tk, tv), tdout)
 
         return self._checked(run)
@@ -300,16 +302,16 @@ def load_jax_libs(log, variant, backward=False) -> list:
         return []
 
 
-def load_torch_libs(log, backward=False) -> list:
+def load_torch_libs(log, backward=False, dropout_p=0.0) -> list:
     """The torch peers, or an empty list when torch is missing or unusable.
 
-    backward: the forward+backward wrappers instead of the forward ones.
+    backward: the forward+backward wrappers instead of the forward ones; dropout_p: every call's.
     """
     libs = []
     cls = TorchSdpaFwdBwd if backward else TorchSdpa
     for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
         try:
-            libs.append(cls(name, backend))
+            libs.append(cls(name, backend, dropout_p))
         except Exception as exc:  # ImportError, no CUDA build, old torch...
             log(f"{name}: unavailable ({type(exc).__name__}: {exc})")
     return libs

@@ -31,8 +31,9 @@ def run(args, argv: list) -> int:
     tuned = Cuflash("tuned") if args.tuned else None
     variant = args.variant
     mine, timed, torch_libs = _variant_libraries(args) if variant.enabled else _libraries(args, tuned)
-    # With options there is no torch (it has none of them) and the float32 CuPy reference serves.
-    reference = next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
+    # A run with options has no torch reference: torch has no window, soft cap or ALiBi, and no two libraries
+    # draw one dropout mask. The float32 CuPy reference serves, or with dropout a check that results are finite.
+    reference = None if variant.enabled else next((lib for lib in torch_libs if lib.name == "torch-flash"), None)
 
     report = {
         "mode": "fwd+bwd" if args.backward else "fwd",
@@ -116,15 +117,26 @@ def _libraries(args, tuned) -> tuple[list, list, list]:
 
 
 def _variant_libraries(args) -> tuple[list, list, list]:
-    """(mine, timed, torch peers: none) for a run with options: cuflash with them (cuflash-det too with
-    --backward), plain cuflash, and the JAX peer for a window."""
+    """(mine, timed, torch peers) for a run with options: cuflash with them (cuflash-det too with
+    --backward), plain cuflash, torch SDPA for dropout alone, and the JAX peer for a window without dropout."""
     variant = args.variant
     if args.backward:
         mine = [CuflashFwdBwd(False, variant), CuflashFwdBwd(True, variant), CuflashFwdBwd()]
     else:
         mine = [Cuflash(variant=variant), Cuflash()]
-    peers = load_jax_libs(log, variant, args.backward) if variant.has_window and not args.no_peers else []
-    return mine, [*mine, *peers], []
+    torch_libs = _dropout_peers(args)
+    jax_libs = (load_jax_libs(log, variant, args.backward)
+                if variant.has_window and variant.dropout == 0 and not args.no_peers else [])
+    return mine, [*mine, *torch_libs, *jax_libs], torch_libs
+
+
+def _dropout_peers(args) -> list:
+    """torch SDPA's flash and cuDNN backends with the run's dropout_p, where dropout is its only option
+    (torch has no window, soft cap or ALiBi); none otherwise."""
+    variant = args.variant
+    if args.no_peers or variant.dropout == 0 or variant.has_score_options:
+        return []
+    return load_torch_libs(log, args.backward, variant.dropout)
 
 
 def _print_tables(args, device, report) -> None:
@@ -157,13 +169,24 @@ def _print_tables(args, device, report) -> None:
         print(tables.memory_table(report["memory"]))
 
 
+def _variant_notes(variant) -> tuple[str, str]:
+    """The variant table's notes on its peers and on what a '!' means."""
+    if variant.dropout > 0:
+        return (f"torch-flash and torch-cudnn: SDPA on that backend with dropout_p={variant.dropout:g} "
+                "(with dropout alone); dropout counts the plain shape's FLOPs",
+                "non-finite results (dropout: each library draws its own mask, so none is compared)")
+    return ("jax-cudnn: jax.nn.dot_product_attention on cuDNN, timed on the host around each call",
+            "mismatch with the float32 CuPy reference")
+
+
 def _print_variant_table(args, device, report) -> None:
+    variant = args.variant
     mode = (f"Forward+backward (FLOPs = {BWD_FLOPS_FACTOR} x forward; det: deterministic=True)"
             if args.backward else "Forward")
-    print(f"\n{mode} TFLOP/s on {device['name']} with {args.variant.describe()}: median of up to "
+    peers, mark = _variant_notes(variant)
+    print(f"\n{mode} TFLOP/s on {device['name']} with {variant.describe()}: median of up to "
           f"{args.repeats} calls; batch x seqlen = {TOKENS}, hidden {HIDDEN}.  "
           f"cuflash: the plain kernel (no options); windowed calls count only the visible (query, key) "
-          f"pairs ('visible' of N x N, exact); opts/plain and opts/jax: TFLOP/s ratios; jax-cudnn: "
-          f"jax.nn.dot_product_attention on cuDNN, timed on the host around each call.  "
-          f"'!' mismatch with the float32 CuPy reference, 'ERR' failed, '{tables.DASH}' not run.")
-    print(tables.variant_speed_table(report["results"], args.backward))
+          f"pairs ('visible' of N x N, exact); opts/plain and opts/<peer>: TFLOP/s ratios; {peers}.  "
+          f"'!' {mark}, 'ERR' failed, '{tables.DASH}' not run.")
+    print(tables.variant_speed_table(report["results"], args.backward, tables.variant_peers(variant)))

@@ -11,6 +11,8 @@ DASH = "\u2013"
 # The forward table's library columns, and forward+backward's.
 LIBS = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn")
 BWD_LIBS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn")
+# The peers of a run with options, and the header of cuflash+opts's ratio to each.
+OPTS_RATIO_HEADERS = {"torch-flash": "opts/flash", "torch-cudnn": "opts/cudnn", "jax-cudnn": "opts/jax"}
 
 
 def cell(result, key="tflops", fmt=".1f", error="ERR") -> str:
@@ -44,8 +46,14 @@ def _shape_cells(r) -> list:
     return [SHORT_DTYPE[r["dtype"]], r["headdim"], "yes" if r["causal"] else "no", seqlen_label(r["seqlen"])]
 
 
+def _finite_verdict(check: dict, what: str) -> str:
+    return f"{what} finite (dropout: no reference)" if check["ok"] else f"NON-FINITE {what}"
+
+
 def verdict(check: dict) -> str:
-    """A forward check as text: ok or MISMATCH, with the error and the reference."""
+    """A forward check as text: ok or MISMATCH, with the error and the reference (or only finite, with dropout)."""
+    if "all_finite" in check:
+        return _finite_verdict(check, "output")
     return ("ok" if check["ok"] else "MISMATCH") + (
         f" (max err {check['max_abs_err']:.2e} vs {check['reference']})"
         if "max_abs_err" in check else f" ({check.get('error')})")
@@ -77,6 +85,8 @@ def speed_table(results) -> str:
 def _grad_verdict(check: dict) -> str:
     if "error" in check:
         return f"ERROR ({check['error']})"
+    if "all_finite" in check:
+        return _finite_verdict(check, "gradients")
     detail = "" if check["ok"] else ", " + ", ".join(
         f"{g} err {check[g]['max_abs_err']:.1e} tol {check[g]['tol']:.1e}" for g in GRAD_NAMES)
     return (("ok" if check["ok"] else "MISMATCH")
@@ -119,11 +129,17 @@ def bwd_speed_table(results) -> str:
     return table(rows, headers, 4)
 
 
-def variant_speed_table(results, backward=False) -> str:
+def variant_peers(variant) -> tuple[str, ...]:
+    """The peer columns of a run with options: torch SDPA's backends with dropout, else JAX's cuDNN attention."""
+    return LIBS[2:] if variant.dropout > 0 else ("jax-cudnn",)
+
+
+def variant_speed_table(results, backward=False, peers=("jax-cudnn",)) -> str:
     """A run with options: cuflash with them (and cuflash-det with --backward) next to plain cuflash and
-    jax-cudnn; opts/plain and opts/jax are TFLOP/s ratios."""
+    `peers`; opts/plain and opts/<peer> are TFLOP/s ratios."""
     headers = ["dtype", "hdim", "causal", "seqlen", "window", "visible", "cuflash", "cuflash+opts",
-               *(["cuflash-det+opts"] if backward else []), "opts/plain", "jax-cudnn", "opts/jax"]
+               *(["cuflash-det+opts"] if backward else []), "opts/plain",
+               *(header for peer in peers for header in (peer, OPTS_RATIO_HEADERS[peer]))]
     rows = []
     for r in results:
         libs = r["libs"]
@@ -133,8 +149,8 @@ def variant_speed_table(results, backward=False) -> str:
             *_shape_cells(r), window, f"{100 * r['visible']:.1f}%", cell(libs.get("cuflash")),
             _mark(cell(mine), r.get("check", {"ok": True})),
             *([_det_cell(r, libs.get("cuflash-det+opts"))] if backward else []),
-            ratio(mine, libs.get("cuflash")), cell(libs.get("jax-cudnn"), error=DASH),
-            ratio(mine, libs.get("jax-cudnn")),
+            ratio(mine, libs.get("cuflash")),
+            *(text for peer in peers for text in (cell(libs.get(peer), error=DASH), ratio(mine, libs.get(peer)))),
         ])
     return table(rows, headers, 4)
 

@@ -1,4 +1,5 @@
-"""Attention options the benchmark can switch on (--window, --softcap, --alibi), with flash-attn's semantics.
+"""Attention options the benchmark can switch on (--window, --softcap, --alibi, --dropout), with flash-attn's
+semantics.
 
 Imports nothing heavier than NumPy, so the command line and CPU tests use it freely.
 """
@@ -9,9 +10,13 @@ import dataclasses
 
 import numpy
 
-from ..score_mods import softcap as checked_softcap, standard_alibi_slopes, window_size as checked_window_size
+from ..score_mods import dropout_probability, softcap as checked_softcap, standard_alibi_slopes
+from ..score_mods import window_size as checked_window_size
 
 NO_WINDOW = (-1, -1)
+# Every dropout call draws its mask from this seed and offset: the mask's values do not change its cost.
+DROPOUT_SEED = 1234
+DROPOUT_OFFSET = 0
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -39,6 +44,19 @@ def window_and_softcap(parser, window: str | None, softcap: float) -> tuple[tupl
         parser.error(f"--softcap: {exc}")
 
 
+def dropout_option(parser, value: float | None) -> float:
+    """--dropout's probability (0.0 without the switch); a usage error unless 0 < P < 1."""
+    if value is None:
+        return 0.0
+    try:
+        prob = dropout_probability(value)
+    except ValueError as exc:
+        parser.error(f"--dropout: {exc}")
+    if prob == 0:
+        parser.error("--dropout: 0 is no dropout; give 0 < P < 1 or leave the switch out")
+    return prob
+
+
 def effective_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:
     """The (left, right) window a call runs with: causal forces right = 0."""
     return (window[0], 0) if causal else window
@@ -59,14 +77,21 @@ def visible_entries(nq: int, nk: int, causal: bool, window: tuple[int, int] = NO
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """The options of one benchmark run: a sliding window, a logit soft cap, ALiBi biases."""
+    """The options of one benchmark run: a sliding window, a logit soft cap, ALiBi biases, dropout on the
+    probabilities."""
 
     window: tuple[int, int] = NO_WINDOW
     softcap: float = 0.0
     alibi: bool = False
+    dropout: float = 0.0
 
     @property
     def enabled(self) -> bool:
+        return self.has_score_options or self.dropout > 0
+
+    @property
+    def has_score_options(self) -> bool:
+        """A window, a soft cap or ALiBi: the options that change the scores (no torch peer takes them)."""
         return self.has_window or self.softcap > 0 or self.alibi
 
     @property
@@ -74,10 +99,11 @@ class Variant:
         return self.window != NO_WINDOW
 
     def describe(self) -> str:
-        """E.g. "window (4096, 0), softcap 30, alibi"."""
+        """E.g. "window (4096, 0), softcap 30, alibi, dropout 0.1"."""
         parts = [f"window ({self.window[0]}, {self.window[1]})"] if self.has_window else []
         parts += [f"softcap {self.softcap:g}"] if self.softcap > 0 else []
-        return ", ".join(parts + (["alibi"] if self.alibi else []))
+        parts += ["alibi"] if self.alibi else []
+        return ", ".join(parts + ([f"dropout {self.dropout:g}"] if self.dropout > 0 else []))
 
     def kwargs(self, heads: int, causal: bool) -> dict:
         """cuflash.attention's keywords for these options on `heads` query heads (slopes as NumPy);
@@ -89,13 +115,15 @@ class Variant:
             kwargs["softcap"] = self.softcap
         if self.alibi:
             kwargs["alibi_slopes"] = standard_alibi_slopes(heads)
+        if self.dropout > 0:
+            kwargs.update(dropout_p=self.dropout, seed=DROPOUT_SEED, offset=DROPOUT_OFFSET)
         return kwargs
 
     def reference_kwargs(self, heads: int, keep: int) -> dict:
         """naive_attention's (and its backward's) keywords for these options on the first `keep`
-        of `heads` query heads."""
+        of `heads` query heads (dropout aside: the reference draws no mask)."""
         return {"window": self.window, "softcap": self.softcap,
                 "alibi_slopes": standard_alibi_slopes(heads)[:keep] if self.alibi else None}
 
     def to_json(self) -> dict:
-        return {"window": list(self.window), "softcap": self.softcap, "alibi": self.alibi}
+        return {"window": list(self.window), "softcap": self.softcap, "alibi": self.alibi, "dropout": self.dropout}
