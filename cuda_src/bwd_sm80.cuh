@@ -47,7 +47,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 }
 
 // ---------------------------------------------------------------- preprocess
-// Half a warp (16 lanes) per query row:
+// ROW_LANES lanes (a power of two, 4 to 16) per query row:
 //   delta[row] = sum_d dO[row, d] * O[row, d]
 //   lse2[row]  = lse[row] * log2(e), or +inf where the row saw no key (so that
 //                2^(S * c - lse2) = 0 there), and for padding rows past nq;
@@ -55,27 +55,28 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 //                0 in deterministic mode, which has none).
 // Rows are read 16 bytes a lane where they are 16-byte aligned (measured on an
 // H100 at 16k x 2048 fp16: one 2-byte load a lane and a separate memset of
-// dq_accum took 60 + 45 us). nq_pad: rows per head of lse2, delta and
-// dq_accum (seq_span.cuh); varlen: the grid covers the longest sequence's
-// padded rows.
-constexpr int PRE_ROW_LANES = 16;  // lanes per query row of bwd_preprocess_kernel (cuflash/launch.py's grid)
-
-template <bool BF16, bool VARLEN>
+// dq_accum took 60 + 45 us), so a row of d elements needs d / 8 lanes
+// (cuflash/config.py's preprocess_row_lanes; 16 lanes at head dim 64 left half
+// of them idle and took 131 us against 98 at 128). nq_pad: rows per head of
+// lse2, delta and dq_accum (seq_span.cuh); varlen: the grid covers the longest
+// sequence's padded rows.
+template <bool BF16, bool VARLEN, int ROW_LANES>
 __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __restrict__ dout,
                                       const float* __restrict__ lse, float* __restrict__ lse2,
                                       float* __restrict__ delta, float* __restrict__ dq_accum, int nq, int nq_pad,
                                       int d, int accum_row, long long o_sb, long long o_sn, long long o_sh,
                                       long long do_sb, long long do_sn, long long do_sh, const ScoreModArgs mod_args) {
-    static_assert(PRE_ROW_LANES == 16, "the lanes of a row are half a warp: half_mask, the shuffles");
-    const int sub = threadIdx.x % PRE_ROW_LANES;
-    const unsigned half_mask = 0xffffu << (threadIdx.x & PRE_ROW_LANES);
-    const int row = blockIdx.x * (blockDim.x / PRE_ROW_LANES) + threadIdx.x / PRE_ROW_LANES;
+    static_assert(ROW_LANES >= 4 && ROW_LANES <= 16 && (ROW_LANES & (ROW_LANES - 1)) == 0,
+                  "a row's lanes: a power of two within a warp");
+    const int sub = threadIdx.x % ROW_LANES;
+    const unsigned row_mask = ((1u << ROW_LANES) - 1) << (threadIdx.x & 31 & ~(ROW_LANES - 1));
+    const int row = blockIdx.x * (blockDim.x / ROW_LANES) + threadIdx.x / ROW_LANES;
     const int h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
     const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
     if (row >= (VARLEN ? (seq.nq + BWD_ROW_PAD - 1) / BWD_ROW_PAD * BWD_ROW_PAD : nq_pad)) return;
     const long long idx = seq.padded_row0<VARLEN>(b, h, nheads, nq_pad) + row;
     float4* accum = reinterpret_cast<float4*>(dq_accum + idx * accum_row);
-    for (int c = sub; c < accum_row / 4; c += PRE_ROW_LANES) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = sub; c < accum_row / 4; c += ROW_LANES) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (row >= seq.nq) {
         if (sub == 0) {
             lse2[idx] = pos_inf();
@@ -87,7 +88,7 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
     const u16* do_row = dout + b * do_sb + h * do_sh + (seq.q0 + row) * do_sn;
     float sum = 0.f;
     if (((reinterpret_cast<size_t>(o_row) | reinterpret_cast<size_t>(do_row)) & 15) == 0 && d % 8 == 0) {
-        for (int c = 8 * sub; c < d; c += 8 * PRE_ROW_LANES) {
+        for (int c = 8 * sub; c < d; c += 8 * ROW_LANES) {
             const uint4 x = *reinterpret_cast<const uint4*>(o_row + c);
             const uint4 y = *reinterpret_cast<const uint4*>(do_row + c);
             const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
@@ -98,10 +99,10 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
             }
         }
     } else {
-        for (int c = sub; c < d; c += PRE_ROW_LANES) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
+        for (int c = sub; c < d; c += ROW_LANES) sum += to_float<BF16>(o_row[c]) * to_float<BF16>(do_row[c]);
     }
 #pragma unroll
-    for (int off = PRE_ROW_LANES / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(half_mask, sum, off);
+    for (int off = ROW_LANES / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(row_mask, sum, off);
     if (sub == 0) {
         const float l = lse[seq.lse_row0<VARLEN>(mod_args, b, h, nheads) + row];
         lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;

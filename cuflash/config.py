@@ -228,8 +228,15 @@ class FwdSm90Config:
 # Padding of the backward's per-row buffers (lse2, delta, dq_accum): every
 # backward block of query rows (32, 64 or 128) divides it, so no row-bound checks.
 BWD_ROW_PAD = cpp_int_constant("seq_span.cuh", "BWD_ROW_PAD")
-# Lanes of the backward preprocess per query row (half a warp).
-PRE_ROW_LANES = cpp_int_constant("bwd_sm80.cuh", "PRE_ROW_LANES")
+
+
+def preprocess_row_lanes(headdim: int) -> int:
+    """Lanes per query row of the backward preprocess (bwd_preprocess_kernel's ROW_LANES): one 16-byte
+    load (8 elements) a lane for a row of `headdim`, a power of two from 4 to 16."""
+    lanes = 4
+    while lanes < 16 and 8 * lanes < headdim:
+        lanes *= 2
+    return lanes
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -384,9 +391,9 @@ class BwdConfig:
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d)]
         return "cuflash::bwd_dq_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
 
-    @staticmethod
-    def preprocess_name(dtype_name: str, varlen: bool = False) -> str:
-        return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}, {_cpp_bool(varlen)}>"
+    def preprocess_name(self, dtype_name: str, varlen: bool = False) -> str:
+        lanes = preprocess_row_lanes(self.headdim)
+        return f"cuflash::bwd_preprocess_kernel<{_cpp_bool(dtype_name == 'bfloat16')}, {_cpp_bool(varlen)}, {lanes}>"
 
     @staticmethod
     def convert_dq_name(dtype_name: str, varlen: bool = False) -> str:

@@ -21,7 +21,7 @@ import numpy
 
 from . import fp8, tail_split, tma
 from .arrays import aligned_copy, contiguous_strides, elem_strides
-from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, PRE_ROW_LANES, BwdConfig
+from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig, preprocess_row_lanes
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, kernel
 from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
@@ -30,8 +30,8 @@ from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
 # Threads per CTA of the backward's row-wise kernels: the preprocess gives a
-# query row half a warp, the sm_80 dQ convert a warp, the Hopper dQ convert a
-# CTA per block of the dK/dV kernel's query rows.
+# query row 4-16 lanes (config.preprocess_row_lanes), the sm_80 dQ convert a
+# warp, the Hopper dQ convert a CTA per block of the dK/dV kernel's query rows.
 ROW_KERNEL_THREADS = 256
 
 
@@ -358,8 +358,9 @@ class BwdLaunch:
         scratch = lse
 
         # Delta = rowsum(dO o O); lse2 = lse * log2(e) (+inf where a row saw no key)
-        pre = kernel(cfg.family, BwdConfig.preprocess_name(dtype_name, varlen), 0, device_id)
-        pre_grid = (-(-padded_rows(seqlen_q) // (ROW_KERNEL_THREADS // PRE_ROW_LANES)), nheads, batch)
+        pre = kernel(cfg.family, cfg.preprocess_name(dtype_name, varlen), 0, device_id)
+        pre_rows_per_cta = ROW_KERNEL_THREADS // preprocess_row_lanes(cfg.headdim)
+        pre_grid = (-(-padded_rows(seqlen_q) // pre_rows_per_cta), nheads, batch)
         # The preprocess reads the dout the Hopper kernels read: the aligned copy where run() makes one.
         # It zeroes dq_accum's rows (cfg.headdim floats each) for the atomic dQ; 0 floats without.
         dout_strides = [numpy.int64(s) for s in contiguous_strides(dout.shape)[:3]] if self.copies[3] else _strides(dout)

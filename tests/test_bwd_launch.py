@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cuflash import dispatch, launch
-from cuflash.config import PRE_ROW_LANES, BwdConfig
+from cuflash.config import preprocess_row_lanes
 
 _addresses = itertools.count(1 << 20, 1 << 16)
 
@@ -54,12 +54,13 @@ def test_run_launches_preprocess_dkdv_dq_and_the_preprocess_zeroes_the_accumulat
 
     names = [name for name, *_ in launches]
     last = cfg.dq_name("float16", False, False, True) if deterministic else cfg.dq_accum_convert_name("float16")
-    assert names == [BwdConfig.preprocess_name("float16"), names[1], last]
+    assert names == [cfg.preprocess_name("float16"), names[1], last]
     assert "dkdv" in names[1]
     (_, pre_grid, pre_threads, pre_args), (_, dkdv_grid, _, _), (_, last_grid, _, _) = launches
     rows = launch.padded_rows(n)
-    assert pre_grid == (-(-rows // (pre_threads // PRE_ROW_LANES)), h, b)
-    assert pre_grid[0] * pre_threads // PRE_ROW_LANES >= rows  # every padded row has its lanes
+    lanes = preprocess_row_lanes(cfg.headdim)
+    assert pre_grid == (-(-rows // (pre_threads // lanes)), h, b)
+    assert pre_grid[0] * pre_threads // lanes >= rows  # every padded row has its lanes
     assert dkdv_grid == (-(-n // cfg.dkdv_block_n), h, b)
     assert last_grid[0] * (cfg.dq_block_m if deterministic else pre_threads // 32) >= n
     lse2 = workspace.buffer.data.ptr
@@ -74,3 +75,10 @@ def test_run_launches_preprocess_dkdv_dq_and_the_preprocess_zeroes_the_accumulat
     # a second call with the same arrays launches the same three again
     run.run(q, k, v, dout, out, lse, dq, dk, dv, 0, workspace)
     assert [name for name, *_ in launches[3:]] == names
+
+
+@pytest.mark.parametrize("headdim, lanes", [(32, 4), (64, 8), (96, 16), (128, 16), (256, 16)])
+def test_the_preprocess_gives_a_row_the_lanes_its_16_byte_loads_need(headdim, lanes):
+    assert preprocess_row_lanes(headdim) == lanes
+    assert 8 * lanes >= min(headdim, 128) and (lanes == 4 or 8 * lanes // 2 < headdim)
+

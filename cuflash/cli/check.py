@@ -122,7 +122,8 @@ def shipped_specialisations():
     add(HEURISTIC_FP8[128], TRANSPOSE_V_VARLEN_KERNEL, 0, family="fp8_prep")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name, varlen in itertools.product(DTYPE_NAMES, (False, True)):  # row-wise helpers: no dynamic smem
-        add(any_bwd, BwdConfig.preprocess_name(dtype_name, varlen), 0)
+        for cfg in HEURISTIC_BWD.values():  # the preprocess's lanes per row follow the head dim
+            add(cfg, cfg.preprocess_name(dtype_name, varlen), 0)
         add(any_bwd, BwdConfig.convert_dq_name(dtype_name, varlen), 0)
     for cfg, _ in hopper_bwd_plans():
         for dtype_name in DTYPE_NAMES:
