@@ -109,11 +109,24 @@ __device__ __forceinline__ void apply_dropout(float (&x)[NT][4], const KeepBits<
         for (int e = 0; e < 4; ++e) x[j][e] = bits.test(4 * j + e) ? x[j][e] * kept : 0.f;
 }
 
-// Dropout on a warp's 16-row tile of S (rows are queries), the bits drawn in place.
+// Dropout on a warp's 16-row tile of S (rows are queries), each unit applied as it is drawn: the
+// forwards' form (drawing the bits first, as dropout_bits does, made ptxas spill up to 180 bytes
+// more in the Hopper forward at head dims 64 and 256).
 template <bool STATE, int NT>
 __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
                                              int lane, float kept = 1.f) {
-    apply_dropout(x, dropout_bits<NT, STATE>(args, bh, row0, col0, lane), kept);
+    static_assert(NT % 2 == 0, "units span two n8 tiles");
+    const DropoutKey key = dropout_key<STATE>(args);
+    const int r = row0 + (lane >> 2);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+        const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                x[2 * jj + t][e] = dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
+    }
 }
 
 // The keep bits of a warp's 16 keys x 8 NT queries of S^T in the mma accumulator layout: keys

@@ -213,9 +213,12 @@ __global__ void __launch_bounds__(384, 1)
             const int row0 = m0 + warp_row0;
             // Dropout after the row sums (the softmax normalises the undropped P): kept P
             // scaled by 1 / (1 - p) here, so that the epilogue stays as it is.
-            auto softmax = [&](float (&acc_s)[NT_S * 4], int n0) {
+            // row_bias: ALiBi's row part of the block's scores where ROW_BIAS (apply_score_mods), else 0.
+            constexpr bool ROW_BIAS = Mods::ALIBI && D <= 128;
+            auto softmax = [&](float (&acc_s)[NT_S * 4], int n0, const float (&row_bias)[2]) {
                 turns.begin_softmax();
-                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8>(acc_s, acc.row_max, acc.row_sum, alpha, qk_scale_log2);
+                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
+                                                                               alpha, qk_scale_log2, row_bias);
                 if constexpr (Mods::DROPOUT)
                     dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
                                                       tile.b * nheads + tile.h, row0, n0, lane, mod_args.dropout_scale);
@@ -234,11 +237,12 @@ __global__ void __launch_bounds__(384, 1)
                 turns.end_gemms();
                 wgmma_wait<0>();
                 after_s(0, st);
+                float row_bias[2] = {0.f, 0.f};
                 if (n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
-                    apply_score_mods<true, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
+                    apply_score_mods<true, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
                 else
-                    apply_score_mods<false, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane);
-                softmax(acc_s, (hi - 1) * BC);
+                    apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
+                softmax(acc_s, (hi - 1) * BC, row_bias);
                 p_frag.pack(acc_s);
             }
 
@@ -261,8 +265,10 @@ __global__ void __launch_bounds__(384, 1)
                 turns.end_gemms();
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
-                apply_score_mods<decltype(masked)::value, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane);
-                softmax(acc_s, (hi - 1 - i) * BC);
+                float row_bias[2] = {0.f, 0.f};
+                apply_score_mods<decltype(masked)::value, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane,
+                                                                          row_bias);
+                softmax(acc_s, (hi - 1 - i) * BC, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it
                 // (+3-5% at head dims 128 and 256, fp8 at 256 +5-9%; head dim 64,

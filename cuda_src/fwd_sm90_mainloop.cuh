@@ -28,12 +28,40 @@ namespace cuflash {
 // (score_mods.cuh); where MASK, -inf past nk and outside the causal mask or
 // window. A function rather than a lambda of the key loop: NVRTC's front end
 // crashed on the lambda.
-template <bool MASK, int NT_S, class Mods>
+// ALiBi on a block that lies on one side of the diagonal (sign s of
+// i + diag - j, ScoreMods::side): the bias -slope |i + diag - j| of element
+// (row lane + dr, column lane + dc) is -s slope (dist_lane + dr) for the row
+// plus s slope dc, so each score takes one FMA with the constant dc and the
+// row part goes to row_bias[r] (rows lane / 4 + 8 r), which the online softmax
+// adds to its row max (two instructions a score cost ALiBi 9-17% of the
+// forward). Elsewhere row_bias is 0 and each score takes its |distance|.
+// ROW_BIAS: the kernel takes that form (fwd_sm90_kernel: ALiBi at head dims up
+// to 128; at 256 it made ptxas spill up to 180 bytes more).
+template <bool MASK, bool ROW_BIAS, int NT_S, class Mods>
 __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const Mods& mods, int row0, int n0,
-                                                 int lane) {
+                                                 int lane, float (&row_bias)[2]) {
     if constexpr (MASK || Mods::ANY) {
         const int row_lane = row0 + (lane >> 2), col_lane = n0 + 2 * (lane & 3);
         const float dist_lane = mods.distance(row_lane, col_lane);
+        if constexpr (ROW_BIAS) {
+            const int side = mods.side(row0, 16, n0, NT_S * 8);
+            if (side != 0) {
+                const float signed_slope = side > 0 ? mods.alibi_slope : -mods.alibi_slope;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) row_bias[r] = -signed_slope * (dist_lane + (float)(8 * r));
+#pragma unroll
+                for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int dr = 8 * (e >> 1), dc = j * 8 + (e & 1);
+                        float u = fmaf(signed_slope, (float)dc, mods.transform(acc_s[j * 4 + e]));
+                        if (MASK && !mods.visible(row_lane + dr, col_lane + dc)) u = neg_inf();
+                        acc_s[j * 4 + e] = u;
+                    }
+                return;
+            }
+            row_bias[0] = row_bias[1] = 0.f;
+        }
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
 #pragma unroll

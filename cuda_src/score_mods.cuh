@@ -111,6 +111,14 @@ struct ScoreMods {
         return s;
     }
     __device__ __forceinline__ float distance(int row, int col) const { return (float)(row + diag - col); }
+    // The sign of the distance i + diag - j over rows [m0, m0 + rows) x keys [n0, n0 + cols), 0 where
+    // it takes both: on one side ALiBi's bias -slope |i + diag - j| is a row part plus a column part.
+    // Causal: every visible score has i + diag - j >= 0 (the others are masked).
+    __device__ __forceinline__ int side(int m0, int rows, int n0, int cols) const {
+        if constexpr (CAUSAL) return 1;
+        if (m0 + diag - (n0 + cols - 1) >= 0) return 1;
+        return m0 + rows - 1 + diag - n0 <= 0 ? -1 : 0;
+    }
     __device__ __forceinline__ bool visible(int row, int col) const {
         bool keep = EVEN_N || col < nk;
         if constexpr (RIGHT_BOUND) keep = keep && col <= row + diag + right;

@@ -28,9 +28,14 @@ constexpr float rescale_log2 = FP8_P ? 0.f : 8.f;
 // dependent instructions made each a latency stall between the S GEMM and
 // the exponentials, and after them (SASS and ncu of the fp8 kernel). The
 // kernel picks the counts (fwd_sm90_kernel: MAX_CHAINS, SUM_CHAINS).
-template <int NT, int MAX_CHAINS, int SUM_CHAINS, bool FP8_P>
+//
+// ROW_BIAS: a row's scores are s + row_bias[r] (ALiBi's row part on a block on one side of the
+// diagonal, fwd_sm90_mainloop.cuh's apply_score_mods); the max and sum are those of the biased
+// scores, the bias entering once per row.
+template <int NT, int MAX_CHAINS, int SUM_CHAINS, bool FP8_P, bool ROW_BIAS = false>
 __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
-                                                    float (&alpha)[2], float scale_log2) {
+                                                    float (&alpha)[2], float scale_log2,
+                                                    const float (&row_bias)[2] = {0.f, 0.f}) {
     static_assert(NT >= MAX_CHAINS && NT >= SUM_CHAINS, "a chain per partial max and sum");
     float mx[2];  // the max of this thread's scores of each row and the running max
     bool grows = false;
@@ -46,7 +51,7 @@ __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&
         for (int w = MAX_CHAINS / 2; w > 0; w /= 2)
 #pragma unroll
             for (int k = 0; k < w; ++k) part[k] = fmaxf(part[k], part[k + w]);
-        mx[r] = fmaxf(row_max[r], part[0]);
+        mx[r] = fmaxf(row_max[r], ROW_BIAS ? part[0] + row_bias[r] : part[0]);
         grows = grows || mx[r] * scale_log2 > row_max[r] * scale_log2 + rescale_log2<FP8_P>;
         alpha[r] = 1.f;
     }
@@ -67,7 +72,8 @@ __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float offset = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
+        const float offset =
+            row_max[r] == neg_inf() ? 0.f : (ROW_BIAS ? row_max[r] - row_bias[r] : row_max[r]) * scale_log2;
         float sum[SUM_CHAINS];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
