@@ -196,6 +196,8 @@ def generate(step, first_tokens, count: int, reset):
     first, undone by reset(), compile every kernel outside the timed loop."""
     for _ in range(2):
         step(first_tokens)
+    # The steps may run on a stream of their own (graphed): done before the null stream resets the lengths.
+    cp.cuda.Device().synchronize()
     reset()
     tokens, generated = first_tokens, []
     cp.cuda.Device().synchronize()
@@ -212,15 +214,15 @@ def graphed(step, first, reset):
     """step as a CUDA graph replay: the graph reads the tokens from a device buffer and writes the next ones there."""
     cp.cuda.set_allocator(cp.cuda.MemoryAsyncPool().malloc)  # allocations a graph can record
     stream = cp.cuda.Stream(non_blocking=True)
-    buffer = first.copy()
+    cp.cuda.Device().synchronize()  # `first` was made on the null stream, which `stream` does not wait for
     with stream:
+        buffer = first.copy()
         step(buffer)  # compiles and plans every call outside the capture
         reset()
         stream.begin_capture()
         buffer[:] = step(buffer)
         graph = stream.end_capture()
-    stream.synchronize()
-    buffer[:] = first
+        buffer[:] = first
 
     def run(tokens):
         with stream:

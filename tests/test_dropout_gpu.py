@@ -172,6 +172,7 @@ def test_graph_replays_follow_new_seed_words():
         cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
                                    workspace=workspace, deterministic=True, **drop)
 
+    cupy.cuda.Device().synchronize()  # the inputs were made on the null stream, which `stream` does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         step()  # first calls: compiled, outside the capture

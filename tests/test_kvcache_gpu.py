@@ -186,12 +186,15 @@ def test_graph_replay_with_new_lengths(num_splits):
     v_new = cupy.zeros_like(k_new)
     seqlens = cupy.zeros(batch, np.int32)
     out = cupy.empty_like(q)
+    # The arrays were filled on the null stream, which a non-blocking stream does not wait for.
+    cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out, num_splits=num_splits)
         stream.begin_capture()
         cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, out=out, num_splits=num_splits)
         graph = stream.end_capture()
+    stream.synchronize()  # the eager call's append has landed before the cache is read on the null stream
     for step, lengths in enumerate(([5, 300], [6, 301], [200, 0])):
         host_q, host_k, host_v = (randn(rng, x.shape, np.float16) for x in (q, k_new, v_new))
         before_k, before_v = kc.get(), vc.get()
