@@ -80,23 +80,32 @@ __device__ __forceinline__ KeepBits<NT> no_keep_bits() {
     return bits;
 }
 
-// The keep bits of a warp's 16-row tile of S (rows are queries): tile row0 and first column col0
-// (multiples of 16). In S's accumulator layout a thread holds exactly one unit of each 16 x 16 tile.
-template <int NT, bool STATE>
-__device__ __forceinline__ KeepBits<NT> dropout_bits(const ScoreModArgs& args, int bh, int row0, int col0, int lane) {
+// Each keep decision of a warp's 16-row tile of S (rows are queries), tile row0 and first column
+// col0 (multiples of 16), as its unit is drawn: visit(i, keep) for element i = 4 j + e of n8 tile j.
+// In S's accumulator layout a thread holds exactly one unit of each 16 x 16 tile.
+template <int NT, bool STATE, class Visit>
+__device__ __forceinline__ void for_each_keep(const ScoreModArgs& args, int bh, int row0, int col0, int lane,
+                                              Visit&& visit) {
     static_assert(NT % 2 == 0, "units span two n8 tiles");
     const DropoutKey key = dropout_key<STATE>(args);
     const int r = row0 + (lane >> 2);
-    KeepBits<NT> bits = no_keep_bits<NT>();
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
         const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1)) bits.set(4 * (2 * jj + t) + e);
+            for (int e = 0; e < 4; ++e) visit(4 * (2 * jj + t) + e, dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1));
     }
+}
+
+// The keep bits of a warp's 16-row tile of S.
+template <int NT, bool STATE>
+__device__ __forceinline__ KeepBits<NT> dropout_bits(const ScoreModArgs& args, int bh, int row0, int col0, int lane) {
+    KeepBits<NT> bits = no_keep_bits<NT>();
+    for_each_keep<NT, STATE>(args, bh, row0, col0, lane, [&](int i, bool keep) {
+        if (keep) bits.set(i);
+    });
     return bits;
 }
 
@@ -109,24 +118,15 @@ __device__ __forceinline__ void apply_dropout(float (&x)[NT][4], const KeepBits<
         for (int e = 0; e < 4; ++e) x[j][e] = bits.test(4 * j + e) ? x[j][e] * kept : 0.f;
 }
 
-// Dropout on a warp's 16-row tile of S (rows are queries), each unit applied as it is drawn: the
-// forwards' form (drawing the bits first, as dropout_bits does, made ptxas spill up to 180 bytes
-// more in the Hopper forward at head dims 64 and 256).
+// Dropout on a warp's 16-row tile of S, each unit applied as it is drawn: the forwards' form
+// (drawing the bits first, as dropout_bits does, made ptxas spill up to 180 bytes more in the
+// Hopper forward at head dims 64 and 256).
 template <bool STATE, int NT>
 __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
                                              int lane, float kept = 1.f) {
-    static_assert(NT % 2 == 0, "units span two n8 tiles");
-    const DropoutKey key = dropout_key<STATE>(args);
-    const int r = row0 + (lane >> 2);
-#pragma unroll
-    for (int jj = 0; jj < NT / 2; ++jj) {
-        const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                x[2 * jj + t][e] = dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1) ? x[2 * jj + t][e] * kept : 0.f;
-    }
+    for_each_keep<NT, STATE>(args, bh, row0, col0, lane, [&](int i, bool keep) {
+        x[i / 4][i % 4] = keep ? x[i / 4][i % 4] * kept : 0.f;
+    });
 }
 
 // The keep bits of a warp's 16 keys x 8 NT queries of S^T in the mma accumulator layout: keys
