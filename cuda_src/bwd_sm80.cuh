@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
             // dS = P o (dP o M / (1 - p) - delta) with the keep mask M.
             u32 p_frag[KS_C][4];
             acc_to_a<BF16, NT_C>(p_frag, acc_s);
-            KeepBits<NT_C> kept = no_keep_bits<NT_C>();
+            KeepBits<NT_C> kept{};
             if constexpr (Mods::DROPOUT) {
                 kept = dropout_bits_t<NT_C, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, mc, n0 + warp_key0,
                                                                  lane);

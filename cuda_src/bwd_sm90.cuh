@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_commit();
         // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; below, dP^T o M / (1 - p) in
         // place of dP^T, and (P o M / (1 - p))^T for dV.
-        KeepBits<NT_S> kept = no_keep_bits<NT_S>();
+        KeepBits<NT_S> kept{};
         if constexpr (Mods::DROPOUT)
             kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
                                                              lane);
@@ -322,7 +322,8 @@ __global__ void __launch_bounds__(384, 1)
                         acc_s[j * 4 + e] = 0.f;
         }
         wgmma_wait<0>();
-        if constexpr (Mods::DROPOUT) apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
+        if constexpr (Mods::DROPOUT)
+            apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
         // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) {
@@ -338,7 +339,8 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
         }
-        if constexpr (Mods::DROPOUT) apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
+        if constexpr (Mods::DROPOUT)
+            apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
         AFragments<DTYPE, BM> p_frag, ds_frag;
         p_frag.pack(acc_s);
         ds_frag.pack(acc_dp);
@@ -565,7 +567,7 @@ __global__ void __launch_bounds__(384, 1)
                                      desc_k_major_sw128<BN>(sV(st), 0, ks), ks > 0);
             wgmma_commit();
             // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; dP o M / (1 - p) in place of dP.
-            KeepBits<NT_S> kept = no_keep_bits<NT_S>();
+            KeepBits<NT_S> kept{};
             if constexpr (Mods::DROPOUT)
                 kept = dropout_bits<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0 + warp_row0, n0, lane);
             wgmma_wait<1>();

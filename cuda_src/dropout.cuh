@@ -66,19 +66,11 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4
 // (of word (4 j + e) / 32) for element e of n8 tile j. Drawn before the scores they mask are in,
 // so that the Philox rounds overlap the GEMM that computes them.
 template <int NT>
-struct KeepBits {
+struct KeepBits {  // KeepBits<NT>{}: none kept
     u32 words[(4 * NT + 31) / 32];
     __device__ __forceinline__ void set(int i) { words[i / 32] |= 1u << (i % 32); }
     __device__ __forceinline__ bool test(int i) const { return (words[i / 32] >> (i % 32)) & 1; }
 };
-
-template <int NT>
-__device__ __forceinline__ KeepBits<NT> no_keep_bits() {
-    KeepBits<NT> bits;
-#pragma unroll
-    for (int w = 0; w < (4 * NT + 31) / 32; ++w) bits.words[w] = 0;
-    return bits;
-}
 
 // Each keep decision of a warp's 16-row tile of S (rows are queries), tile row0 and first column
 // col0 (multiples of 16), as its unit is drawn: visit(i, keep) for element i = 4 j + e of n8 tile j.
@@ -102,7 +94,7 @@ __device__ __forceinline__ void for_each_keep(const ScoreModArgs& args, int bh, 
 // The keep bits of a warp's 16-row tile of S.
 template <int NT, bool STATE>
 __device__ __forceinline__ KeepBits<NT> dropout_bits(const ScoreModArgs& args, int bh, int row0, int col0, int lane) {
-    KeepBits<NT> bits = no_keep_bits<NT>();
+    KeepBits<NT> bits{};
     for_each_keep<NT, STATE>(args, bh, row0, col0, lane, [&](int i, bool keep) {
         if (keep) bits.set(i);
     });
@@ -141,7 +133,7 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits_t(const ScoreModArgs& args,
     static_assert(NT % 2 == 0, "units span two n8 tiles");
     const DropoutKey key = dropout_key<STATE>(args);
     const int c = key0 + ((lane >> 2) & ~1), half = (lane >> 2) & 1;
-    KeepBits<NT> bits = no_keep_bits<NT>();
+    KeepBits<NT> bits{};
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
         // this lane's unit: query q0 + half (and + 8), keys c, c + 1, c + 8, c + 9

@@ -34,7 +34,8 @@ namespace cuflash {
 // plus s slope dc, so each score takes one FMA with the constant dc and the
 // row part goes to row_bias[r] (rows lane / 4 + 8 r), which the online softmax
 // adds to its row max (two instructions a score cost ALiBi 9-17% of the
-// forward). Elsewhere row_bias is 0 and each score takes its |distance|.
+// forward). Elsewhere row_bias stays as the caller set it (0) and each score
+// takes its |distance|.
 // ROW_BIAS: the kernel takes that form (fwd_sm90_kernel: ALiBi at head dims up
 // to 128; at 256 it made ptxas spill up to 180 bytes more).
 template <bool MASK, bool ROW_BIAS, int NT_S, class Mods>
@@ -60,7 +61,6 @@ __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const
                     }
                 return;
             }
-            row_bias[0] = row_bias[1] = 0.f;
         }
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)

@@ -32,10 +32,9 @@ constexpr float rescale_log2 = FP8_P ? 0.f : 8.f;
 // ROW_BIAS: a row's scores are s + row_bias[r] (ALiBi's row part on a block on one side of the
 // diagonal, fwd_sm90_mainloop.cuh's apply_score_mods); the max and sum are those of the biased
 // scores, the bias entering once per row.
-template <int NT, int MAX_CHAINS, int SUM_CHAINS, bool FP8_P, bool ROW_BIAS = false>
+template <int NT, int MAX_CHAINS, int SUM_CHAINS, bool FP8_P, bool ROW_BIAS>
 __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&row_max)[2], float (&row_sum)[2],
-                                                    float (&alpha)[2], float scale_log2,
-                                                    const float (&row_bias)[2] = {0.f, 0.f}) {
+                                                    float (&alpha)[2], float scale_log2, const float (&row_bias)[2]) {
     static_assert(NT >= MAX_CHAINS && NT >= SUM_CHAINS, "a chain per partial max and sum");
     float mx[2];  // the max of this thread's scores of each row and the running max
     bool grows = false;
