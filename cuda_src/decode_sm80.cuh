@@ -9,8 +9,8 @@
 // hk * group + g; so each kv head's keys are read once per CTA for all of them.
 // A CTA takes BM packed rows of one (batch, kv head) and one split of its key
 // blocks (blockIdx = (split, row block, batch * Hk + hk)). K and V stream
-// through a STAGES-deep cp.async ring of BN keys. The 4 warps split the rows
-// WARPS_M ways and each stage's keys WARPS_N ways; each warp keeps its own
+// through a STAGES-deep cp.async ring of BN keys. WARPS_M x WARPS_N warps split
+// the rows WARPS_M ways and each stage's keys WARPS_N ways; each warp keeps its own
 // online softmax over its keys, and the warps' (max, sum, O) are merged
 // through shared memory at the end. With one split the CTA writes the output
 // and lse; with several, each split's normalised output and lse in fp32,
@@ -40,14 +40,14 @@ constexpr int DECODE_MAX_SPLITS = 128;
 // measurement behind it.
 constexpr int DECODE_MERGE_MAX_ROWS = 16;
 
-template <int D_, int WARPS_M_, int STAGES_>
+template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_>
 struct DecodeTraits {
     static constexpr int D = D_;
     static constexpr int WARPS_M = WARPS_M_;
+    static constexpr int WARPS_N = WARPS_N_;
     static constexpr int STAGES = STAGES_;
-    static constexpr int WARPS = 4;
+    static constexpr int WARPS = WARPS_M * WARPS_N;
     static constexpr int THREADS = 32 * WARPS;
-    static constexpr int WARPS_N = WARPS / WARPS_M;
     static constexpr int BM = 16 * WARPS_M;    // packed rows per CTA
     static constexpr int BN = 64;              // keys per stage
     static constexpr int KW = BN / WARPS_N;    // keys per warp per stage
@@ -67,6 +67,8 @@ struct DecodeTraits {
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4, "1, 2 or 4 row warps");
+    static_assert(WARPS_N == 1 || WARPS_N == 2 || WARPS_N == 4, "1, 2 or 4 key warps");
+    static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
     static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
     static_assert(MERGE_BYTES <= SMEM_BYTES - OFF_K, "the warps' outputs must fit in the K/V ring");
     static_assert(4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K, "the splits' weights must fit in the ring");
@@ -132,9 +134,13 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
     }
 }
 
-template <int D, int WARPS_M, int STAGES, bool BF16, bool PAGED, bool CAUSAL, int MODS>
-__global__ void __launch_bounds__(128, 1) decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
-    using T = DecodeTraits<D, WARPS_M, STAGES>;
+// One CTA an SM promised to the register allocator, 8 warps too (cuflash/dispatch.py decode_slots
+// fills an SM with one 8-warp CTA): capped at 128 registers for two, the 8-warp causal and score
+// option kernels spilled 8-36 bytes.
+template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool PAGED, bool CAUSAL, int MODS>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
+    decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
+    using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES>;
     constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, CHUNKS = D / 8;
     using Mods = ScoreMods<MODS, CAUSAL, false>;
 

@@ -425,20 +425,20 @@ DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
 
 @dataclasses.dataclass(frozen=True, order=True)
 class DecodeConfig:
-    """Tile shape of the decoding kernel (cuda_src/decode_sm80.cuh): 4 warps, 64 keys a stage.
+    """Tile shape of the decoding kernel (cuda_src/decode_sm80.cuh): 4 or 8 warps, 64 keys a stage.
 
     headdim: kernel head dim (one of KERNEL_HEADDIMS).
-    warps_m: warps splitting the packed (query, head) rows, 16 rows each; the
-        other 4 / warps_m warps split each stage's keys.
+    warps_m: warps splitting the packed (query, head) rows, 16 rows each.
+    warps_n: warps splitting each stage's keys.
     stages: key blocks in the cp.async ring.
     """
 
     headdim: int
     warps_m: int
+    warps_n: int
     stages: int
 
     family = "decode_sm80"
-    WARPS = 4
     BLOCK_N = 64  # DecodeTraits::BN
 
     @property
@@ -447,7 +447,7 @@ class DecodeConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.WARPS
+        return 32 * self.warps_m * self.warps_n
 
     def smem_layout(self) -> dict[str, int]:
         """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit)."""
@@ -456,18 +456,28 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]
 
+    def is_valid(self) -> bool:
+        """Static constraints of DecodeTraits (the static_asserts): after the key loop the K/V ring
+        holds the warps' fp32 outputs, maxima and sums (warps_n x block_m x (D + 2) floats), and
+        the split merge's weights."""
+        layout = self.smem_layout()
+        ring = layout["SMEM_BYTES"] - layout["OFF_K"]
+        return (self.warps_m in (1, 2, 4) and self.warps_n in (1, 2, 4) and self.warps_m * self.warps_n in (4, 8)
+                and 2 <= self.stages <= 8 and 4 * self.warps_n * self.block_m * (self.headdim + 2) <= ring
+                and 4 * (DECODE_MAX_SPLITS + 1) * self.block_m <= ring)
+
     def traits(self) -> str:
-        return f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.stages}>"
+        return f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.warps_n}, {self.stages}>"
 
     def name_expression(self, dtype_name: str, paged: bool, causal: bool, mods: int = 0) -> str:
         if dtype_name not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
-        args = [self.headdim, self.warps_m, self.stages, _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(paged),
-                _cpp_bool(causal), mods]
+        args = [self.headdim, self.warps_m, self.warps_n, self.stages, _cpp_bool(dtype_name == "bfloat16"),
+                _cpp_bool(paged), _cpp_bool(causal), mods]
         return "cuflash::decode_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     def short_name(self) -> str:
-        return f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_s{self.stages}"
+        return f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_w{self.warps_m * self.warps_n}_s{self.stages}"
 
 
 # combine_kernel's OUT template argument per output dtype (cuda_src/combine.cuh).

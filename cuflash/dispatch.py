@@ -347,6 +347,16 @@ DECODE_RING_BYTES = 96 * 1024
 # One row warp per stage's 64 keys holds 16 x 64 scores next to its 16 x D output: past head dim 160
 # that spills (head dim 256: 48 bytes), so larger head dims keep two row warps.
 MAX_HEADDIM_4_ROW_WARPS = 160
+# Warps per SM that keep an H100's memory system busy streaming a cache: two 4-warp CTAs, or one of
+# 8 warps. Tiles of 17-32 rows (MQA; GQA groups of 4 over 8 queries) take 8 warps, 2 on the rows by
+# 4 on each stage's keys, one CTA an SM, where 4 warps (2 by 2) ran 2 CTAs an SM with twice the
+# splits. Same-run A/B (bench/PERFLOG.md), H100, fp16, head dim 128, best of 3 rounds, GB/s of
+# cache read (copy rate 2975): MQA batch 64 8k 2574 (2 splits) against 2345 (4 splits); MQA batch 8
+# 128k 2810 (16) against 2611 (32); GQA 8 queries, batch 8 8k 2629 (2) against 2358 (4).
+DECODE_WARPS_PER_SM = 8
+# The 8-warp tile's merge of its warps' outputs (4 x 32 rows x (D + 2) floats) fits its K/V ring
+# up to this head dim.
+MAX_HEADDIM_8_WARPS = 128
 # Key blocks (of 64 keys) a split takes at least: fewer, and the split's
 # pipeline fill and its row of the combine cost more than its keys.
 MIN_BLOCKS_PER_SPLIT = 4
@@ -361,18 +371,30 @@ def decode_config(headdim: int, rows: int, max_smem: int) -> DecodeConfig:
     """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head."""
     kd = kernel_headdim(headdim)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
+    warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS else 4 // warps_m
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * 2
     stages = max(2, min(8, DECODE_RING_BYTES // per_stage))
-    for s in range(stages, 1, -1):
-        cfg = DecodeConfig(kd, warps_m, s)
-        if cfg.smem_bytes() <= max_smem:
-            return cfg
+    # Where the preferred tile does not fit (small shared memory: 99 KB on sm_86/89), fewer stages,
+    # then 4 warps, then fewer row warps.
+    tiles = [(warps_m, warps_n), (warps_m, 4 // warps_m), *((m, 4 // m) for m in (2, 1) if m < warps_m)]
+    for m, n in tiles:
+        for s in range(stages, 1, -1):
+            cfg = DecodeConfig(kd, m, n, s)
+            if cfg.is_valid() and cfg.smem_bytes() <= max_smem:
+                return cfg
     raise RuntimeError(f"cuflash: no decoding kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
+
+
+def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
+    """CTAs of `cfg` that fill the GPU's memory pipes: per SM, as many as bring DECODE_WARPS_PER_SM
+    warps, at most `resident_per_sm` (what shared memory lets reside)."""
+    warps = cfg.warps_m * cfg.warps_n
+    return sms * max(1, min(resident_per_sm, DECODE_WARPS_PER_SM // warps))
 
 
 def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
     """How many ways to split each row block's keys, for `ctas` CTAs without a split and `slots` CTAs
-    resident at once (SMs x CTAs per SM).
+    that fill the GPU (decode_slots).
 
     The fewest splits whose last wave is nearly full (at least
     SPLIT_WAVE_EFFICIENCY of the best wave efficiency over 1..max splits),

@@ -346,7 +346,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
     splits = num_splits or dispatch.decode_splits(batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N),
-                                                  per_sm * sm_count(device_id))
+                                                  dispatch.decode_slots(cfg, per_sm, sm_count(device_id)))
 
     def kernel_strides(x, copied: bool):
         return contiguous_strides(x.shape) if copied else elem_strides(x)

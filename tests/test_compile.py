@@ -70,6 +70,6 @@ def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
 
     both = ["sm_80", "sm_90"]
     assert targets("bwd_sm80", "cuflash::bwd_preprocess_kernel<0, false, 8>", 64, both) == both
-    assert targets("decode_sm80", "cuflash::decode_kernel<128, 2, 3, 0, 0, 0, 0>", 128, both) == both
+    assert targets("decode_sm80", "cuflash::decode_kernel<128, 2, 4, 3, 0, 0, 0, 0>", 128, both) == both
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, both) == ["sm_90a"]
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []

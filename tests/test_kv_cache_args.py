@@ -29,7 +29,34 @@ def test_decode_splits_bounds():
 
 @pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
 @pytest.mark.parametrize("rows", [1, 16, 17, 32, 128])
-def test_decode_config_fits(headdim, rows):
-    cfg = dispatch.decode_config(headdim, rows, 227 * 1024)
-    assert cfg.smem_bytes() <= 227 * 1024 and cfg.stages >= 2
+@pytest.mark.parametrize("max_smem", [227 * 1024, 163 * 1024, 99 * 1024])
+def test_decode_config_fits(headdim, rows, max_smem):
+    if max_smem == 99 * 1024 and headdim > 160:
+        pytest.skip("64 keys a stage of head dim > 160 need more than 99 KB")
+    cfg = dispatch.decode_config(headdim, rows, max_smem)
+    assert cfg.is_valid() and cfg.smem_bytes() <= max_smem and cfg.stages >= 2
     assert cfg.warps_m <= (2 if headdim > dispatch.MAX_HEADDIM_4_ROW_WARPS else 4)
+    assert cfg.block_m >= min(rows, 16 * cfg.warps_m)
+
+
+def test_decode_config_tiles():
+    """16 rows or fewer: one row warp by 4 key warps; 17-32 rows: 2 by 4 where the warps' merge fits
+    the ring (else 2 by 2); more: 4 by 1."""
+    assert (dispatch.decode_config(128, 8, 227 * 1024).warps_m, dispatch.decode_config(128, 8, 227 * 1024).warps_n) \
+        == (1, 4)
+    wide = dispatch.decode_config(128, 32, 227 * 1024)
+    assert (wide.warps_m, wide.warps_n, wide.threads) == (2, 4, 256)
+    assert dispatch.decode_config(256, 32, 227 * 1024).warps_n == 2
+    assert dispatch.decode_config(128, 32, 99 * 1024).warps_n == 2  # 2 stages: the 8 warps' merge does not fit
+    tall = dispatch.decode_config(64, 128, 227 * 1024)
+    assert (tall.warps_m, tall.warps_n) == (4, 1)
+
+
+def test_decode_slots_count_warps():
+    """A GPU is full at DECODE_WARPS_PER_SM warps an SM, or what shared memory lets reside."""
+    four = dispatch.decode_config(128, 8, 227 * 1024)
+    eight = dispatch.decode_config(128, 32, 227 * 1024)
+    per_sm = dispatch.DECODE_WARPS_PER_SM
+    assert dispatch.decode_slots(four, 2, 132) == 132 * min(2, per_sm // 4)
+    assert dispatch.decode_slots(eight, 2, 132) == 132 * max(1, per_sm // 8)
+    assert dispatch.decode_slots(four, 1, 132) == 132

@@ -98,8 +98,10 @@ def test_decode_gqa(dtype, group):
 
 
 @pytest.mark.parametrize("headdim", [32, 64, 80, 96, 128, 256])
-def test_head_dims(headdim):
-    run_case(np.random.default_rng(headdim), headdim=headdim, capacity=257, n_new=2, seqlen_q=2, causal=True)
+@pytest.mark.parametrize("group", [4, 16])  # 8 and 32 packed rows: the 4- and (head dim <= 128) 8-warp tiles
+def test_head_dims(headdim, group):
+    run_case(np.random.default_rng(headdim + group), headdim=headdim, capacity=257, n_new=2, seqlen_q=2,
+             causal=True, nheads=2 * group, nheads_kv=2)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 2, 8, 16])
@@ -131,8 +133,10 @@ def test_rotary(rotary, interleaved, paged):
     ("alibi", dict(alibi=True)),
     ("all", dict(window_size=(64, -1), causal=True, softcap=3.0, alibi=True)),
 ])
-def test_score_options(name, options):
-    run_case(np.random.default_rng(len(name)), seqlen_q=3, n_new=3, capacity=400, **options)
+@pytest.mark.parametrize("group", [4, 8])  # 12 and 24 packed rows: the 4- and 8-warp tiles
+def test_score_options(name, options, group):
+    run_case(np.random.default_rng(len(name) + group), seqlen_q=3, n_new=3, capacity=400, nheads=2 * group,
+             **options)
 
 
 @pytest.mark.parametrize("headdim", [16, 128, 136])  # 16, 136: the combine's last column pass is partial
