@@ -40,12 +40,13 @@ constexpr int DECODE_MAX_SPLITS = 128;
 // measurement behind it.
 constexpr int DECODE_MERGE_MAX_ROWS = 16;
 
-template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_>
+template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP8_ = false>
 struct DecodeTraits {
     static constexpr int D = D_;
     static constexpr int WARPS_M = WARPS_M_;
     static constexpr int WARPS_N = WARPS_N_;
     static constexpr int STAGES = STAGES_;
+    static constexpr bool FP8 = FP8_;  // an e4m3 cache (kv_cache.cuh)
     static constexpr int WARPS = WARPS_M * WARPS_N;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int BM = 16 * WARPS_M;    // packed rows per CTA
@@ -56,13 +57,20 @@ struct DecodeTraits {
     static constexpr int KSTEPS_QK = D / 16;
     static constexpr int NTILES_O = D / 8;
     static constexpr int KV_ELEMS = BN * D;
+    static constexpr int CACHE_BYTES = FP8 ? 1 : 2;           // per cached element
+    static constexpr int STAGE_BYTES = CACHE_BYTES * KV_ELEMS;  // one ring stage of K (or V)
+    static constexpr int CHUNK_ELEMS = 16 / CACHE_BYTES;        // cached elements per 16-byte chunk
     // Shared memory (byte offsets; cuflash/config.py DecodeConfig.smem_layout): the Q tile,
-    // STAGES K tiles, STAGES V tiles. After the key loop the K/V ring holds the warps'
-    // fp32 outputs (WARPS_N x BM x D), then their row maxima and sums.
+    // STAGES K tiles, STAGES V tiles; with an fp8 cache (tiles of e4m3 rows, unswizzled) one
+    // K and one V tile in q's dtype that each stage is widened into for the MMAs. After the key
+    // loop the region from OFF_K holds the warps' fp32 outputs (WARPS_N x BM x D), then their
+    // row maxima and sums.
     static constexpr int OFF_Q = 0;
     static constexpr int OFF_K = OFF_Q + 2 * BM * D;
-    static constexpr int OFF_V = OFF_K + 2 * STAGES * KV_ELEMS;
-    static constexpr int SMEM_BYTES = OFF_V + 2 * STAGES * KV_ELEMS;
+    static constexpr int OFF_V = OFF_K + STAGES * STAGE_BYTES;
+    static constexpr int OFF_K16 = OFF_V + STAGES * STAGE_BYTES;
+    static constexpr int OFF_V16 = OFF_K16 + (FP8 ? 2 * KV_ELEMS : 0);
+    static constexpr int SMEM_BYTES = OFF_V16 + (FP8 ? 2 * KV_ELEMS : 0);
     static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (D + 2);
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
@@ -137,17 +145,19 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
 // One CTA an SM promised to the register allocator, 8 warps too (cuflash/dispatch.py decode_slots
 // fills an SM with one 8-warp CTA): capped at 128 registers for two, the 8-warp causal and score
 // option kernels spilled 8-36 bytes.
-template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool PAGED, bool CAUSAL, int MODS>
+template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool FP8, bool PAGED, bool CAUSAL, int MODS>
 __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
-    using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES>;
-    constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, CHUNKS = D / 8;
+    using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8>;
+    constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS;
+    constexpr int Q_CHUNKS = D / 8, CHUNKS = D / T::CHUNK_ELEMS;  // 16-byte chunks of a Q row, of a cache row
     using Mods = ScoreMods<MODS, CAUSAL, false>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
-    u16* sK = reinterpret_cast<u16*>(smem_raw + T::OFF_K);
-    u16* sV = reinterpret_cast<u16*>(smem_raw + T::OFF_V);
+    // The tiles the MMAs read: ring stages, or with an fp8 cache the widened copies of one.
+    auto k_tile = [&](int stage) { return smem_addr(smem_raw + (FP8 ? T::OFF_K16 : T::OFF_K + stage * T::STAGE_BYTES)); };
+    auto v_tile = [&](int stage) { return smem_addr(smem_raw + (FP8 ? T::OFF_V16 : T::OFF_V + stage * T::STAGE_BYTES)); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = warp / WARPS_M;
@@ -155,7 +165,9 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
     const CacheSpan span = cache_span(a, b);
     if (a.k_new != nullptr && blockIdx.y == 0)
-        append_new_keys<BF16, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS);
+        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS);
+    const float k_desc = FP8 ? descale_of(a.k_descale, a, b, hk) : 1.f;
+    const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
 
     const QuerySpan queries = query_span(a, b);
     const int rows = queries.nq * a.group;
@@ -169,8 +181,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const int n_steps = max(min(blocks.end, blk0 + per_split) - blk0, 0);
 
     // Q, rotated at positions cache_len + i.
-    for (int c = tid; c < BM * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, chunk = c % CHUNKS, row = m0 + r;
+    for (int c = tid; c < BM * Q_CHUNKS; c += THREADS) {
+        const int r = c / Q_CHUNKS, chunk = c % Q_CHUNKS, row = m0 + r;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (row < rows) {
             const int i = row / a.group, h = hk * a.group + row % a.group;
@@ -204,44 +216,78 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             for (int g = 0; g < OWNED_ROWS / GROUP; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
         }
     };
+    // A chunk of a cached row: `chunk` 16-byte units from element offset `row_off` (an fp8 cache's
+    // elements are bytes).
+    auto cached_chunk = [&](const u16* cache, long long row_off, int chunk) -> const void* {
+        return reinterpret_cast<const unsigned char*>(cache) + T::CACHE_BYTES * row_off + 16 * chunk;
+    };
+    auto store_shared = [](u32 dst, uint4 val) {
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(val.x), "r"(val.y), "r"(val.z),
+                     "r"(val.w)
+                     : "memory");
+    };
     auto load_row_chunk = [&](int blk, int r, int chunk, u32 k_dst, u32 v_dst, int page) {
         const int j = span.leftpad + blk * BN + r;  // cache position
-        if (j >= span.end || 8 * chunk >= a.d) {
+        const int col = T::CHUNK_ELEMS * chunk;
+        if (j >= span.end || col >= a.d) {
             cp_async_16(k_dst, a.k_cache, false);
             cp_async_16(v_dst, a.v_cache, false);
         } else if (j < span.cache_len) {
             const CachePos pos = cache_pos<PAGED>(a, span, j, page);
-            cp_async_16(k_dst, a.k_cache + pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh) + 8 * chunk, true);
-            cp_async_16(v_dst, a.v_cache + pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh) + 8 * chunk, true);
+            cp_async_16(k_dst, cached_chunk(a.k_cache, pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh), chunk), true);
+            cp_async_16(v_dst, cached_chunk(a.v_cache, pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh), chunk), true);
         } else {
             const int t = j - span.cache_len;
             const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
-            if (a.rotary_dim > 0) {
-                const uint4 val = load_rotated_chunk<BF16>(a, k_row, 8 * chunk, j);
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(k_dst), "r"(val.x), "r"(val.y),
-                             "r"(val.z), "r"(val.w)
-                             : "memory");
+            const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
+            if constexpr (FP8) {  // as the append stores them: rotated, then quantised
+                store_shared(k_dst, quantize_e4m3<BF16>(load_rotated_chunk<BF16>(a, k_row, col, j),
+                                                        load_rotated_chunk<BF16>(a, k_row, col + 8, j), k_desc));
+                store_shared(v_dst, quantize_e4m3<BF16>(*reinterpret_cast<const uint4*>(v_row + col),
+                                                        *reinterpret_cast<const uint4*>(v_row + col + 8), v_desc));
             } else {
-                cp_async_16(k_dst, k_row + 8 * chunk, true);
+                if (a.rotary_dim > 0)
+                    store_shared(k_dst, load_rotated_chunk<BF16>(a, k_row, col, j));
+                else
+                    cp_async_16(k_dst, k_row + col, true);
+                cp_async_16(v_dst, v_row + col, true);
             }
-            cp_async_16(v_dst, a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh + 8 * chunk, true);
         }
     };
+    // Byte offset of row r's chunk in a ring stage: swizzled 16-bit tiles, or plain e4m3 rows (read
+    // only by the widening, one chunk a thread).
+    auto ring_offset = [](int r, int chunk) { return FP8 ? r * D + 16 * chunk : 2 * tile_offset<BN, D>(r, chunk); };
     // Block `blk` into ring stage `stage` (a paged cache: with `pages` fetched for it).
     auto load_block = [&](int blk, int stage) {
-        const u32 k_base = smem_addr(sK + stage * T::KV_ELEMS), v_base = smem_addr(sV + stage * T::KV_ELEMS);
+        const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
+        const u32 v_base = smem_addr(smem_raw + T::OFF_V + stage * T::STAGE_BYTES);
         if constexpr (ROW_OWNER) {
             const int chunk = tid % CHUNKS, r0 = tid / CHUNKS;
 #pragma unroll
             for (int it = 0; it < OWNED_ROWS; ++it) {
-                const int r = r0 + it * ROW_STEP, off = 2 * tile_offset<BN, D>(r, chunk);
+                const int r = r0 + it * ROW_STEP, off = ring_offset(r, chunk);
                 load_row_chunk(blk, r, chunk, k_base + off, v_base + off, pages[it / GROUP]);
             }
         } else {
             for (int c = tid; c < BN * CHUNKS; c += THREADS) {
-                const int r = c / CHUNKS, chunk = c % CHUNKS, off = 2 * tile_offset<BN, D>(r, chunk);
+                const int r = c / CHUNKS, chunk = c % CHUNKS, off = ring_offset(r, chunk);
                 load_row_chunk(blk, r, chunk, k_base + off, v_base + off, page_at(blk, r));
             }
+        }
+    };
+    // An fp8 cache: ring stage `stage`'s e4m3 K and V tiles widened into the 16-bit tiles the MMAs
+    // read (each thread a 16-byte chunk of e4m3 at a time, two swizzled chunks out).
+    auto widen_stage = [&](int stage) {
+        for (int c = tid; c < 2 * BN * CHUNKS; c += THREADS) {
+            const bool key = c < BN * CHUNKS;
+            const int cc = key ? c : c - BN * CHUNKS, r = cc / CHUNKS, chunk = cc % CHUNKS;
+            const uint4 e4m3 = *reinterpret_cast<const uint4*>(smem_raw + (key ? T::OFF_K : T::OFF_V) +
+                                                               stage * T::STAGE_BYTES + ring_offset(r, chunk));
+            u16* tile = reinterpret_cast<u16*>(smem_raw + (key ? T::OFF_K16 : T::OFF_V16));
+            const uint2 w0 = widen_e4m3x4<BF16>(e4m3.x), w1 = widen_e4m3x4<BF16>(e4m3.y);
+            const uint2 w2 = widen_e4m3x4<BF16>(e4m3.z), w3 = widen_e4m3x4<BF16>(e4m3.w);
+            *reinterpret_cast<uint4*>(tile + tile_offset<BN, D>(r, 2 * chunk)) = make_uint4(w0.x, w0.y, w1.x, w1.y);
+            *reinterpret_cast<uint4*>(tile + tile_offset<BN, D>(r, 2 * chunk + 1)) = make_uint4(w2.x, w2.y, w3.x, w3.y);
         }
     };
 
@@ -283,9 +329,19 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         if (t + STAGES < n_steps) fetch_pages(blk0 + t + STAGES);
 
         const int blk = blk0 + t, stage = t % STAGES;
+        if constexpr (FP8) {
+            widen_stage(stage);
+            __syncthreads();  // the widened tiles are whole; the previous block's MMAs are past (the sync above)
+        }
         float acc_s[T::NTILES_S][4];
         zero(acc_s);
-        gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, smem_addr(sK + stage * T::KV_ELEMS), k_off, wn * KW);
+        gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
+        if constexpr (FP8) {  // the keys' dequantisation: q . k = (q . e4m3) k_descale
+#pragma unroll
+            for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[j][e] *= k_desc;
+        }
 
         const bool whole = blk >= blocks.full_begin && blk < blocks.full_end;
         if (Mods::ANY || !whole) {  // scores in the kernel's units, -inf where masked
@@ -302,7 +358,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         online_softmax_sm80(acc_s, acc_o, row_max, row_sum, a.scale_log2);
         u32 p_frag[T::KSTEPS_PV][4];
         acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
-        gemm_rs_nn<BF16>(acc_o, p_frag, smem_addr(sV + stage * T::KV_ELEMS), v_off, wn * KW);
+        gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: it holds the warps' outputs now
@@ -344,7 +400,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             o = make_float4(fmaf(weight, ow.x, o.x), fmaf(weight, ow.y, o.y), fmaf(weight, ow.z, o.z),
                             fmaf(weight, ow.w, o.w));
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l > 0.f ? v_desc / l : 0.f;  // v_desc: the values' dequantisation (1 unless fp8)
         const int i = row / a.group, h = hk * a.group + row % a.group;
         const float lse = row_lse_of(m, l, c);
         if (a.num_splits == 1) {

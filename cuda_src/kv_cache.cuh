@@ -16,6 +16,12 @@
 //   interleaved  (x[2p], x[2p+1])        -> (x cos - y sin, x sin + y cos) at cos[pos, p];
 //   half-split   (x[p], x[p + rd / 2])   -> the same pair rotation, p < rd / 2.
 // Columns at or past rotary_dim are left as they are.
+//
+// An fp8 cache (FP8) holds e4m3 bytes with a descale per (batch, kv head):
+// key = e4m3 * k_descale[b, hk] (values likewise). New keys and values arrive in
+// q's dtype and are stored as e4m3(x / descale), rounded to nearest even and
+// saturated at +-448 (after the rotation, whose result is rounded to q's dtype
+// first). The e4m3 conversions need sm_89 or later.
 #pragma once
 #include "common.cuh"
 
@@ -41,6 +47,8 @@ struct KVCacheArgs {
     const int* cu_seqlens_k;     // with it, batch b's cache holds cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
     const u16* rotary_cos;       // (rotary_rows, rotary_dim / 2), q's dtype; null without rotary
     const u16* rotary_sin;
+    const float* k_descale;      // an fp8 cache: (B, Hk) fp32 dequantisation scales; null: 1
+    const float* v_descale;
     int* splits_done;            // split keys: per (batch x Hk, row block), the split CTAs finished; 0 between launches
     long long q_sb, q_sn, q_sh;
     long long kc_sb, kc_sn, kc_sh;   // k_cache strides: batch (paged: page), position, head
@@ -177,28 +185,83 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
     return *reinterpret_cast<const uint4*>(y);
 }
 
+// The 16 values of two 8-element chunks in q's dtype, divided by `descale`, as e4m3 bytes (the
+// first chunk's in the low 8 bytes): round to nearest even, saturating at +-448.
+template <bool BF16>
+__device__ __forceinline__ uint4 quantize_e4m3(uint4 lo, uint4 hi, float descale) {
+    const u16* x[2] = {reinterpret_cast<const u16*>(&lo), reinterpret_cast<const u16*>(&hi)};
+    u32 out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const u16* src = x[w / 2] + 4 * (w % 2);
+        u16 pair[2];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const float e0 = __fdiv_rn(half_to_float(src[2 * p], BF16), descale);
+            const float e1 = __fdiv_rn(half_to_float(src[2 * p + 1], BF16), descale);
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair[p]) : "f"(e1), "f"(e0));
+        }
+        out[w] = (u32)pair[0] | ((u32)pair[1] << 16);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Four e4m3 bytes (the first in the lowest) as four values of q's dtype, exactly (e4m3 is a subset
+// of fp16 and of bf16).
+template <bool BF16>
+__device__ __forceinline__ uint2 widen_e4m3x4(u32 four) {
+    u32 h[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        const u16 pair = (u16)(four >> (16 * p));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[p]) : "h"(pair));
+        if constexpr (BF16) {
+            const float lo = half_to_float((u16)(h[p] & 0xffffu), false), hi = half_to_float((u16)(h[p] >> 16), false);
+            h[p] = pack2<true>(lo, hi);
+        }
+    }
+    return make_uint2(h[0], h[1]);
+}
+
+// The descale of batch b, kv head hk (1 without an fp8 cache or without the array).
+__device__ __forceinline__ float descale_of(const float* descale, const KVCacheArgs& a, int b, int hk) {
+    return descale != nullptr ? __ldg(descale + b * a.nheads_kv + hk) : 1.f;
+}
+
 // Writes batch b's new keys (rotated) and values of kv head hk into the cache:
 // new rows t = first, first + step, ... (one CTA's share), skipping positions
-// at or past the capacity.
-template <bool BF16, bool PAGED>
+// at or past the capacity. An fp8 cache takes them quantised, 16 to a chunk.
+template <bool BF16, bool FP8, bool PAGED>
 __device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int hk, const CacheSpan& span, int first,
                                                 int step, int tid, int threads) {
-    const int chunks = (a.d + 7) / 8;
+    constexpr int ELEMS = FP8 ? 16 : 8;  // per 16-byte chunk of a cache row
+    const int chunks = (a.d + ELEMS - 1) / ELEMS;
     const int rows = span.end - span.cache_len;
+    const float k_desc = FP8 ? descale_of(a.k_descale, a, b, hk) : 1.f;
+    const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
     for (int t = first; t < rows; t += step) {
         const int j = span.cache_len + t;
         const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
         const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
         const CachePos pos = cache_pos<PAGED>(a, span, j, PAGED ? page_of(a, b, j) : 0);
-        u16* k_dst = a.k_cache + pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh);
-        u16* v_dst = a.v_cache + pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh);
+        // Element offsets; an fp8 cache's elements are bytes.
+        const long long k_off = pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh);
+        const long long v_off = pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh);
         for (int c = tid; c < 2 * chunks; c += threads) {
-            if (c < chunks) {
-                *reinterpret_cast<uint4*>(k_dst + 8 * c) = load_rotated_chunk<BF16>(a, k_row, 8 * c, j);
+            const bool key = c < chunks;
+            const int col = ELEMS * (key ? c : c - chunks);
+            uint4 chunk;
+            if constexpr (FP8) {
+                chunk = key ? quantize_e4m3<BF16>(load_rotated_chunk<BF16>(a, k_row, col, j),
+                                                  load_rotated_chunk<BF16>(a, k_row, col + 8, j), k_desc)
+                            : quantize_e4m3<BF16>(*reinterpret_cast<const uint4*>(v_row + col),
+                                                  *reinterpret_cast<const uint4*>(v_row + col + 8), v_desc);
             } else {
-                const int cv = c - chunks;
-                *reinterpret_cast<uint4*>(v_dst + 8 * cv) = *reinterpret_cast<const uint4*>(v_row + 8 * cv);
+                chunk = key ? load_rotated_chunk<BF16>(a, k_row, col, j) : *reinterpret_cast<const uint4*>(v_row + col);
             }
+            unsigned char* dst = reinterpret_cast<unsigned char*>(key ? a.k_cache : a.v_cache) +
+                                 (FP8 ? 1 : 2) * ((key ? k_off : v_off) + col);
+            *reinterpret_cast<uint4*>(dst) = chunk;
         }
     }
 }

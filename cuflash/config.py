@@ -431,12 +431,14 @@ class DecodeConfig:
     warps_m: warps splitting the packed (query, head) rows, 16 rows each.
     warps_n: warps splitting each stage's keys.
     stages: key blocks in the cp.async ring.
+    fp8: the cache holds e4m3 (the ring holds e4m3 rows, widened a stage at a time).
     """
 
     headdim: int
     warps_m: int
     warps_n: int
     stages: int
+    fp8: bool = False
 
     family = "decode_sm80"
     BLOCK_N = 64  # DecodeTraits::BN
@@ -450,8 +452,13 @@ class DecodeConfig:
         return 32 * self.warps_m * self.warps_n
 
     def smem_layout(self) -> dict[str, int]:
-        """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit)."""
-        return _q_and_kv_ring_layout(self.block_m, self.BLOCK_N, self.stages, self.headdim)
+        """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit); with an fp8 cache the
+        ring's tiles are e4m3, and a 16-bit K and V tile follow them."""
+        if not self.fp8:
+            return _q_and_kv_ring_layout(self.block_m, self.BLOCK_N, self.stages, self.headdim)
+        tile = self.BLOCK_N * self.headdim
+        return _layout(("Q", 2 * self.block_m * self.headdim), ("K", self.stages * tile), ("V", self.stages * tile),
+                       ("K16", 2 * tile), ("V16", 2 * tile))
 
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]
@@ -467,17 +474,26 @@ class DecodeConfig:
                 and 4 * (DECODE_MAX_SPLITS + 1) * self.block_m <= ring)
 
     def traits(self) -> str:
-        return f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.warps_n}, {self.stages}>"
+        return (f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.warps_n}, {self.stages}, "
+                f"{_cpp_bool(self.fp8)}>")
 
     def name_expression(self, dtype_name: str, paged: bool, causal: bool, mods: int = 0) -> str:
         if dtype_name not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
         args = [self.headdim, self.warps_m, self.warps_n, self.stages, _cpp_bool(dtype_name == "bfloat16"),
-                _cpp_bool(paged), _cpp_bool(causal), mods]
+                _cpp_bool(self.fp8), _cpp_bool(paged), _cpp_bool(causal), mods]
         return "cuflash::decode_kernel<" + ", ".join(str(a) for a in args) + ">"
 
+    @staticmethod
+    def reads_fp8(name: str) -> bool:
+        """Whether a kernel name expression is a decoding kernel over an fp8 cache (its FP8 argument)."""
+        if not name.startswith("cuflash::decode_kernel<"):
+            return False
+        return name[name.index("<") + 1:-1].split(",")[5].strip() == "true"
+
     def short_name(self) -> str:
-        return f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_w{self.warps_m * self.warps_n}_s{self.stages}"
+        return (f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_w{self.warps_m * self.warps_n}_s{self.stages}"
+                + ("_e4m3" if self.fp8 else ""))
 
 
 # combine_kernel's OUT template argument per output dtype (cuda_src/combine.cuh).

@@ -21,7 +21,7 @@ from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
              "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "cu_seqlens_q", "cu_seqlens_k",
-             "rotary_cos", "rotary_sin", "splits_done")
+             "rotary_cos", "rotary_sin", "k_descale", "v_descale", "splits_done")
 _STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
             "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
 _INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "total_q", "cache_len_all", "capacity", "cache_rows",

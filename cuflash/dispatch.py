@@ -344,6 +344,9 @@ def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
 # against 2069 / 2399 / 2095 for rings of 64 / 128 / 192 KB; GQA batch 1 128k
 # 2503 against 2055 / 2481 / 2280; MHA batch 8 8k 3010 against 3080 / 2954 / 2717.
 DECODE_RING_BYTES = 96 * 1024
+# The same for an e4m3 cache, whose shared memory also holds one widened 16-bit K and V tile: 64 KB
+# keeps two CTAs of head dim 128 on an SM (4 stages, 100 KB).
+DECODE_RING_BYTES_FP8 = 64 * 1024
 # One row warp per stage's 64 keys holds 16 x 64 scores next to its 16 x D output: past head dim 160
 # that spills (head dim 256: 48 bytes), so larger head dims keep two row warps.
 MAX_HEADDIM_4_ROW_WARPS = 160
@@ -367,19 +370,20 @@ MIN_BLOCKS_PER_SPLIT = 4
 SPLIT_WAVE_EFFICIENCY = 0.95
 
 
-def decode_config(headdim: int, rows: int, max_smem: int) -> DecodeConfig:
-    """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head."""
+def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False) -> DecodeConfig:
+    """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head (fp8: an e4m3
+    cache)."""
     kd = kernel_headdim(headdim)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
     warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS else 4 // warps_m
-    per_stage = 2 * DecodeConfig.BLOCK_N * kd * 2
-    stages = max(2, min(8, DECODE_RING_BYTES // per_stage))
+    per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
+    stages = max(2, min(8, (DECODE_RING_BYTES_FP8 if fp8 else DECODE_RING_BYTES) // per_stage))
     # Where the preferred tile does not fit (small shared memory: 99 KB on sm_86/89), fewer stages,
     # then 4 warps, then fewer row warps.
     tiles = [(warps_m, warps_n), (warps_m, 4 // warps_m), *((m, 4 // m) for m in (2, 1) if m < warps_m)]
     for m, n in tiles:
         for s in range(stages, 1, -1):
-            cfg = DecodeConfig(kd, m, n, s)
+            cfg = DecodeConfig(kd, m, n, s, fp8)
             if cfg.is_valid() and cfg.smem_bytes() <= max_smem:
                 return cfg
     raise RuntimeError(f"cuflash: no decoding kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")

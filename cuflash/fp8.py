@@ -29,6 +29,20 @@ def is_e4m3(dtype) -> bool:
     return dtype == numpy.uint8 or (_E4M3 is not None and dtype == _E4M3)
 
 
+def check_descale(name: str, x, batch: int, nheads_kv: int, device) -> None:
+    """A descale factor: a float32 CuPy array of shape (batch, nheads_kv) on `device`."""
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+    if x.shape != (batch, nheads_kv):
+        raise ValueError(f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)}, got {x.shape}")
+    if x.dtype != numpy.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
+
+
 def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: int, fp8: bool, device):
     """The three descale factors as float32 (batch, nheads_kv) arrays on `device` (ones where None).
 
@@ -49,14 +63,7 @@ def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: in
             with device:
                 out.append(cupy.ones((batch, nheads_kv), dtype=cupy.float32))
             continue
-        if not isinstance(x, cupy.ndarray):
-            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
-        if x.shape != (batch, nheads_kv):
-            raise ValueError(f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)}, got {x.shape}")
-        if x.dtype != numpy.float32:
-            raise TypeError(f"{name} must be float32, got {x.dtype}")
-        if x.device != device:
-            raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
+        check_descale(name, x, batch, nheads_kv, device)
         out.append(cupy.ascontiguousarray(x))
     return tuple(out)
 

@@ -17,17 +17,21 @@ import numpy
 from . import dispatch, score_mods, validate
 from .arrays import aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous
 from .decode_launch import DecodeLaunch
-from .device import SMEM_RESERVED_PER_CTA, cupy, max_smem_per_block, max_smem_per_sm, sm_count
+from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
+from .fp8 import check_descale, is_e4m3
 from .launch import require_not_capturing, stream_state
 from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
 
 PAGE_MULTIPLE = 16  # page_size granularity (the kernel's 16-row MMA key tiles never straddle pages)
+FP8_HEADDIM_MULTIPLE = 16  # an fp8 cache row is read in 16-byte chunks of 16 e4m3 values
+FP8_MIN_CAPABILITY = 89  # cvt between e4m3 and f16/f32 (PTX ISA: sm_89)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, out=None, lse=None):
+                           softcap=0.0, alibi_slopes=None, k_descale=None, v_descale=None, num_splits=0,
+                           return_lse=False, out=None, lse=None):
     """Attention of q over a KV cache, appending new keys and values in place first.
 
     q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16.
@@ -47,23 +51,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     and + t; interleaved pairs (GPT-J) or halves (GPT-NeoX) with rotary_interleaved.
     causal, window_size, softcap, alibi_slopes, softmax_scale: as `cuflash.attention`, with
     seqlen_k = the attended keys of each batch (bottom-right aligned).
+    An fp8 cache (sm_89 and later): k_cache and v_cache hold e4m3 (uint8 bits or ml_dtypes'
+    float8_e4m3fn), key = e4m3 * k_descale[b, hk] (values likewise); k_descale, v_descale
+    float32 (batch, nheads_kv), None meaning 1. New k and v, in q's dtype, are stored as
+    e4m3(x / descale), rounded to nearest even and saturated at +-448 (keys after rotary,
+    rounded to q's dtype first). Head dim a multiple of 16.
     num_splits: 0 chooses; n >= 1 splits each batch's keys n ways.
     out: optional output (q's shape and dtype, 16-byte aligned).
     lse: optional float32 (batch, nheads, seqlen_q) C-contiguous array to write the logsumexp to.
     Returns out, or (out, lse) with return_lse or lse= (lse float32 (batch, nheads, seqlen_q)).
     """
+    descales = (k_descale, v_descale)
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                     rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, num_splits, return_lse, out, lse)
+                    alibi_slopes, descales, num_splits, return_lse, out, lse)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         return plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                         rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
+                         rotary_cos, rotary_sin, alibi_slopes, descales, return_lse, out, lse)
     plan = _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                       rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                      alibi_slopes, num_splits, out, lse)
+                      alibi_slopes, descales, num_splits, out, lse)
     result = plan.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                       rotary_cos, rotary_sin, alibi_slopes, return_lse, out, lse)
+                       rotary_cos, rotary_sin, alibi_slopes, descales, return_lse, out, lse)
     if key is not None:
         _plans.store(key, plan)
     return result
@@ -88,12 +98,12 @@ class _Plan:
     copy_rotary: bool
 
     def call(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-             rotary_cos, rotary_sin, slopes, return_lse, out, lse):
+             rotary_cos, rotary_sin, slopes, descales, return_lse, out, lse):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with cp.cuda.Device(self.device_id):
                 return self.call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                                 block_table, rotary_cos, rotary_sin, slopes, return_lse, out, lse)
+                                 block_table, rotary_cos, rotary_sin, slopes, descales, return_lse, out, lse)
         cache_len_all, seqlens = _cache_lengths(cache_seqlens, self)
         if type(cache_batch_idx) is numpy.ndarray:
             cache_batch_idx = cp.asarray(cache_batch_idx)
@@ -120,7 +130,7 @@ class _Plan:
         # POINTER_FIELDS order up to splits_done; partial_o, partial_lse and splits_done are the launch's.
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
                      _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), 0, 0,
-                     _ptr(rotary_cos), _ptr(rotary_sin))
+                     _ptr(rotary_cos), _ptr(rotary_sin), _ptr(descales[0]), _ptr(descales[1]))
         stream = cp.cuda.get_current_stream().ptr
         if launch.num_splits > 1:
             state = stream_state(self.device_id, stream)
@@ -178,9 +188,9 @@ def _int_vector(name: str, x, batch: int, upper: int | None = None):
 
 
 def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_idx=None, cache_leftpad=None,
-                     names=("k_cache", "v_cache")) -> tuple[str, bool, int]:
-    """(dtype name, paged, capacity) of valid q (4 dims) and cache arrays: `batch` sequences, block_table
-    (batch, max_pages) for a paged cache."""
+                     names=("k_cache", "v_cache")) -> tuple[str, bool, int, bool]:
+    """(dtype name, paged, capacity, fp8) of valid q (4 dims) and cache arrays: `batch` sequences,
+    block_table (batch, max_pages) for a paged cache; fp8: the cache holds e4m3."""
     kname, vname = names
     for name, x in (("q", q), (kname, k_cache), (vname, v_cache)):
         validate.require_cupy_array(name, x)
@@ -194,10 +204,18 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {validate.MAX_HEADDIM}, got {headdim}")
     if not last_dim_contiguous(q):
         raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
+    fp8_cache = is_e4m3(k_cache.dtype)
+    if fp8_cache:
+        _check_fp8_cache(q, k_cache, v_cache, kname, vname)
     for cname, x in ((kname, k_cache), (vname, v_cache)):
-        validate.companion(cname, x, q)
+        if fp8_cache:
+            validate.same_device(cname, x, q)
+            if not last_dim_contiguous(x):
+                raise ValueError(f"{cname} must be contiguous in its last dim (headdim), got strides {x.strides}")
+        else:
+            validate.companion(cname, x, q)
         if not is_aligned(x):
-            raise ValueError(f"{cname} must be 16-byte aligned with strides that are multiples of 8 elements "
+            raise ValueError(f"{cname} must be 16-byte aligned with strides that are multiples of 16 bytes "
                              "(it is read in place, never copied)")
     if k_cache.shape[3] != headdim:
         raise ValueError(f"{kname} must have q's head dim {headdim}, got shape {k_cache.shape}")
@@ -213,7 +231,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         if cache_batch_idx is None and cache_rows < batch:
             raise ValueError(f"{kname} must have at least q's batch size {batch} rows without cache_batch_idx, "
                              f"got shape {k_cache.shape}")
-        return name, False, cache_n
+        return name, False, cache_n, fp8_cache
     validate.require_cupy_array("block_table", block_table)
     if block_table.dtype != numpy.int32:
         raise TypeError(f"block_table must be int32, got {block_table.dtype}")
@@ -228,7 +246,32 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     for name_, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
             raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
-    return name, True, block_table.shape[1] * cache_n
+    return name, True, block_table.shape[1] * cache_n, fp8_cache
+
+
+def _check_fp8_cache(q, k_cache, v_cache, kname: str, vname: str) -> None:
+    """An e4m3 cache: both halves e4m3, a head dim of whole 16-byte chunks, a GPU with e4m3 conversions."""
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{vname} must have {kname}'s dtype {k_cache.dtype} (an fp8 cache), got {v_cache.dtype}")
+    if q.shape[3] % FP8_HEADDIM_MULTIPLE != 0:
+        raise ValueError(f"{kname}: an fp8 cache needs a head dim that is a multiple of {FP8_HEADDIM_MULTIPLE}, "
+                         f"got {q.shape[3]}")
+    capability = compute_capability(q.device.id)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(f"{kname}: an fp8 (e4m3) cache needs compute capability {FP8_MIN_CAPABILITY // 10}."
+                         f"{FP8_MIN_CAPABILITY % 10} or later, device {q.device.id} is {capability // 10}."
+                         f"{capability % 10}")
+
+
+def _check_descales(k_descale, v_descale, fp8_cache: bool, batch: int, nheads_kv: int, q) -> None:
+    for name_, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            continue
+        if not fp8_cache:
+            raise ValueError(f"{name_} applies to an fp8 (e4m3) cache only")
+        check_descale(name_, x, batch, nheads_kv, q.device)
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name_} must be C-contiguous, got strides {x.strides}")
 
 
 def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, alibi_slopes, seqlen_q: int,
@@ -247,13 +290,14 @@ def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, a
 
 def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
                rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
-               num_splits, out, lse=None) -> _Plan:
+               descales, num_splits, out, lse=None) -> _Plan:
     validate.require_cupy_array("q", q)
     batch = q.shape[0] if q.ndim == 4 else 0
-    name, paged, capacity = _query_and_cache(q, k_cache, v_cache, block_table, batch, cache_batch_idx,
-                                             cache_leftpad)
+    name, paged, capacity, fp8_cache = _query_and_cache(q, k_cache, v_cache, block_table, batch, cache_batch_idx,
+                                                        cache_leftpad)
     batch, seqlen_q, nheads, headdim = q.shape
     cache_rows, nheads_kv = k_cache.shape[0], k_cache.shape[2]
+    _check_descales(*descales, fp8_cache, batch, nheads_kv, q)
 
     n_new = 0
     if (k is None) != (v is None):
@@ -339,7 +383,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
-    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id))
+    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache)
     row_blocks = -(-max(rows, 1) // cfg.block_m)
     if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
         raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
@@ -361,8 +405,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
 
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-              rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes, num_splits,
-              return_lse, out, lse):
+              rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes, descales,
+              num_splits, return_lse, out, lse):
     """The plan key of a call, or None where only the full path applies."""
     ndarray = ndarray_type()
     if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray:
@@ -378,7 +422,7 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
         return None  # NumPy lengths: checked per call on the full path
     arrays = []
     for x in (q, k_cache, v_cache, k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-              alibi_slopes, out, lse):
+              alibi_slopes, *descales, out, lse):
         if x is None:
             arrays.append(None)
         elif type(x) is ndarray:
@@ -398,7 +442,11 @@ def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
     Returns (out, lse (H, total_q))."""
     total_q, nheads, headdim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
-    name, _, capacity = _query_and_cache(q[None], k_cache, v_cache, block_table, num_seqs, names=("k", "v"))
+    name, _, capacity, fp8_cache = _query_and_cache(q[None], k_cache, v_cache, block_table, num_seqs,
+                                                    names=("k", "v"))
+    if fp8_cache:
+        raise TypeError("k: attention_varlen reads a paged cache of q's dtype; an fp8 cache is read by "
+                        "attention_with_kvcache")
     causal, mods, scale = _score_options(q, num_seqs, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                          max_seqlen_q, capacity)
     if host_key_lengths is not None:
@@ -422,6 +470,6 @@ def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
                               {"q": elem_strides(q_[None]), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
                                "o": elem_strides(out[None])}, block_table, None, 1, scale, device_id, total_q=total_q)
         addresses = (q_.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0, 0, out.data.ptr, lse.data.ptr, 0, 0, 0, 0, 0,
-                     block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0)
+                     block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0, 0, 0)
         launch.run(addresses, 0, _ptr(alibi_slopes), cp.cuda.get_current_stream().ptr)
     return out, lse

@@ -530,9 +530,16 @@ def _host(x):
     return None if x is None else np.asarray(x.get() if hasattr(x, "get") else x)
 
 
+def kvcache_quantize(x, descale):
+    """New keys or values x (n, nheads_kv, headdim) in q's dtype as an fp8 cache stores them: e4m3
+    bits of float32(x) / descale (nheads_kv,), rounded to nearest even, saturated at +-448."""
+    scaled = np.asarray(x, np.float32) / np.asarray(descale, np.float32)[None, :, None]
+    return np.clip(scaled, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
 def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                       cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
-                      rotary_interleaved=True, alibi_slopes=None):
+                      rotary_interleaved=True, alibi_slopes=None, k_descale=None, v_descale=None):
     """The append of `attention_with_kvcache` and what each batch then attends.
 
     Returns (k_cache_after, v_cache_after, sequences): the caches after the call,
@@ -543,8 +550,15 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new) in the cache's
     dtype, (1, nheads) ALiBi slopes or None). A paged cache is (num_pages,
     page_size, nheads_kv, headdim) with block_table (batch, max_pages).
+    An fp8 cache (uint8 e4m3 bits) stores new keys and values as `kvcache_quantize` does
+    (keys rotated and rounded to q's dtype first); its keys and values attend as float64
+    e4m3 * k_descale[b] (v_descale[b]), descales float32 (batch, nheads_kv), None meaning 1.
     """
     q, k_cache, v_cache, k, v = (_host(x) for x in (q, k_cache, v_cache, k, v))
+    fp8 = k_cache.dtype == np.uint8
+    batch, nheads_kv = q.shape[0], k_cache.shape[2]
+    k_descale, v_descale = (np.ones((batch, nheads_kv), np.float32) if x is None else _host(x)
+                            for x in (k_descale, v_descale))
     cache_batch_idx, cache_leftpad, block_table = (_host(x) for x in (cache_batch_idx, cache_leftpad, block_table))
     rotary_cos, rotary_sin, alibi_slopes = (_host(x) for x in (rotary_cos, rotary_sin, alibi_slopes))
     batch, seqlen_q, nheads, headdim = q.shape
@@ -568,13 +582,21 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
             new_k = k[b].astype(np.float64)
             if rotary_cos is not None:
                 new_k = apply_rotary(new_k, rotary_cos, rotary_sin, length + np.arange(n_new), rotary_interleaved)
+            if fp8:
+                new_k = kvcache_quantize(new_k.astype(k.dtype), k_descale[b])
+                new_v = kvcache_quantize(v[b], v_descale[b])
+            else:
+                new_k, new_v = new_k.astype(k_cache.dtype), v[b]
             for t in range(n_new):
                 unit, row = places[length + t]
-                k_after[unit, row] = new_k[t].astype(k_cache.dtype)
-                v_after[unit, row] = v[b, t]
+                k_after[unit, row] = new_k[t]
+                v_after[unit, row] = new_v[t]
         attended = places[0 if cache_leftpad is None else int(cache_leftpad[b]):length + n_new]
         keys = np.array([k_after[u, r] for u, r in attended], k_cache.dtype).reshape(-1, *k_cache.shape[2:])
         values = np.array([v_after[u, r] for u, r in attended], v_cache.dtype).reshape(-1, *v_cache.shape[2:])
+        if fp8:
+            keys = fp8_dequantize(keys[None], k_descale[b][None])[0]
+            values = fp8_dequantize(values[None], v_descale[b][None])[0]
         qb = q[b].astype(np.float64)
         if rotary_cos is not None:  # rounded to q's dtype, as the new keys are in the cache
             qb = apply_rotary(qb, rotary_cos, rotary_sin, length + np.arange(seqlen_q), rotary_interleaved)
@@ -589,7 +611,7 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, softmax_scale=None, lowp_dtype=None):
+                           alibi_slopes=None, softmax_scale=None, k_descale=None, v_descale=None, lowp_dtype=None):
     """`cuflash.attention_with_kvcache` in float64: (out, lse, k_cache_after, v_cache_after).
 
     The append and the attended keys are `kvcache_sequences`'; each batch is
@@ -599,7 +621,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     k_after, v_after, sequences = kvcache_sequences(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes)
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
     batch, seqlen_q, nheads, _ = q.shape
     out = np.zeros(q.shape, np.float64)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)

@@ -4,6 +4,7 @@ constants Python reads from them. (Shared-memory layouts: tests/test_smem_layout
 import pytest
 
 from cuflash import compile as cf_compile
+from cuflash import dispatch
 from cuflash.config import KERNEL_HEADDIMS, kernel_headdim
 from cuflash.dispatch import HEURISTIC_FWD
 
@@ -70,6 +71,8 @@ def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
 
     both = ["sm_80", "sm_90"]
     assert targets("bwd_sm80", "cuflash::bwd_preprocess_kernel<0, false, 8>", 64, both) == both
-    assert targets("decode_sm80", "cuflash::decode_kernel<128, 2, 4, 3, 0, 0, 0, 0>", 128, both) == both
+    assert targets("decode_sm80", "cuflash::decode_kernel<128, 2, 4, 3, 0, 0, 0, 0, 0>", 128, both) == both
+    fp8_cache = dispatch.decode_config(128, 1, 227 * 1024, fp8=True).name_expression("float16", True, False)
+    assert targets("decode_sm80", fp8_cache, 128, both) == ["sm_90"]  # e4m3 conversions: sm_89 and later
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, both) == ["sm_90a"]
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []

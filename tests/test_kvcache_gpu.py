@@ -29,9 +29,16 @@ def _ulp_distance(a, b):
     return int(np.abs(ai - bi).max(initial=0))
 
 
+def _e4m3_code_distance(a, b):
+    """Largest distance between two arrays of e4m3 codes (uint8) of equal signs: codes of one sign
+    are ordered by magnitude."""
+    assert np.array_equal(a & 0x80, b & 0x80) or np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1
+    return int(np.abs((a & 0x7F).astype(np.int32) - (b & 0x7F).astype(np.int32)).max(initial=0))
+
+
 def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, headdim=128, capacity=300,
              n_new=1, page_size=None, rotary=None, leftpad=False, batch_idx=False, lengths="random",
-             num_splits=0, host_lengths=False, **options):
+             num_splits=0, host_lengths=False, fp8=False, **options):
     group_rows = batch + 2 if batch_idx else batch
     q = randn(rng, (batch, seqlen_q, nheads, headdim), dtype)
     if page_size is None:
@@ -44,8 +51,15 @@ def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=
         block_table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
         block_table = block_table.astype(np.int32)
         capacity = pages_per_seq * page_size
-    k_cache = randn(rng, cache_shape, dtype)
-    v_cache = randn(rng, cache_shape, dtype)
+    if fp8:  # e4m3 codes of values up to ~ +-16, a descale per (batch, kv head) of magnitude ~ 0.1
+        rows = (cache_shape[0] * cache_shape[1], *cache_shape[2:])
+        k_cache, v_cache = (reference.kvcache_quantize(4 * randn(rng, rows, np.float32), np.ones(nheads_kv))
+                            .reshape(cache_shape) for _ in range(2))
+        options["k_descale"], options["v_descale"] = (rng.uniform(0.02, 0.3, (batch, nheads_kv)).astype(np.float32)
+                                                      for _ in range(2))
+    else:
+        k_cache = randn(rng, cache_shape, dtype)
+        v_cache = randn(rng, cache_shape, dtype)
     k_new = randn(rng, (batch, n_new, nheads_kv, headdim), dtype) if n_new else None
     v_new = randn(rng, (batch, n_new, nheads_kv, headdim), dtype) if n_new else None
     if lengths == "random":
@@ -82,6 +96,13 @@ def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=
     assert result is out
     assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
     check_lse(lse, ref_lse)
+    if fp8:
+        if rotary is None:
+            np.testing.assert_array_equal(kc.get(), k_after)
+        else:  # one rounding apart in q's dtype (below) can move the e4m3 code by one
+            assert _e4m3_code_distance(kc.get(), k_after) <= 1
+        np.testing.assert_array_equal(vc.get(), v_after)
+        return
     if rotary is None:
         np.testing.assert_array_equal(kc.get().view(np.int16), k_after.view(np.int16))
     else:  # rotated in fp32 by the kernel, in float64 by the reference: at most one rounding apart
@@ -257,6 +278,29 @@ def test_combine_partials(headdim):
     assert merged.dtype == np.float16
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("group", [1, 8, 32])  # 1, 8 and 32 packed rows: 4-warp and 8-warp tiles
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache(dtype, group, paged):
+    """An e4m3 cache with per-(batch, kv head) descales: the new keys quantised in place."""
+    run_case(np.random.default_rng(group + 7 * paged), dtype=dtype, fp8=True, nheads=group * (1 if group == 32 else 2),
+             nheads_kv=1 if group == 32 else 2, capacity=517, n_new=2, seqlen_q=1,
+             page_size=32 if paged else None)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("speculative", dict(seqlen_q=5, n_new=5, causal=True)),
+    ("rotary", dict(seqlen_q=3, n_new=3, causal=True, rotary="half", interleaved=False)),
+    ("splits", dict(num_splits=5, capacity=1100, nheads=32, nheads_kv=1)),
+    ("splits_merged", dict(num_splits=3, capacity=1100)),
+    ("options", dict(seqlen_q=3, n_new=3, window_size=(64, -1), causal=True, softcap=3.0, alibi=True)),
+    ("leftpad", dict(leftpad=True, batch_idx=True)),
+    ("headdim64", dict(headdim=64, seqlen_q=2, n_new=2, causal=True)),
+])
+def test_fp8_cache_options(name, options):
+    run_case(np.random.default_rng(len(name)), fp8=True, **{"capacity": 400, **options})
+
+
 @pytest.mark.parametrize("change, arg", [
     (dict(k_cache=lambda c: c[..., ::2]), "k_cache"),
     (dict(paged_page_size=24), "page_size"),
@@ -268,6 +312,8 @@ def test_combine_partials(headdim):
     (dict(v=None), "v"),
     (dict(rotary_cos=lambda c: c[:, :3]), "rotary_cos"),
     (dict(rotary_sin=None), "rotary_sin"),
+    (dict(k_descale=lambda _: cupy.ones((2, 2), np.float32)), "k_descale"),  # an fp16 cache
+    (dict(k_cache=lambda c: c.view(np.uint8)[..., :64]), "v_cache"),  # fp8 keys, fp16 values
 ])
 def test_bad_input(change, arg):
     rng = np.random.default_rng(10)
@@ -280,7 +326,7 @@ def test_bad_input(change, arg):
     for name, fn in change.items():
         if name == "paged_page_size":
             continue
-        args[name] = fn(args[name]) if callable(fn) else fn
+        args[name] = fn(args.get(name)) if callable(fn) else fn
     with pytest.raises((ValueError, TypeError), match=mentions(arg)):
         cuflash.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("k"),
                                        args.pop("v"), **args)

@@ -36,7 +36,7 @@ def test_wheel_carries_kernels_and_license(wheel):
 _COMPILE_ONE = """
 import cuflash, cuflash.compile as c
 assert "site-packages" in cuflash.__file__, cuflash.__file__
-report = c.compile_report("decode_sm80", "cuflash::decode_kernel<128, 1, 4, 3, false, false, false, 0>", "sm_80")
+report = c.compile_report("decode_sm80", "cuflash::decode_kernel<128, 1, 4, 3, false, false, false, false, 0>", "sm_80")
 assert report.ok, report.log
 print("compiled", report.registers, "registers")
 """

@@ -15,6 +15,8 @@ read (bytes / time) and microseconds per call:
 * ``append+rotary``: the same step as ``cuflash`` (over the same N keys) with
   its last seqlen_q keys and values new: rotated (half-split rotary over the
   whole head dim) and appended in place by the same call;
+* ``fp8``: the same step over an e4m3 cache of the same shape (half the
+  bytes; its GB/s count those bytes), on GPUs of compute capability 8.9 and later;
 * ``torch-flash`` / ``torch-cudnn``: torch SDPA's backends on the same
   contiguous cache (``enable_gqa``), the call a torch model makes;
 * ``copy``: the device's copy rate (bytes read + written per second of a
@@ -32,6 +34,8 @@ import cupy
 
 import cuflash
 from cuflash import timing
+from cuflash.device import compute_capability
+from cuflash.kv_cache import FP8_MIN_CAPABILITY
 
 from .libs import Skip, TorchEvents
 from .measure import device_info, first_dtype, log, optional_torch
@@ -73,6 +77,16 @@ class Step:
         angles = cupy.arange(cache)[:, None] * 10000.0 ** (-cupy.arange(HEADDIM // 2) / (HEADDIM // 2))
         self.cos, self.sin = cupy.cos(angles).astype(dtype), cupy.sin(angles).astype(dtype)
         self.old_seqlens = cupy.full(batch, cache - seqlen_q, cupy.int32)
+
+    def fp8(self):
+        """The step over an e4m3 cache of the same shape: random codes (NaN's excluded), descales 1/16."""
+        rng = cupy.random.default_rng(1)
+        batch, nheads_kv = self.k.shape[0], self.k.shape[2]
+        k8, v8 = (rng.integers(0, 0x7F, self.k.shape, dtype=cupy.uint8) | (rng.integers(0, 2, self.k.shape,
+                  dtype=cupy.uint8) << 7) for _ in range(2))
+        k_descale, v_descale = (cupy.full((batch, nheads_kv), 1 / 16, cupy.float32) for _ in range(2))
+        return lambda: cuflash.attention_with_kvcache(self.q, k8, v8, cache_seqlens=self.seqlens, causal=self.causal,
+                                                      k_descale=k_descale, v_descale=v_descale, out=self.out)
 
     def contiguous(self):
         return lambda: cuflash.attention_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.seqlens,
@@ -133,6 +147,7 @@ def run(args) -> int:
     log(f"device copy rate: {copy_gbs:.0f} GB/s")
     l2_bytes = device_info()["l2_bytes"]
     batches, caches = (QUICK_BATCHES, QUICK_CACHES) if args.quick else (BATCHES, CACHES)
+    fp8_cache = compute_capability(cupy.cuda.Device().id) >= FP8_MIN_CAPABILITY
     rows, failed = [], False
     for kind, nheads_kv in KV_HEADS.items():
         for batch in batches:
@@ -147,6 +162,8 @@ def run(args) -> int:
                            "append+rotary": timing.Calls([s.append() for s in steps])}
                 for page_size in PAGE_SIZES:
                     entries[f"paged{page_size}"] = timing.Calls([s.paged(page_size) for s in steps])
+                if fp8_cache:
+                    entries["fp8"] = timing.Calls([s.fp8() for s in steps])
                 results = {}
                 if torch is not None and not args.no_peers:
                     for backend in ("flash", "cudnn"):
@@ -160,7 +177,8 @@ def run(args) -> int:
                 row = {"kv": kind, "batch": batch, "cache": cache, "MB": round(step.bytes / 1e6)}
                 for name, result in results.items():
                     if "ms" in result:
-                        row[name] = (round(step.bytes / (result["ms"] * 1e-3) / 1e9), round(result["ms"] * 1e3, 1))
+                        read = step.bytes // 2 if name == "fp8" else step.bytes
+                        row[name] = (round(read / (result["ms"] * 1e-3) / 1e9), round(result["ms"] * 1e3, 1))
                     else:
                         row[name] = None
                 row["copy"] = round(copy_gbs)
@@ -190,7 +208,7 @@ def _check(torch, step: Step, entries, kind, batch, cache) -> bool:
 def _print(rows) -> None:
     from tabulate import tabulate
 
-    names = ["cuflash", "append+rotary", "paged16", "paged64", "paged256", "torch-flash", "torch-cudnn"]
+    names = ["cuflash", "append+rotary", "paged16", "paged64", "paged256", "fp8", "torch-flash", "torch-cudnn"]
     table = []
     for row in rows:
         line = [row["kv"], row["batch"], row["cache"], row["MB"]]

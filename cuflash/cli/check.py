@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .. import compile as _compile
 from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS, SM90_SMEM_LIMIT, BwdConfig,
-                      combine_name)
+                      DecodeConfig, combine_name)
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_headdim,
                         hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
@@ -61,6 +61,10 @@ DECODE_ROWS = (1, 32, 64)
 # Head dims whose decoding kernels compile with every score option (the others: plain and causal,
 # the options' code being the same template at every head dim): CI's compile time stays in bounds.
 DECODE_MODS_HEADDIMS = (64, 128, 256)
+# Head dims of the decoding kernels over an fp8 (e4m3) cache, which compile for sm_90 alone (the
+# e4m3 conversions need sm_89): every tile, both q dtypes, contiguous and paged, causal or not; the
+# score options with bf16 and a paged cache.
+DECODE_FP8_HEADDIMS = (64, 128)
 
 
 def shipped_specialisations():
@@ -153,10 +157,12 @@ def _add_score_option_variants(add) -> None:
 
 def _add_decode_variants(add) -> None:
     """The decoding kernel at every head dim and row tile, both dtypes, contiguous and paged caches,
-    causal or not; with score options for one dtype and the paged cache (DECODE_MODS_HEADDIMS); the
-    combine kernels."""
-    for kd, rows in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS):
-        cfg = decode_config(kd, rows, SM90_SMEM_LIMIT)
+    causal or not; with score options for one dtype and the paged cache (DECODE_MODS_HEADDIMS); over
+    an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
+    for kd, rows, fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS, (False, True)):
+        if fp8 and kd not in DECODE_FP8_HEADDIMS:
+            continue
+        cfg = decode_config(kd, rows, SM90_SMEM_LIMIT, fp8)
         for dtype_name, paged, causal in itertools.product(DTYPE_NAMES, (False, True), (False, True)):
             add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
         if kd in DECODE_MODS_HEADDIMS:
@@ -192,6 +198,8 @@ def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]
     tied = _compile.FAMILY_ARCH.get(family)
     if tied is not None:  # the Hopper families: sm_90a, when sm_90 is asked for
         return [tied] if any(tied.startswith(arch) for arch in archs) else []
+    if DecodeConfig.reads_fp8(name):  # runs where e4m3 converts: of the targets built here, sm_90
+        return [arch for arch in archs if arch.startswith("sm_90")]
     return [arch for arch in archs if not (arch.startswith("sm_90") and hopper_replaces(name, headdim))]
 
 
