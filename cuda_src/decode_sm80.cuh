@@ -61,15 +61,14 @@ struct DecodeTraits {
     static constexpr int STAGE_BYTES = CACHE_BYTES * KV_ELEMS;  // one ring stage of K (or V)
     static constexpr int CHUNK_ELEMS = 16 / CACHE_BYTES;        // cached elements per 16-byte chunk
     // Shared memory (byte offsets; cuflash/config.py DecodeConfig.smem_layout): the Q tile,
-    // STAGES K tiles, STAGES V tiles; with an fp8 cache (tiles of e4m3 rows, unswizzled) one
-    // K and one V tile in q's dtype that each stage is widened into for the MMAs. After the key
-    // loop the region from OFF_K holds the warps' fp32 outputs (WARPS_N x BM x D), then their
-    // row maxima and sums.
+    // STAGES K tiles, STAGES V tiles; with an fp8 cache (e4m3 tiles, e4m3_tile_offset) one V
+    // tile in q's dtype that each stage's values are widened into for the P V MMAs (the keys'
+    // fragments are widened in registers). After the key loop the region from OFF_K holds the
+    // warps' fp32 outputs (WARPS_N x BM x D), then their row maxima and sums.
     static constexpr int OFF_Q = 0;
     static constexpr int OFF_K = OFF_Q + 2 * BM * D;
     static constexpr int OFF_V = OFF_K + STAGES * STAGE_BYTES;
-    static constexpr int OFF_K16 = OFF_V + STAGES * STAGE_BYTES;
-    static constexpr int OFF_V16 = OFF_K16 + (FP8 ? 2 * KV_ELEMS : 0);
+    static constexpr int OFF_V16 = OFF_V + STAGES * STAGE_BYTES;
     static constexpr int SMEM_BYTES = OFF_V16 + (FP8 ? 2 * KV_ELEMS : 0);
     static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (D + 2);
 
@@ -82,6 +81,63 @@ struct DecodeTraits {
     static_assert(4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K, "the splits' weights must fit in the ring");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
 };
+
+// Byte offset of row `row`'s 16-byte chunk `chunk` in a ROWS x D tile of e4m3 (D bytes a row):
+// column panels of 8, 4 or 2 chunks, XOR-swizzled with the row as tile_offset's 16-bit tiles
+// are, so that the 8 rows of one ldmatrix phase fall into 8 distinct bank groups.
+template <int ROWS, int D>
+__device__ __forceinline__ int e4m3_tile_offset(int row, int chunk) {
+    constexpr int CH = D / 16;
+    if constexpr (CH % 8 == 0) {
+        return (chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+    } else if constexpr (CH % 4 == 0) {
+        return (chunk >> 2) * (ROWS * 64) + row * 64 + (((chunk & 3) ^ ((row >> 1) & 3)) << 4);
+    } else {
+        return (chunk >> 1) * (ROWS * 32) + row * 32 + (((chunk & 1) ^ ((row >> 2) & 1)) << 4);
+    }
+}
+
+// Q's 16 columns [16p, 16p + 16) as the fp8 key GEMM reads them (two 8-column chunks in, two out):
+// position 2t + e of the first chunk holds column 4t + e, position 2t + e of the second column
+// 4t + 2 + e (t < 4, e < 2). That is the order in which one ldmatrix of an e4m3 key row hands a
+// lane its key bytes: 4t .. 4t + 3, widened to the B fragments of positions (2t, 2t + 1) and
+// (2t + 8, 2t + 9).
+__device__ __forceinline__ void permute_q_for_e4m3(uint4& lo, uint4& hi) {
+    const uint4 a = lo, b = hi;
+    lo = make_uint4(a.x, a.z, b.x, b.z);
+    hi = make_uint4(a.y, a.w, b.y, b.w);
+}
+
+// acc[NT][4] (16 rows x 8*NT keys) += Q K^T over an e4m3 key tile: Q's fragments from shared memory
+// (permuted, permute_q_for_e4m3) through q_off, the keys' straight from the e4m3 tile by
+// ldmatrix (KSTEPS_GROUP k16 steps of a key row's 8 bytes a lane at a time) and widened in
+// registers; keys key0 ...
+template <bool BF16, int BN, int D, int NT, class AOff>
+__device__ __forceinline__ void gemm_q_e4m3_keys(float (&acc)[NT][4], u32 q_smem, const AOff& q_off, u32 k_tile,
+                                                 int key0, int lane) {
+    constexpr int KSTEPS = D / 16, GROUP = KSTEPS % 4 == 0 ? 4 : 2;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ks += GROUP) {
+        u32 a[GROUP][4];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) ldmatrix_x4(a[g], q_smem + q_off.at(0, (ks + g) * 2));
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            u32 b[GROUP];
+            const u32 addr = k_tile + e4m3_tile_offset<BN, D>(key0 + j * 8 + (lane & 7), ks + (lane >> 3) % GROUP);
+            if constexpr (GROUP == 4) {
+                ldmatrix_x4(b, addr);
+            } else {
+                ldmatrix_x2(b, addr);
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const uint2 w = widen_e4m3x4<BF16>(b[g]);
+                mma_16816<BF16>(acc[j], a[g], w.x, w.y);
+            }
+        }
+    }
+}
 
 // The end of a split CTA (rows [m0, m0 + BM) of kv head hk, batch b, its partials written)
 // when the host asked for the merge here (a.splits_done set): the last of the row block's split
@@ -155,8 +211,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw + T::OFF_Q);
-    // The tiles the MMAs read: ring stages, or with an fp8 cache the widened copies of one.
-    auto k_tile = [&](int stage) { return smem_addr(smem_raw + (FP8 ? T::OFF_K16 : T::OFF_K + stage * T::STAGE_BYTES)); };
+    auto k_tile = [&](int stage) { return smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES); };
+    // The V tile the P V MMAs read: a ring stage, or with an fp8 cache the widened copy of one.
     auto v_tile = [&](int stage) { return smem_addr(smem_raw + (FP8 ? T::OFF_V16 : T::OFF_V + stage * T::STAGE_BYTES)); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -180,19 +236,28 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const int blk0 = blocks.begin + split * per_split;
     const int n_steps = max(min(blocks.end, blk0 + per_split) - blk0, 0);
 
-    // Q, rotated at positions cache_len + i.
-    for (int c = tid; c < BM * Q_CHUNKS; c += THREADS) {
-        const int r = c / Q_CHUNKS, chunk = c % Q_CHUNKS, row = m0 + r;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (row < rows) {
-            const int i = row / a.group, h = hk * a.group + row % a.group;
-            const u16* q_row = a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn + h * a.q_sh;
-            if (a.rotary_dim > 0)
-                val = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
-            else if (8 * chunk < a.d)
-                val = *reinterpret_cast<const uint4*>(q_row + 8 * chunk);
+    // Q, rotated at positions cache_len + i; with an fp8 cache in the key GEMM's column order, so
+    // each thread takes the two chunks of a 16-column group.
+    constexpr int Q_GROUP = FP8 ? 2 : 1;
+    for (int c = tid; c < BM * Q_CHUNKS / Q_GROUP; c += THREADS) {
+        const int r = c / (Q_CHUNKS / Q_GROUP), chunk0 = Q_GROUP * (c % (Q_CHUNKS / Q_GROUP)), row = m0 + r;
+        uint4 val[Q_GROUP];
+#pragma unroll
+        for (int g = 0; g < Q_GROUP; ++g) {
+            const int chunk = chunk0 + g;
+            val[g] = make_uint4(0, 0, 0, 0);
+            if (row < rows) {
+                const int i = row / a.group, h = hk * a.group + row % a.group;
+                const u16* q_row = a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn + h * a.q_sh;
+                if (a.rotary_dim > 0)
+                    val[g] = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
+                else if (8 * chunk < a.d)
+                    val[g] = *reinterpret_cast<const uint4*>(q_row + 8 * chunk);
+            }
         }
-        *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(r, chunk)) = val;
+        if constexpr (FP8) permute_q_for_e4m3(val[0], val[1]);
+#pragma unroll
+        for (int g = 0; g < Q_GROUP; ++g) *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(r, chunk0 + g)) = val[g];
     }
 
     // Keys and values of block `blk` into ring stage `stage`: cached positions by cp.async, new
@@ -254,9 +319,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             }
         }
     };
-    // Byte offset of row r's chunk in a ring stage: swizzled 16-bit tiles, or plain e4m3 rows (read
-    // only by the widening, one chunk a thread).
-    auto ring_offset = [](int r, int chunk) { return FP8 ? r * D + 16 * chunk : 2 * tile_offset<BN, D>(r, chunk); };
+    // Byte offset of row r's chunk in a ring stage: swizzled 16-bit or e4m3 tiles.
+    auto ring_offset = [](int r, int chunk) {
+        return FP8 ? e4m3_tile_offset<BN, D>(r, chunk) : 2 * tile_offset<BN, D>(r, chunk);
+    };
     // Block `blk` into ring stage `stage` (a paged cache: with `pages` fetched for it).
     auto load_block = [&](int blk, int stage) {
         const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
@@ -275,15 +341,14 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             }
         }
     };
-    // An fp8 cache: ring stage `stage`'s e4m3 K and V tiles widened into the 16-bit tiles the MMAs
-    // read (each thread a 16-byte chunk of e4m3 at a time, two swizzled chunks out).
-    auto widen_stage = [&](int stage) {
-        for (int c = tid; c < 2 * BN * CHUNKS; c += THREADS) {
-            const bool key = c < BN * CHUNKS;
-            const int cc = key ? c : c - BN * CHUNKS, r = cc / CHUNKS, chunk = cc % CHUNKS;
-            const uint4 e4m3 = *reinterpret_cast<const uint4*>(smem_raw + (key ? T::OFF_K : T::OFF_V) +
-                                                               stage * T::STAGE_BYTES + ring_offset(r, chunk));
-            u16* tile = reinterpret_cast<u16*>(smem_raw + (key ? T::OFF_K16 : T::OFF_V16));
+    // An fp8 cache: ring stage `stage`'s e4m3 V tile widened into the 16-bit tile the P V MMAs read
+    // (each thread a 16-byte chunk of e4m3 at a time, two swizzled chunks out).
+    auto widen_values = [&](int stage) {
+        for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const uint4 e4m3 =
+                *reinterpret_cast<const uint4*>(smem_raw + T::OFF_V + stage * T::STAGE_BYTES + ring_offset(r, chunk));
+            u16* tile = reinterpret_cast<u16*>(smem_raw + T::OFF_V16);
             const uint2 w0 = widen_e4m3x4<BF16>(e4m3.x), w1 = widen_e4m3x4<BF16>(e4m3.y);
             const uint2 w2 = widen_e4m3x4<BF16>(e4m3.z), w3 = widen_e4m3x4<BF16>(e4m3.w);
             *reinterpret_cast<uint4*>(tile + tile_offset<BN, D>(r, 2 * chunk)) = make_uint4(w0.x, w0.y, w1.x, w1.y);
@@ -329,13 +394,14 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         if (t + STAGES < n_steps) fetch_pages(blk0 + t + STAGES);
 
         const int blk = blk0 + t, stage = t % STAGES;
-        if constexpr (FP8) {
-            widen_stage(stage);
-            __syncthreads();  // the widened tiles are whole; the previous block's MMAs are past (the sync above)
-        }
+        if constexpr (FP8) widen_values(stage);  // into the V tile the previous block's P V is done with
         float acc_s[T::NTILES_S][4];
         zero(acc_s);
-        gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
+        if constexpr (FP8) {
+            gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
+        } else {
+            gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
+        }
         if constexpr (FP8) {  // the keys' dequantisation: q . k = (q . e4m3) k_descale
 #pragma unroll
             for (int j = 0; j < T::NTILES_S; ++j)
@@ -358,6 +424,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         online_softmax_sm80(acc_s, acc_o, row_max, row_sum, a.scale_log2);
         u32 p_frag[T::KSTEPS_PV][4];
         acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
+        if constexpr (FP8) __syncthreads();  // the widened V tile is whole
         gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
     }
     cp_async_wait<0>();

@@ -453,12 +453,12 @@ class DecodeConfig:
 
     def smem_layout(self) -> dict[str, int]:
         """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit); with an fp8 cache the
-        ring's tiles are e4m3, and a 16-bit K and V tile follow them."""
+        ring's tiles are e4m3, and a 16-bit V tile follows them."""
         if not self.fp8:
             return _q_and_kv_ring_layout(self.block_m, self.BLOCK_N, self.stages, self.headdim)
         tile = self.BLOCK_N * self.headdim
         return _layout(("Q", 2 * self.block_m * self.headdim), ("K", self.stages * tile), ("V", self.stages * tile),
-                       ("K16", 2 * tile), ("V16", 2 * tile))
+                       ("V16", 2 * tile))
 
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]

@@ -344,9 +344,12 @@ def bwd_config(problem: BwdProblem) -> tuple[BwdConfig, str]:
 # against 2069 / 2399 / 2095 for rings of 64 / 128 / 192 KB; GQA batch 1 128k
 # 2503 against 2055 / 2481 / 2280; MHA batch 8 8k 3010 against 3080 / 2954 / 2717.
 DECODE_RING_BYTES = 96 * 1024
-# The same for an e4m3 cache, whose shared memory also holds one widened 16-bit K and V tile: 64 KB
-# keeps two CTAs of head dim 128 on an SM (4 stages, 100 KB).
-DECODE_RING_BYTES_FP8 = 64 * 1024
+# The same for an e4m3 cache, whose shared memory also holds the widened 16-bit V tile: 48 KB (3
+# stages at head dim 128, 68 KB a CTA) keeps three CTAs on an SM, whose extra warps hide the
+# widening's latency. Same run, H100, head dim 128, fp8 GB/s against 64 KB (4 stages, 2 CTAs):
+# MHA batch 8 8k 2557 / 2575, GQA batch 8 8k 2072 / 2044, GQA batch 1 128k 2267 / 2271, MQA batch 64
+# 8k 1611 / 1326; GQA batch 64 8k (512 CTAs, no split) 2246 / 2614, a wave-count effect.
+DECODE_RING_BYTES_FP8 = 48 * 1024
 # One row warp per stage's 64 keys holds 16 x 64 scores next to its 16 x D output: past head dim 160
 # that spills (head dim 256: 48 bytes), so larger head dims keep two row warps.
 MAX_HEADDIM_4_ROW_WARPS = 160
@@ -358,7 +361,8 @@ MAX_HEADDIM_4_ROW_WARPS = 160
 # 128k 2810 (16) against 2611 (32); GQA 8 queries, batch 8 8k 2629 (2) against 2358 (4).
 DECODE_WARPS_PER_SM = 8
 # The 8-warp tile's merge of its warps' outputs (4 x 32 rows x (D + 2) floats) fits its K/V ring
-# up to this head dim.
+# up to this head dim. Over an fp8 cache 32-row tiles keep 4 warps, three CTAs an SM: MQA batch 64
+# 8k 83 us against 101 with 8 warps (H100, head dim 128, same run; bench/PERFLOG.md).
 MAX_HEADDIM_8_WARPS = 128
 # Key blocks (of 64 keys) a split takes at least: fewer, and the split's
 # pipeline fill and its row of the combine cost more than its keys.
@@ -375,7 +379,7 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False) -> 
     cache)."""
     kd = kernel_headdim(headdim)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
-    warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS else 4 // warps_m
+    warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS and not fp8 else 4 // warps_m
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
     stages = max(2, min(8, (DECODE_RING_BYTES_FP8 if fp8 else DECODE_RING_BYTES) // per_stage))
     # Where the preferred tile does not fit (small shared memory: 99 KB on sm_86/89), fewer stages,

@@ -60,3 +60,11 @@ def test_decode_slots_count_warps():
     assert dispatch.decode_slots(four, 2, 132) == 132 * min(2, per_sm // 4)
     assert dispatch.decode_slots(eight, 2, 132) == 132 * max(1, per_sm // 8)
     assert dispatch.decode_slots(four, 1, 132) == 132
+
+
+def test_decode_config_fp8_cache():
+    """An e4m3 cache: a smaller ring (three CTAs an SM at head dim 128) and 4-warp tiles."""
+    fp8 = dispatch.decode_config(128, 1, 227 * 1024, fp8=True)
+    assert fp8.fp8 and fp8.is_valid() and 3 * fp8.smem_bytes() <= 227 * 1024
+    assert dispatch.decode_config(128, 32, 227 * 1024, fp8=True).warps_n == 2
+    assert "_e4m3" in fp8.short_name() and ", true, " in fp8.name_expression("float16", False, False)
