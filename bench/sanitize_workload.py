@@ -9,7 +9,8 @@ the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
 options, on both kernel families, forward and backward), kvcache (decoding
-over contiguous and paged caches with appends, rotary and split keys), dropout
+over contiguous and paged caches, 16-bit and fp8, with appends, rotary and
+split keys), dropout
 (the sm_80 and Hopper kernels, forward and both backward modes, alone and with
 causal GQA and every score option). Each call runs
 twice, the second time on its launch plan. Without arguments, all of them.
@@ -161,6 +162,18 @@ def kvcache():
     k_cache, v_cache = randn(batch, capacity, 1, headdim), randn(batch, capacity, 1, headdim)
     cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, num_splits=3,
                                    return_lse=True)
+    # 32 query heads on one kv head, 1 query: the 8-warp tile (16-bit caches).
+    cuflash.attention_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=lengths, num_splits=2)
+    # An fp8 (e4m3) cache, contiguous and paged: appends (rotated, quantised) at the same lengths.
+    descales = cupy.full((batch, nheads_kv), 0.25, cupy.float32)
+    for k_cache, v_cache in (contiguous, paged):
+        k8, v8 = (gen.integers(0, 0x7F, x.shape, dtype=cupy.uint8) for x in (k_cache, v_cache))
+        pages = table if k_cache is paged[0] else None
+        q = randn(batch, 3, nheads, headdim)
+        k_new, v_new = randn(batch, 3, nheads_kv, headdim), randn(batch, 3, nheads_kv, headdim)
+        cuflash.attention_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=lengths, block_table=pages,
+                                       rotary_cos=cos, rotary_sin=sin, causal=True, k_descale=descales,
+                                       v_descale=descales, num_splits=2, return_lse=True)
 
 
 def dropout():
