@@ -290,7 +290,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 # The optional array arguments of attention_with_kvcache, in the order the callback receives them.
 _KVCACHE_ARRAYS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos",
-                   "rotary_sin", "alibi_slopes")
+                   "rotary_sin", "alibi_slopes", "k_descale", "v_descale")
 
 
 def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays):
@@ -306,9 +306,10 @@ def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, num_splits=0):
+                           softcap=0.0, alibi_slopes=None, k_descale=None, v_descale=None, num_splits=0):
     """`cuflash.attention_with_kvcache` on JAX arrays inside `jax.jit`: returns (out, k_cache, v_cache),
-    the caches with the new keys and values appended.
+    the caches with the new keys and values appended. An e4m3 cache is jnp.float8_e4m3fn (or uint8
+    codes), with k_descale / v_descale float32 (batch, nheads_kv).
 
     The caches' outputs alias their inputs (buffer_callback's input_output_aliases): donate them
     (`jax.jit(step, donate_argnums=...)`) and XLA appends in place; otherwise XLA copies each cache
@@ -320,11 +321,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     options = dict(_option_items(causal, softmax_scale, window_size, softcap))
     options.update(rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits))
     arrays = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
+                  k_descale=k_descale, v_descale=v_descale)
     if isinstance(cache_seqlens, int):
         options["cache_seqlens"] = arrays.pop("cache_seqlens")
     names = tuple(name for name in _KVCACHE_ARRAYS if arrays.get(name) is not None)
+    # An e4m3 cache crosses the callback as its uint8 codes (buffer callbacks take no float8 buffer).
+    cache_dtype = k_cache.dtype
+    float8 = cache_dtype == jnp.float8_e4m3fn
+    if float8:
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint8) for c in (k_cache, v_cache))
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_cache, v_cache))
     call = _buffer_callback(functools.partial(_kvcache_callback, names, options), shapes,
                             input_output_aliases={1: 1, 2: 2})
-    return call(q, k_cache, v_cache, *(arrays[name] for name in names))
+    out, k_cache, v_cache = call(q, k_cache, v_cache, *(arrays[name] for name in names))
+    if float8:
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, cache_dtype) for c in (k_cache, v_cache))
+    return out, k_cache, v_cache

@@ -246,16 +246,20 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
                  rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, rotary_interleaved: bool,
                  causal: bool, softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
-                 alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 alibi_slopes: torch.Tensor | None, k_descale: torch.Tensor | None, v_descale: torch.Tensor | None,
+                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    # An e4m3 cache (torch.float8_e4m3fn) goes to CuPy as its uint8 codes.
+    k_codes, v_codes = (c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c for c in (k_cache, v_cache))
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _kv_cache.attention_with_kvcache(
-            _cp(q), _cp(k_cache), _cp(v_cache), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
+            _cp(q), _cp(k_codes), _cp(v_codes), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
             cache_batch_idx=_cp(cache_batch_idx), cache_leftpad=_cp(cache_leftpad), block_table=_cp(block_table),
             rotary_cos=_cp(rotary_cos), rotary_sin=_cp(rotary_sin), rotary_interleaved=rotary_interleaved,
-            alibi_slopes=_cp(alibi_slopes), num_splits=num_splits, out=_cp(out), lse=_cp(lse),
+            alibi_slopes=_cp(alibi_slopes), k_descale=_cp(k_descale), v_descale=_cp(v_descale),
+            num_splits=num_splits, out=_cp(out), lse=_cp(lse),
             **_options(causal, softmax_scale, window_left, window_right, softcap))
     for cache in (k_cache, v_cache):  # written in place: autograd's version check must see it
         torch.autograd.graph.increment_version(cache)
@@ -271,15 +275,17 @@ def _kvcache_fwd_fake(q, *rest):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            k_descale=None, v_descale=None):
     """flash-attn's `flash_attn_with_kvcache` (cuflash.attention_with_kvcache): appends k, v to the caches
-    in place and attends. cache_seqlens: an int or an int32 CUDA tensor (batch,). Returns out; with
-    return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
+    in place and attends. cache_seqlens: an int or an int32 CUDA tensor (batch,). An e4m3 cache is
+    torch.float8_e4m3fn (or uint8 codes) with k_descale / v_descale float32 (batch, nheads_kv), as in
+    flash-attn 3. Returns out; with return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
     out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                             rotary_cos, rotary_sin, bool(rotary_interleaved), bool(causal),
                             None if softmax_scale is None else float(softmax_scale), left, right, float(softcap),
-                            alibi_slopes, int(num_splits))
+                            alibi_slopes, k_descale, v_descale, int(num_splits))
     return (out, lse) if return_softmax_lse else out
