@@ -18,6 +18,12 @@
 // tiles of up to DECODE_MERGE_MAX_ROWS rows, by combine_kernel (combine.cuh)
 // for larger ones.
 //
+// An fp8 (e4m3) cache (FP8; kv_cache.cuh has its semantics) streams e4m3 rows
+// through the ring: the keys' MMA fragments are widened in registers
+// (gemm_q_e4m3_keys, Q's columns stored in their order), the values through a
+// 16-bit tile per stage (widen_values); the descales scale the scores and the
+// output.
+//
 // The new keys of the call are read from k_new / v_new (rotated on the way
 // into shared memory), never from the cache: the CTAs of row block 0 write
 // them into the cache (kv_cache.cuh), split s taking new rows s, s + splits, ...,
@@ -109,9 +115,9 @@ __device__ __forceinline__ void permute_q_for_e4m3(uint4& lo, uint4& hi) {
 }
 
 // acc[NT][4] (16 rows x 8*NT keys) += Q K^T over an e4m3 key tile: Q's fragments from shared memory
-// (permuted, permute_q_for_e4m3) through q_off, the keys' straight from the e4m3 tile by
-// ldmatrix (KSTEPS_GROUP k16 steps of a key row's 8 bytes a lane at a time) and widened in
-// registers; keys key0 ...
+// (permuted, permute_q_for_e4m3) through q_off, the keys' straight from the e4m3 tile by ldmatrix
+// (GROUP k16 steps of 8 keys at a time, 4 bytes a lane and step) and widened in registers; keys
+// key0, key0 + 1, ...
 template <bool BF16, int BN, int D, int NT, class AOff>
 __device__ __forceinline__ void gemm_q_e4m3_keys(float (&acc)[NT][4], u32 q_smem, const AOff& q_off, u32 k_tile,
                                                  int key0, int lane) {

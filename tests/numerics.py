@@ -93,3 +93,27 @@ def fuzz_indices(count):
     shard, shards = (int(x) for x in os.environ.get("CUFLASH_FUZZ_SHARD", "0/1").split("/"))
     first = int(os.environ.get("CUFLASH_FUZZ_FROM", 0))
     return [i for i in range(shard, count, shards) if i >= first]
+
+
+def e4m3_kvcache_step(rng, batch=2, capacity=160, nheads=8, nheads_kv=2, headdim=64):
+    """A decoding step over an e4m3 cache for the framework wrappers to repeat: host inputs (cache
+    codes, lengths, descales, q, new k and v) and the CuPy call's results on them (out; the caches'
+    codes after the append), which a wrapper's must equal bit for bit."""
+    import cupy
+
+    import cuflash
+    from cuflash import reference
+
+    codes = [reference.kvcache_quantize(8 * randn(rng, (batch * capacity, nheads_kv, headdim), np.float32),
+                                        np.ones(nheads_kv)).reshape(batch, capacity, nheads_kv, headdim)
+             for _ in range(2)]
+    step = dict(codes=codes, lengths=np.array([3, capacity - 10], np.int32)[:batch],
+                descales=[rng.uniform(0.05, 0.2, (batch, nheads_kv)).astype(np.float32) for _ in range(2)],
+                q=randn(rng, (batch, 1, nheads, headdim), np.float16),
+                new=[randn(rng, (batch, 1, nheads_kv, headdim), np.float16) for _ in range(2)])
+    caches = [cupy.asarray(c) for c in codes]
+    out = cuflash.attention_with_kvcache(cupy.asarray(step["q"]), *caches, *(cupy.asarray(x) for x in step["new"]),
+                                         cache_seqlens=cupy.asarray(step["lengths"]),
+                                         k_descale=cupy.asarray(step["descales"][0]),
+                                         v_descale=cupy.asarray(step["descales"][1]))
+    return step, out.get(), [c.get() for c in caches]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, randn, ring_rounding
+from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, randn, ring_rounding
 
 # JAX would otherwise take 75% of the GPU's memory when it starts, from tests that share the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -178,31 +178,17 @@ def test_kvcache_decoding_steps_in_jit(rng):
 def test_kvcache_e4m3_cache_in_jit(rng):
     """A jnp.float8_e4m3fn cache with descales in a jitted step: the same output and cache bits as
     cuflash.attention_with_kvcache on the uint8 codes."""
-    import cupy
-
-    import cuflash
     import cuflash.jax
 
-    batch, capacity, nheads, nheads_kv, headdim = 2, 160, 8, 2, 64
-    codes = [reference.kvcache_quantize(randn(rng, (batch * capacity, nheads_kv, headdim), np.float32) * 8,
-                                        np.ones(nheads_kv)).reshape(batch, capacity, nheads_kv, headdim)
-             for _ in range(2)]
-    lengths = np.array([3, 150], np.int32)
-    descales = [rng.uniform(0.05, 0.2, (batch, nheads_kv)).astype(np.float32) for _ in range(2)]
-    q = randn(rng, (batch, 1, nheads, headdim), np.float16)
-    k, v = (randn(rng, (batch, 1, nheads_kv, headdim), np.float16) for _ in range(2))
-    expected_caches = [cupy.asarray(c) for c in codes]
-    expected = cuflash.attention_with_kvcache(cupy.asarray(q), *expected_caches, cupy.asarray(k), cupy.asarray(v),
-                                              cache_seqlens=cupy.asarray(lengths), k_descale=cupy.asarray(descales[0]),
-                                              v_descale=cupy.asarray(descales[1]))
-    step = jax.jit(lambda q, kc, vc, k, v, n, ks, vs: cuflash.jax.attention_with_kvcache(
+    step, expected, expected_caches = e4m3_kvcache_step(rng)
+    jitted = jax.jit(lambda q, kc, vc, k, v, n, ks, vs: cuflash.jax.attention_with_kvcache(
         q, kc, vc, k, v, cache_seqlens=n, k_descale=ks, v_descale=vs), donate_argnums=(1, 2))
-    caches = [jnp.asarray(c.view(jnp.float8_e4m3fn)) for c in codes]
-    out, kc, vc = step(jnp.asarray(q), *caches, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                       *(jnp.asarray(d) for d in descales))
-    np.testing.assert_array_equal(np.asarray(out).view(np.int16), expected.get().view(np.int16))
+    caches = [jnp.asarray(c.view(jnp.float8_e4m3fn)) for c in step["codes"]]
+    out, kc, vc = jitted(jnp.asarray(step["q"]), *caches, *(jnp.asarray(x) for x in step["new"]),
+                         jnp.asarray(step["lengths"]), *(jnp.asarray(d) for d in step["descales"]))
+    np.testing.assert_array_equal(np.asarray(out).view(np.int16), expected.view(np.int16))
     for cache, want in zip((kc, vc), expected_caches):
-        np.testing.assert_array_equal(np.asarray(cache).view(np.uint8), want.get())
+        np.testing.assert_array_equal(np.asarray(cache).view(np.uint8), want)
 
 
 def test_shard_map_runs_each_device_on_its_shard(rng):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, randn
+from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, randn
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -158,33 +158,22 @@ def test_bad_dropout_p_is_named():
 def test_flash_attn_with_kvcache_e4m3_cache(rng):
     """A torch.float8_e4m3fn cache with descales, eager and compiled: the same output and cache bits as
     cuflash.attention_with_kvcache on the uint8 codes."""
-    import cupy
-
-    import cuflash
     from cuflash.torch import flash_attn_with_kvcache
 
-    batch, capacity, nheads, nheads_kv, headdim = 2, 160, 8, 2, 64
-    codes = [reference.kvcache_quantize(randn(rng, (batch * capacity, nheads_kv, headdim), np.float32) * 8,
-                                        np.ones(nheads_kv)).reshape(batch, capacity, nheads_kv, headdim)
-             for _ in range(2)]
-    lengths = np.array([3, 150], np.int32)
-    descales = [rng.uniform(0.05, 0.2, (batch, nheads_kv)).astype(np.float32) for _ in range(2)]
-    q = randn(rng, (batch, 1, nheads, headdim), np.float16)
-    k, v = (randn(rng, (batch, 1, nheads_kv, headdim), np.float16) for _ in range(2))
-    expected_caches = [cupy.asarray(c) for c in codes]
-    expected = cuflash.attention_with_kvcache(cupy.asarray(q), *expected_caches, cupy.asarray(k), cupy.asarray(v),
-                                              cache_seqlens=cupy.asarray(lengths), k_descale=cupy.asarray(descales[0]),
-                                              v_descale=cupy.asarray(descales[1]))
+    def half(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda()
+
+    step, expected, expected_caches = e4m3_kvcache_step(rng)
     compiled = torch.compile(flash_attn_with_kvcache, fullgraph=True)
     for fn in (flash_attn_with_kvcache, compiled):
-        caches = [torch.from_numpy(c).cuda().view(torch.float8_e4m3fn) for c in codes]
-        out = fn(*(torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda() for x in (q,)), *caches,
-                 *(torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda() for x in (k, v)),
-                 cache_seqlens=torch.from_numpy(lengths).cuda(), k_descale=torch.from_numpy(descales[0]).cuda(),
-                 v_descale=torch.from_numpy(descales[1]).cuda())
-        np.testing.assert_array_equal(out.cpu().view(torch.int16).numpy(), expected.get().view(np.int16))
+        caches = [torch.from_numpy(c).cuda().view(torch.float8_e4m3fn) for c in step["codes"]]
+        out = fn(half(step["q"]), *caches, *(half(x) for x in step["new"]),
+                 cache_seqlens=torch.from_numpy(step["lengths"]).cuda(),
+                 k_descale=torch.from_numpy(step["descales"][0]).cuda(),
+                 v_descale=torch.from_numpy(step["descales"][1]).cuda())
+        np.testing.assert_array_equal(out.cpu().view(torch.int16).numpy(), expected.view(np.int16))
         for cache, want in zip(caches, expected_caches):
-            np.testing.assert_array_equal(cache.view(torch.uint8).cpu().numpy(), want.get())
+            np.testing.assert_array_equal(cache.view(torch.uint8).cpu().numpy(), want)
 
 
 def test_flash_attn_with_kvcache_eager_and_compiled(rng):
