@@ -39,6 +39,7 @@ from cuflash.kv_cache import FP8_MIN_CAPABILITY
 
 from .libs import Skip, TorchEvents
 from .measure import device_info, first_dtype, log, optional_torch
+from .tables import write_json
 
 GiB = 1 << 30
 NHEADS, HEADDIM = 32, 128
@@ -187,6 +188,8 @@ def run(args) -> int:
                 timing.synchronize()
                 cupy.get_default_memory_pool().free_all_blocks()
     _print(rows)
+    write_json(args.json, {"device": device_info(), "copy_gbs": round(copy_gbs), "dtype": str(numpy.dtype(dtype)),
+                           "rows": rows})
     return 1 if failed else 0
 
 
