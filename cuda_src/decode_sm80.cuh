@@ -226,10 +226,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const int split = blockIdx.x, m0 = blockIdx.y * BM;
     const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
     const CacheSpan span = cache_span(a, b);
-    if (a.k_new != nullptr && blockIdx.y == 0)
-        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS);
     const float k_desc = FP8 ? descale_of(a.k_descale, a, b, hk) : 1.f;
     const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
+    if (a.k_new != nullptr && blockIdx.y == 0)
+        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS, k_desc, v_desc);
 
     const QuerySpan queries = query_span(a, b);
     const int rows = queries.nq * a.group;

@@ -230,15 +230,14 @@ __device__ __forceinline__ float descale_of(const float* descale, const KVCacheA
 
 // Writes batch b's new keys (rotated) and values of kv head hk into the cache:
 // new rows t = first, first + step, ... (one CTA's share), skipping positions
-// at or past the capacity. An fp8 cache takes them quantised, 16 to a chunk.
+// at or past the capacity. An fp8 cache takes them quantised by the caller's k_desc and v_desc
+// (descale_of), 16 to a chunk.
 template <bool BF16, bool FP8, bool PAGED>
 __device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int hk, const CacheSpan& span, int first,
-                                                int step, int tid, int threads) {
+                                                int step, int tid, int threads, float k_desc, float v_desc) {
     constexpr int ELEMS = FP8 ? 16 : 8;  // per 16-byte chunk of a cache row
     const int chunks = (a.d + ELEMS - 1) / ELEMS;
     const int rows = span.end - span.cache_len;
-    const float k_desc = FP8 ? descale_of(a.k_descale, a, b, hk) : 1.f;
-    const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
     for (int t = first; t < rows; t += step) {
         const int j = span.cache_len + t;
         const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;

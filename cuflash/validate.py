@@ -130,14 +130,14 @@ def like(name: str, x, ref, ref_name: str, dtype=None) -> None:
             raise TypeError(f"{name} must be {numpy.dtype(dtype).name}, got {x.dtype}")
     elif x.dtype != ref.dtype:
         raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
-    _beside(name, x, ref, ref_name)
+    beside(name, x, ref, ref_name)
 
 
 def companion(name: str, x, q) -> None:
     """x, an array a kernel reads beside q: q's dtype and device, contiguous in its last dim (headdim)."""
     if x.dtype != q.dtype:
         raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    _beside(name, x, q, "q")
+    beside(name, x, q)
 
 
 def same_device(name: str, x, ref, ref_name: str = "q") -> None:
@@ -146,7 +146,7 @@ def same_device(name: str, x, ref, ref_name: str = "q") -> None:
         raise ValueError(f"{name} is on device {x.device.id}, {ref_name} on device {ref.device.id}")
 
 
-def _beside(name: str, x, ref, ref_name: str) -> None:
+def beside(name: str, x, ref, ref_name: str = "q") -> None:
     """x on ref's device and contiguous in its last dim."""
     same_device(name, x, ref, ref_name)
     if not last_dim_contiguous(x):
