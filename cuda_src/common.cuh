@@ -5,6 +5,7 @@
 
 namespace cuflash {
 
+typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 

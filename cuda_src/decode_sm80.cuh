@@ -287,11 +287,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             for (int g = 0; g < OWNED_ROWS / GROUP; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
         }
     };
-    // A chunk of a cached row: `chunk` 16-byte units from element offset `row_off` (an fp8 cache's
-    // elements are bytes).
-    auto cached_chunk = [&](const u16* cache, long long row_off, int chunk) -> const void* {
-        return reinterpret_cast<const unsigned char*>(cache) + T::CACHE_BYTES * row_off + 16 * chunk;
-    };
+    // The cached rows of this kv head: with owned rows, at this thread's chunk.
+    const int own_chunk_bytes = ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
+    const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
+    const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
     auto store_shared = [](u32 dst, uint4 val) {
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(val.x), "r"(val.y), "r"(val.z),
                      "r"(val.w)
@@ -305,8 +304,9 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             cp_async_16(v_dst, a.v_cache, false);
         } else if (j < span.cache_len) {
             const CachePos pos = cache_pos<PAGED>(a, span, j, page);
-            cp_async_16(k_dst, cached_chunk(a.k_cache, pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh), chunk), true);
-            cp_async_16(v_dst, cached_chunk(a.v_cache, pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh), chunk), true);
+            const int chunk_bytes = ROW_OWNER ? 0 : 16 * chunk;  // owned rows: in k_head and v_head
+            cp_async_16(k_dst, row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn) + chunk_bytes, true);
+            cp_async_16(v_dst, row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn) + chunk_bytes, true);
         } else {
             const int t = j - span.cache_len;
             const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;

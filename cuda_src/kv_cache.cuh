@@ -135,6 +135,24 @@ __device__ __forceinline__ long long pos_offset(const CachePos& p, int hk, long 
     return p.unit * sb + p.row * sn + hk * sh;
 }
 
+// The decoding kernel's copies address a cached row from its kv head's first byte `head`
+// (a contiguous cache's batch row included: head_of) with 32-bit element strides, which the host
+// keeps below 2^32 (cuflash/kv_cache.py): one or two wide multiply-adds (IMAD.WIDE.U32) instead
+// of pos_offset's three 64-bit products, whose arithmetic made the 8-warp tile's copies
+// issue-bound (bench/PERFLOG.md). ELEM_BYTES: 2, or 1 for an fp8 cache.
+template <bool PAGED, int ELEM_BYTES>
+__device__ __forceinline__ const unsigned char* head_of(const u16* cache, long long sb, long long sh, int hk,
+                                                        const CacheSpan& span, int offset) {
+    return reinterpret_cast<const unsigned char*>(cache) + ELEM_BYTES * (hk * sh + (PAGED ? 0 : span.cache_row * sb)) +
+           offset;
+}
+template <bool PAGED, int ELEM_BYTES>
+__device__ __forceinline__ const unsigned char* row_at(const unsigned char* head, const CachePos& p, long long sb,
+                                                       long long sn) {
+    const u64 in_unit = (u64)(u32)p.row * (u32)sn;
+    return head + ELEM_BYTES * (PAGED ? (u64)(u32)p.unit * (u32)sb + in_unit : in_unit);
+}
+
 __device__ __forceinline__ float half_to_float(u16 x, bool bf16) {
     if (bf16) return __uint_as_float((u32)x << 16);
     float y;

@@ -6,8 +6,6 @@
 
 namespace cuflash {
 
-typedef unsigned long long u64;
-
 // Element types of the Hopper kernels (the DTYPE template argument).
 enum : int { F16 = 0, BF16 = 1, E4M3 = 2 };
 

@@ -225,6 +225,8 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     if cache_rows == 0:
         raise ValueError(f"{kname} must hold at least one {'page' if block_table is not None else 'batch row'}, "
                          f"got shape {k_cache.shape}")
+    for cname, x in ((kname, k_cache), (vname, v_cache)):
+        _check_row_strides(cname, x, paged=block_table is not None)
     if block_table is None:
         if cache_batch_idx is None and cache_rows < batch:
             raise ValueError(f"{kname} must have at least q's batch size {batch} rows without cache_batch_idx, "
@@ -245,6 +247,18 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         if x is not None:
             raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
     return name, True, block_table.shape[1] * cache_n, fp8_cache
+
+
+# The decoding kernel steps over a cache's positions (and a paged cache's pages) with 32-bit byte
+# strides (cuda_src/kv_cache.cuh: CacheRows).
+ROW_STRIDE_LIMIT = 1 << 32
+
+
+def _check_row_strides(name: str, x, paged: bool) -> None:
+    axes = ((0, "page"), (1, "position")) if paged else ((1, "position"),)
+    for axis, what in axes:
+        if x.shape[axis] > 1 and not 0 <= x.strides[axis] < ROW_STRIDE_LIMIT:
+            raise ValueError(f"{name}: its {what} stride must be between 0 and 2**32 bytes, got strides {x.strides}")
 
 
 def _check_fp8_cache(q, k_cache, v_cache, kname: str, vname: str) -> None:

@@ -1,10 +1,13 @@
-"""The decoding kernel's host-side choices: the page-size division by multiply is exact, and the split
-and tile choices keep their bounds (the struct sizes: tests/test_score_mod_args.py). No GPU."""
+"""The decoding kernel's host-side choices: the page-size division by multiply is exact, the split
+and tile choices keep their bounds, and the cache strides the kernel takes as 32-bit are checked (the
+struct sizes: tests/test_score_mod_args.py). No GPU."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cuflash import dispatch
+from cuflash import dispatch, kv_cache
 from cuflash.config import KERNEL_HEADDIMS
 from cuflash.decode_launch import division_magic
 
@@ -68,3 +71,21 @@ def test_decode_config_fp8_cache():
     assert fp8.fp8 and fp8.is_valid() and 3 * fp8.smem_bytes() <= 227 * 1024
     assert dispatch.decode_config(128, 32, 227 * 1024, fp8=True).warps_n == 2
     assert "_e4m3" in fp8.short_name() and ", true, " in fp8.name_expression("float16", False, False)
+
+
+@pytest.mark.parametrize("paged, shape, strides, what", [
+    (False, (2, 16, 2, 64), (4096, -256, 128, 2), "position"),  # positions reversed
+    (False, (2, 2**16, 2**9, 64), (2**34, 2**16, 128, 2), None),  # batch rows past 2^32 bytes: 64-bit in the kernel
+    (False, (2, 2, 1, 64), (2**34, 2**32, 128, 2), "position"),
+    (True, (3, 16, 2, 64), (2**32, 256, 128, 2), "page"),
+    (True, (1, 16, 2, 64), (2**32, 256, 128, 2), None),  # one page: its stride is never used
+    (True, (3, 16, 2, 64), (4096, 256, 128, 2), None),
+])
+def test_cache_row_strides(paged, shape, strides, what):
+    """Position (and page) strides must lie in [0, 2^32) bytes where the dim has more than one entry."""
+    cache = SimpleNamespace(shape=shape, strides=strides)
+    if what is None:
+        kv_cache._check_row_strides("k_cache", cache, paged)
+    else:
+        with pytest.raises(ValueError, match=f"k_cache: its {what} stride"):
+            kv_cache._check_row_strides("k_cache", cache, paged)

@@ -303,6 +303,7 @@ def test_fp8_cache_options(name, options):
 
 @pytest.mark.parametrize("change, arg", [
     (dict(k_cache=lambda c: c[..., ::2]), "k_cache"),
+    (dict(v_cache=lambda c: c[::-1]), "v_cache"),  # pages reversed: a negative page stride
     (dict(paged_page_size=24), "page_size"),
     (dict(block_table=lambda t: t.astype(np.int64)), "block_table"),
     (dict(block_table=lambda t: t[:1]), "block_table"),
