@@ -227,6 +227,11 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
     const CacheSpan span = cache_span(a, b);
     const float k_desc = FP8 ? descale_of(a.k_descale, a, b, hk) : 1.f;
+    // fp8: q . k = (q . e4m3) k_descale. Without score options a positive descale joins the
+    // exponent's scale, a multiply a score fewer (the fp8 MQA steps are issue-bound); with options,
+    // or a descale that is not positive (it would reverse the scores' order), each score takes it.
+    const bool descale_in_scale = FP8 && !Mods::ANY && k_desc > 0.f;
+    const float score_log2 = descale_in_scale ? a.scale_log2 * k_desc : a.scale_log2;
     const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
     if (a.k_new != nullptr && blockIdx.y == 0)
         append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS, k_desc, v_desc);
@@ -408,7 +413,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         } else {
             gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
         }
-        if constexpr (FP8) {  // the keys' dequantisation: q . k = (q . e4m3) k_descale
+        if (FP8 && !descale_in_scale) {  // the keys' dequantisation, where it is not in score_log2
 #pragma unroll
             for (int j = 0; j < T::NTILES_S; ++j)
 #pragma unroll
@@ -427,7 +432,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                     acc_s[j][e] = whole || mods.visible(i, col) ? s : neg_inf();
                 }
         }
-        online_softmax_sm80(acc_s, acc_o, row_max, row_sum, a.scale_log2);
+        online_softmax_sm80(acc_s, acc_o, row_max, row_sum, score_log2);
         u32 p_frag[T::KSTEPS_PV][4];
         acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
         if constexpr (FP8) __syncthreads();  // the widened V tile is whole
@@ -455,7 +460,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     }
     __syncthreads();
 
-    const float c = a.scale_log2;
+    const float c = score_log2;
     for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {
         const int r = idx / (D / 4), col = 4 * (idx % (D / 4)), row = m0 + r;
         if (row >= rows || col >= a.d) continue;
