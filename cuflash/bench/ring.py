@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 
 import cupy
+import numpy
 from tabulate import tabulate
 
 import cuflash
 from cuflash import distributed, timing
 
-from .measure import first_dtype, log
+from .measure import device_info, first_dtype, log
+from .tables import write_json
 
 SEQLENS = (32768, 131072, 524288)
 NHEADS, HEADDIM = 16, 128
@@ -161,4 +163,6 @@ def run(args) -> int:
     what = "forward+backward" if args.backward else "forward"
     print(f"\nRing attention {what} on {len(devices)} GPUs (zigzag, {NHEADS} heads of {HEADDIM}, batch 1), ms:")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    write_json(args.json, {"device": device_info(), "gpus": len(devices), "dtype": str(numpy.dtype(dtype)),
+                           "backward": args.backward, "rows": rows})
     return 0

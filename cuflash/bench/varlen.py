@@ -37,6 +37,7 @@ from cuflash import timing
 from .libs import Skip, TorchEvents
 from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
 from .shapes import HIDDEN
+from .tables import write_json
 
 TOKENS = 16 * 1024
 BATCHES = ("docs", "equal", "docs64", "equal64")
@@ -185,6 +186,8 @@ def run(args) -> int:
                 timing.synchronize()
                 cupy.get_default_memory_pool().free_all_blocks()
     _print(rows)
+    write_json(args.json, {"device": device_info(), "dtype": str(numpy.dtype(dtype)), "backward": args.backward,
+                           "rows": rows})
     return 1 if failed else 0
 
 
