@@ -211,8 +211,9 @@ __global__ void __launch_bounds__(384, 1)
                 if (i == n_blocks - 1) thread_arrive(sm.empty_q());
             };
             const int row0 = m0 + warp_row0;
-            // Dropout after the row sums (the softmax normalises the undropped P): kept P
-            // scaled by 1 / (1 - p) here, so that the epilogue stays as it is.
+            // Dropout after the row sums (the softmax normalises the undropped P): dropped P
+            // zeroed here, the kept ones' 1 / (1 - p) left to the epilogue's row scale (a multiply
+            // a score fewer in the softmax turn).
             // row_bias: ALiBi's row part of the block's scores where ROW_BIAS (apply_score_mods), else 0.
             constexpr bool ROW_BIAS = Mods::ALIBI && D <= 128;
             auto softmax = [&](float (&acc_s)[NT_S * 4], int n0, const float (&row_bias)[2]) {
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(384, 1)
                                                                                alpha, qk_scale_log2, row_bias);
                 if constexpr (Mods::DROPOUT)
                     dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
-                                                      tile.b * nheads + tile.h, row0, n0, lane, mod_args.dropout_scale);
+                                                      tile.b * nheads + tile.h, row0, n0, lane);
                 turns.end_softmax();
             };
 
@@ -298,7 +299,8 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
         ring.advance(n_blocks);
-        fwd_sm90_epilogue<T, TAIL_SPLIT, BF16_OUT, Mods::VARLEN>(acc, sm, words, out, split, map_o, descale_v, nk, d,
+        fwd_sm90_epilogue<T, TAIL_SPLIT, BF16_OUT, Mods::VARLEN>(acc, sm, words, out, split, map_o, descale_v,
+                                                                 Mods::DROPOUT ? mod_args.dropout_scale : 1.f, nk, d,
                                                                  nheads_kv, qk_scale_log2, c, tid, warp, lane,
                                                                  warp_row0, stage_leader, varlen_rows);
     }

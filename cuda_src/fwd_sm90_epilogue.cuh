@@ -76,9 +76,10 @@ template <class T, bool TAIL_SPLIT, bool BF16_OUT, bool VARLEN>
 __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D>& acc, const FwdSm90Smem<T>& sm,
                                                   TileWords words, FwdOutput out,
                                                   TailSplit split, const TmaDesc& map_o,
-                                                  const float* descale_v, int nk, int d, int nheads_kv,
-                                                  float qk_scale_log2, int c, int tid, int warp, int lane,
-                                                  int warp_row0, bool stage_leader, const OutRows& varlen_rows) {
+                                                  const float* descale_v, float dropout_scale, int nk, int d,
+                                                  int nheads_kv, float qk_scale_log2, int c, int tid, int warp,
+                                                  int lane, int warp_row0, bool stage_leader,
+                                                  const OutRows& varlen_rows) {
     constexpr int D = T::D, BR = T::BR, BC = T::BC, NT_O = D / 8;
     constexpr bool STAGE_O = T::STAGE_O;
     // The tile's coordinates, kv head and segment from shared memory, the
@@ -89,7 +90,9 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const SoftmaxAccumulators<T::D
     const OutRows rows = VARLEN ? varlen_rows : OutRows{tile, out.nq - tile.m0};
     const Tile out_tile = rows.at;
     const int rows_valid = rows.valid;
-    const float o_scale = T::DTYPE == E4M3 ? descale_v[tile.b * nheads_kv + words.kv_head()] : 1.f;
+    // dropout_scale: 1 / (1 - p) with dropout (the kept P enters P V unscaled), else 1.
+    const float o_scale =
+        (T::DTYPE == E4M3 ? descale_v[tile.b * nheads_kv + words.kv_head()] : 1.f) * dropout_scale;
     // Row scales and lse values first, so that only they stay live beside
     // O while it is stored; the lse rows are written once O is out.
     float inv[2], row_lse[2];
