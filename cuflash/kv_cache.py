@@ -249,8 +249,8 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     return name, True, block_table.shape[1] * cache_n, fp8_cache
 
 
-# The decoding kernel steps over a cache's positions (and a paged cache's pages) with 32-bit byte
-# strides (cuda_src/kv_cache.cuh: CacheRows).
+# The decoding kernel steps over a cache's positions (and a paged cache's pages) with 32-bit strides
+# (cuda_src/kv_cache.cuh: row_at); checked here in bytes, which bounds them in elements too.
 ROW_STRIDE_LIMIT = 1 << 32
 
 
