@@ -317,10 +317,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
             const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
             if constexpr (FP8) {  // as the append stores them: rotated, then quantised
-                store_shared(k_dst, quantize_e4m3<BF16>(load_rotated_chunk<BF16>(a, k_row, col, j),
-                                                        load_rotated_chunk<BF16>(a, k_row, col + 8, j), k_desc));
-                store_shared(v_dst, quantize_e4m3<BF16>(*reinterpret_cast<const uint4*>(v_row + col),
-                                                        *reinterpret_cast<const uint4*>(v_row + col + 8), v_desc));
+                store_shared(k_dst, new_chunk_e4m3<BF16>(a, k_row, col, j, true, k_desc));
+                store_shared(v_dst, new_chunk_e4m3<BF16>(a, v_row, col, j, false, v_desc));
             } else {
                 if (a.rotary_dim > 0)
                     store_shared(k_dst, load_rotated_chunk<BF16>(a, k_row, col, j));

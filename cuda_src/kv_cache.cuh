@@ -100,11 +100,11 @@ __device__ __forceinline__ CacheSpan cache_span(const KVCacheArgs& a, int b) {
 }
 
 // Where position j of batch b lies: `unit` (the batch's cache row, or the page)
-// and `row` within it; element offset unit * sb + row * sn + hk * sh. A paged
-// cache's page id comes from page_of, read ahead by the caller so that the
-// page-table loads of several rows are in flight together.
+// and `row` within it; element offset unit * sb + row * sn + hk * sh (head_of, row_at). A
+// paged cache's page id comes from page_of, read ahead by the caller so that the page-table
+// loads of several rows are in flight together.
 struct CachePos {
-    long long unit;
+    int unit;
     int row;
 };
 // j / page_size for 0 <= j < 2^31 by a multiply (Granlund-Montgomery; an integer
@@ -131,15 +131,10 @@ __device__ __forceinline__ CachePos cache_pos(const KVCacheArgs& a, const CacheS
         return CachePos{span.cache_row, j};
     }
 }
-__device__ __forceinline__ long long pos_offset(const CachePos& p, int hk, long long sb, long long sn, long long sh) {
-    return p.unit * sb + p.row * sn + hk * sh;
-}
-
-// The decoding kernel's copies address a cached row from its kv head's first byte `head`
-// (a contiguous cache's batch row included: head_of) with 32-bit element strides, which the host
-// keeps below 2^32 (cuflash/kv_cache.py): one or two wide multiply-adds (IMAD.WIDE.U32) instead
-// of pos_offset's three 64-bit products, whose arithmetic made the 8-warp tile's copies
-// issue-bound (bench/PERFLOG.md). ELEM_BYTES: 2, or 1 for an fp8 cache.
+// A cached row's address, from its kv head's first byte `head` (a contiguous cache's batch row
+// included: head_of) and 32-bit strides, which the host keeps below 2^32 (cuflash/kv_cache.py):
+// one or two wide multiply-adds (IMAD.WIDE.U32). Three 64-bit products per row made the
+// decoding tile's copies issue-bound (bench/PERFLOG.md). ELEM_BYTES: 2, or 1 for an fp8 cache.
 template <bool PAGED, int ELEM_BYTES>
 __device__ __forceinline__ const unsigned char* head_of(const u16* cache, long long sb, long long sh, int hk,
                                                         const CacheSpan& span, int offset) {
@@ -224,6 +219,18 @@ __device__ __forceinline__ uint4 quantize_e4m3(uint4 lo, uint4 hi, float descale
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// The 16 elements at columns [col, col + 16) of a new key row (rotated at position pos) or
+// value row, quantised to e4m3 as the cache stores them.
+template <bool BF16>
+__device__ __forceinline__ uint4 new_chunk_e4m3(const KVCacheArgs& a, const u16* row, int col, int pos, bool key,
+                                                float descale) {
+    if (key)
+        return quantize_e4m3<BF16>(load_rotated_chunk<BF16>(a, row, col, pos),
+                                   load_rotated_chunk<BF16>(a, row, col + 8, pos), descale);
+    return quantize_e4m3<BF16>(*reinterpret_cast<const uint4*>(row + col),
+                               *reinterpret_cast<const uint4*>(row + col + 8), descale);
+}
+
 // Four e4m3 bytes (the first in the lowest) as four values of q's dtype, exactly (e4m3 is a subset
 // of fp16 and of bf16).
 template <bool BF16>
@@ -254,31 +261,28 @@ template <bool BF16, bool FP8, bool PAGED>
 __device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int hk, const CacheSpan& span, int first,
                                                 int step, int tid, int threads, float k_desc, float v_desc) {
     constexpr int ELEMS = FP8 ? 16 : 8;  // per 16-byte chunk of a cache row
+    constexpr int ELEM_BYTES = FP8 ? 1 : 2;
     const int chunks = (a.d + ELEMS - 1) / ELEMS;
     const int rows = span.end - span.cache_len;
+    const unsigned char* k_head = head_of<PAGED, ELEM_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, 0);
+    const unsigned char* v_head = head_of<PAGED, ELEM_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, 0);
     for (int t = first; t < rows; t += step) {
         const int j = span.cache_len + t;
         const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
         const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
         const CachePos pos = cache_pos<PAGED>(a, span, j, PAGED ? page_of(a, b, j) : 0);
-        // Element offsets; an fp8 cache's elements are bytes.
-        const long long k_off = pos_offset(pos, hk, a.kc_sb, a.kc_sn, a.kc_sh);
-        const long long v_off = pos_offset(pos, hk, a.vc_sb, a.vc_sn, a.vc_sh);
+        unsigned char* k_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(k_head, pos, a.kc_sb, a.kc_sn));
+        unsigned char* v_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(v_head, pos, a.vc_sb, a.vc_sn));
         for (int c = tid; c < 2 * chunks; c += threads) {
             const bool key = c < chunks;
             const int col = ELEMS * (key ? c : c - chunks);
             uint4 chunk;
             if constexpr (FP8) {
-                chunk = key ? quantize_e4m3<BF16>(load_rotated_chunk<BF16>(a, k_row, col, j),
-                                                  load_rotated_chunk<BF16>(a, k_row, col + 8, j), k_desc)
-                            : quantize_e4m3<BF16>(*reinterpret_cast<const uint4*>(v_row + col),
-                                                  *reinterpret_cast<const uint4*>(v_row + col + 8), v_desc);
+                chunk = new_chunk_e4m3<BF16>(a, key ? k_row : v_row, col, j, key, key ? k_desc : v_desc);
             } else {
                 chunk = key ? load_rotated_chunk<BF16>(a, k_row, col, j) : *reinterpret_cast<const uint4*>(v_row + col);
             }
-            unsigned char* dst = reinterpret_cast<unsigned char*>(key ? a.k_cache : a.v_cache) +
-                                 (FP8 ? 1 : 2) * ((key ? k_off : v_off) + col);
-            *reinterpret_cast<uint4*>(dst) = chunk;
+            *reinterpret_cast<uint4*>((key ? k_dst : v_dst) + ELEM_BYTES * col) = chunk;
         }
     }
 }
