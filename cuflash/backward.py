@@ -168,15 +168,16 @@ def backward_workspace(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0
     return launch.BackwardWorkspace(_workspace_floats(problem, q.shape), device_id)
 
 
-def workspace_floats(q_shape, k_shape, dtype, *, causal=False, window_size=(-1, -1), softcap=0.0,
+def workspace_floats(q_shape, k_shape, dtype, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi=False,
                      deterministic=False, device_id: int = 0) -> int:
     """The float32 values of `backward_workspace` for arrays of these shapes and dtype, without the
-    arrays: a framework sizes a workspace of its own with it while tracing (cuflash.jax)."""
+    arrays: a framework sizes a workspace of its own with it while tracing (cuflash.jax). alibi:
+    whether the calls take alibi_slopes."""
     dtype_name = arrays.dtype_name(dtype)
     if dtype_name not in ("float16", "bfloat16"):
         raise TypeError(f"the backward computes in float16 or bfloat16, got {dtype}")
     causal, mods = score_mods.normalise(bool(causal), validate.window_size(window_size, bool(causal)),
-                                        validate.softcap(softcap), None, q_shape[1], k_shape[1])
+                                        validate.softcap(softcap), 0 if alibi else None, q_shape[1], k_shape[1])
     problem = dispatch.BwdProblem(dtype_name, q_shape[3], causal, q_shape[1], k_shape[1], q_shape[2] // k_shape[2],
                                   bool(deterministic), max_smem_per_block(device_id), compute_capability(device_id),
                                   mods)

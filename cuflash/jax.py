@@ -126,17 +126,53 @@ def _on_xla_stream(ctx, array):
         yield
 
 
-def _forward_callback(options, ctx, outputs, q, k, v, state):
+def _alibi_operand(alibi_slopes, nheads: int, batch: int):
+    """alibi_slopes as a JAX array checked against the call's head count and batch (sequences of a
+    packed batch), or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = jnp.asarray(alibi_slopes)
+    if slopes.dtype != jnp.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                         f"{(batch, nheads)}, got {slopes.shape}")
+    return slopes
+
+
+def _operands(slopes) -> tuple:
+    """The optional slopes as trailing callback operands."""
+    return () if slopes is None else (slopes,)
+
+
+def _slopes_view(slopes: tuple, batch: int, device_id: int):
+    """The callback's slopes operand (if any) as cuflash takes it for a call of `batch` rows: (nheads,)
+    or (batch, nheads). Under jax.vmap ("broadcast_all") the buffer gains the mapped dims in front:
+    slopes of shape (batch, nheads) merge them into the batch; slopes of shape (nheads,) become a row
+    per mapped element, repeated over the element's own batch (a copy on the current stream)."""
+    if not slopes:
+        return None
+    (buffer,) = slopes
+    nheads = buffer.shape[-1]
+    rows = math.prod(buffer.shape[:-1])
+    view = _cupy_view(buffer, (rows, nheads) if rows > 1 else (nheads,), device_id)
+    if rows <= 1 or rows == batch:
+        return view
+    return cupy().repeat(view, batch // rows, axis=0)
+
+
+def _forward_callback(options, ctx, outputs, q, k, v, state, *slopes):
     out, lse = outputs
     device_id = _device_of(out)
     qc, kc, vc = (_cupy_view(x, _batch_shape(x), device_id) for x in (q, k, v))
     with _on_xla_stream(ctx, qc):
         _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out), device_id),
                            lse=_cupy_view(lse, _batch_shape(lse, 3), device_id),
+                           alibi_slopes=_slopes_view(slopes, qc.shape[0], device_id),
                            **_with_dropout(options, state, device_id))
 
 
-def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state):
+def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state, *slopes):
     *grads, scratch = outputs
     device_id = _device_of(scratch)
     dq, dk, dv = (_cupy_view(x, _batch_shape(x), device_id) for x in grads)
@@ -145,27 +181,29 @@ def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out,
         workspace = _launch.BackwardWorkspace(0, device_id, _cupy_view(scratch, (math.prod(scratch.shape),), device_id))
         _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3), device_id), dq=dq, dk=dk,
                                      dv=dv, deterministic=deterministic, workspace=workspace,
+                                     alibi_slopes=_slopes_view(slopes, dq.shape[0], device_id),
                                      **_with_dropout(options, state, device_id))
 
 
-def _forward_call(q, k, v, state, options):
+def _forward_call(q, k, v, state, options, slopes=None):
     batch, seqlen_q, nheads, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
     call = _buffer_callback(functools.partial(_forward_callback, options), shapes, vmap_method="broadcast_all")
-    return call(q, k, v, state)
+    return call(q, k, v, state, *_operands(slopes))
 
 
-def _backward_call(dout, q, k, v, out, lse, state, options, deterministic):
+def _backward_call(dout, q, k, v, out, lse, state, options, deterministic, slopes=None):
     # The backward's scratch is one more output, so that XLA owns it: no allocation in the call.
     batch = int(numpy.prod(q.shape[:-3]))  # vmapped dims merge into the batch
     floats = _backward.workspace_floats((batch, *q.shape[-3:]), (batch, *k.shape[-3:]), q.dtype,
-                                        deterministic=deterministic, device_id=cupy().cuda.Device().id,
+                                        alibi=slopes is not None, deterministic=deterministic,
+                                        device_id=cupy().cuda.Device().id,
                                         **{name: options[name] for name in ("causal", "window_size", "softcap")})
     shapes = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
               jax.ShapeDtypeStruct((max(floats, 1),), jnp.float32))
     call = _buffer_callback(functools.partial(_backward_callback, options, deterministic), shapes,
                             vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse, state)[:3]
+    return call(dout, q, k, v, out, lse, state, *_operands(slopes))[:3]
 
 
 def _no_cotangent(x):
@@ -173,28 +211,36 @@ def _no_cotangent(x):
     return numpy.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, state, options, deterministic):
-    return _forward_call(q, k, v, state, dict(options))[0]
+def _slopes_cotangent(slopes):
+    """ALiBi's slopes take no gradient (as in flash-attn): zeros, or None where absent."""
+    return None if slopes is None else jnp.zeros_like(slopes)
 
 
-def _attention_fwd(q, k, v, state, options, deterministic):
-    out, lse = _forward_call(q, k, v, state, dict(options))
-    return out, (q, k, v, out, lse, state)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, slopes, state, options, deterministic):
+    return _forward_call(q, k, v, state, dict(options), slopes)[0]
+
+
+def _attention_fwd(q, k, v, slopes, state, options, deterministic):
+    out, lse = _forward_call(q, k, v, state, dict(options), slopes)
+    return out, (q, k, v, out, lse, slopes, state)
 
 
 def _attention_bwd(options, deterministic, residuals, dout):
-    q, k, v, out, lse, state = residuals
-    return (*_backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic), _no_cotangent(state))
+    q, k, v, out, lse, slopes, state = residuals
+    return (*_backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic, slopes),
+            _slopes_cotangent(slopes), _no_cotangent(state))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              deterministic=False, dropout_p=0.0, dropout_key=None):
+              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_key=None):
     """`cuflash.attention` on JAX arrays, usable inside `jax.jit`, differentiable (`jax.grad`, `jax.vjp`).
 
+    alibi_slopes: float32 (nheads,) or (batch, nheads), as `cuflash.attention`'s; no gradient flows
+    to them (zeros), as in flash-attn.
     deterministic: the backward's dq without atomics (bitwise reproducible).
     dropout_p, dropout_key: dropout on the probabilities, its mask's seed and offset drawn from
     the JAX random key (`jax.random.bits(dropout_key, (4,), uint32)`, the words `cuflash.attention`
@@ -208,68 +254,77 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
+    slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
     p, state = _dropout_state(dropout_p, dropout_key)
     options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
-    return _attention(q, k, v, state, options, bool(deterministic))
+    return _attention(q, k, v, slopes, state, options, bool(deterministic))
 
 
 # ---------------------------------------------------------------- packed batches
 
-def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state):
+def _varlen_slopes(slopes: tuple, device_id: int):
+    return _cupy_view(slopes[0], slopes[0].shape, device_id) if slopes else None
+
+
+def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state, *slopes):
     device_id = _device_of(outputs[0])
     out, lse = (_cupy_view(x, x.shape, device_id) for x in outputs)
     with _on_xla_stream(ctx, out):
         _varlen.attention_varlen(*(_cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=out, lse=lse, **_with_dropout(options, state, device_id))
+                                 out=out, lse=lse, alibi_slopes=_varlen_slopes(slopes, device_id),
+                                 **_with_dropout(options, state, device_id))
 
 
 def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k,
-                              state):
+                              state, *slopes):
     device_id = _device_of(outputs[0])
     dq, dk, dv = (_cupy_view(x, x.shape, device_id) for x in outputs)
     arrays = [_cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
     with _on_xla_stream(ctx, dq):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
+                                          alibi_slopes=_varlen_slopes(slopes, device_id),
                                           **_with_dropout(options, state, device_id))
 
 
-def _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, options):
+def _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, options):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
     call = _buffer_callback(functools.partial(_varlen_forward_callback, lengths, options), shapes,
                             vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k, state)
+    return call(q, k, v, cu_q, cu_k, state, *_operands(slopes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention_varlen(q, k, v, cu_q, cu_k, state, lengths, options, deterministic):
-    return _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, dict(options))[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention_varlen(q, k, v, cu_q, cu_k, slopes, state, lengths, options, deterministic):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, dict(options))[0]
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, state, lengths, options, deterministic):
-    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, state, lengths, dict(options))
-    return out, (q, k, v, cu_q, cu_k, state, out, lse)
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, slopes, state, lengths, options, deterministic):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, dict(options))
+    return out, (q, k, v, cu_q, cu_k, slopes, state, out, lse)
 
 
 def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
-    q, k, v, cu_q, cu_k, state, out, lse = residuals
+    q, k, v, cu_q, cu_k, slopes, state, out, lse = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = _buffer_callback(functools.partial(_varlen_backward_callback, lengths, dict(options), deterministic),
                             shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state)
-    return dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), _no_cotangent(state)
+    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state, *_operands(slopes))
+    return (dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), _slopes_cotangent(slopes),
+            _no_cotangent(state))
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, deterministic=False, dropout_p=0.0,
-                     dropout_key=None):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                     dropout_p=0.0, dropout_key=None):
     """`cuflash.attention_varlen` on JAX arrays inside `jax.jit`, differentiable in q, k and v.
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim); cu_seqlens_q and
     cu_seqlens_k int32 (batch + 1,) JAX arrays (their values are the caller's contract, as for
     device offsets in cuflash.attention_varlen); max_seqlen_q, max_seqlen_k: Python ints.
+    alibi_slopes: float32 (nheads,) or (batch, nheads), as `attention`'s.
     dropout_p, dropout_key: as `attention`'s. `jax.vmap` runs one call per mapped element
     ("sequential").
     """
@@ -281,9 +336,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
+    slopes = _alibi_operand(alibi_slopes, q.shape[1], cu_seqlens_q.shape[0] - 1)
     p, state = _dropout_state(dropout_p, dropout_key)
     options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, state, lengths, options, bool(deterministic))
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, state, lengths, options,
+                             bool(deterministic))
 
 
 # ---------------------------------------------------------------- KV cache

@@ -85,11 +85,9 @@ def _dropout(dropout_p: float, draw: torch.Tensor) -> dict:
     return dict(dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-def _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
+def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
     """flash-attn's keywords as the custom ops take them: (causal, softmax_scale, window_left,
-    window_right, softcap, deterministic, dropout_p); ALiBi refused."""
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash.torch takes none yet (cuflash.attention does)")
+    window_right, softcap, deterministic, dropout_p)."""
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
     scale = None if softmax_scale is None else float(softmax_scale)
     return bool(causal), scale, left, right, float(softcap), bool(deterministic), _validate.dropout(dropout_p, 0, 0)[0]
@@ -97,19 +95,21 @@ def _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, 
 
 # ---------------------------------------------------------------- equal lengths
 # Options travel as (causal, softmax_scale, window_left, window_right, softcap, deterministic,
-# dropout_p); deterministic matters to the backward only. The forward also returns its dropout draw
+# dropout_p); deterministic matters to the backward only. ALiBi's slopes are a tensor argument,
+# which takes no gradient (as in flash-attn). The forward also returns its dropout draw
 # (_dropout_draw), which the backward takes.
 
 @_op("fwd", seeded=True)
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
-         window_left: int, window_right: int, softcap: float, deterministic: bool,
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None, causal: bool,
+         softmax_scale: float | None, window_left: int, window_right: int, softcap: float, deterministic: bool,
          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     draw = _dropout_draw(dropout_p)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
-        _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse), **_dropout(dropout_p, draw),
+        _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse), alibi_slopes=_cp(alibi_slopes),
+                           **_dropout(dropout_p, draw),
                            **_options(causal, softmax_scale, window_left, window_right, softcap))
     return out, lse, draw
 
@@ -123,15 +123,15 @@ def _fwd_fake(q, k, v, *options):
 
 @_op("bwd")
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-         lse: torch.Tensor, draw: torch.Tensor, causal: bool, softmax_scale: float | None, window_left: int,
-         window_right: int, softcap: float, deterministic: bool,
+         lse: torch.Tensor, draw: torch.Tensor, alibi_slopes: torch.Tensor | None, causal: bool,
+         softmax_scale: float | None, window_left: int, window_right: int, softcap: float, deterministic: bool,
          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dout = dout.contiguous()  # held here: the view of it does not keep it alive
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _backward.attention_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                      dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
-                                     **_dropout(dropout_p, draw),
+                                     alibi_slopes=_cp(alibi_slopes), **_dropout(dropout_p, draw),
                                      **_options(causal, softmax_scale, window_left, window_right, softcap))
     return dq, dk, dv
 
@@ -142,14 +142,14 @@ def _bwd_fake(dout, q, k, v, *rest):
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, slopes, *options = inputs
+    ctx.save_for_backward(q, k, v, slopes, *output)
     ctx.options = options
 
 
 def _fwd_backward(ctx, dout, dlse, ddraw):
-    q, k, v, out, lse, draw = ctx.saved_tensors
-    return (*_bwd(dout, q, k, v, out, lse, draw, *ctx.options), *[None] * len(ctx.options))
+    q, k, v, slopes, out, lse, draw = ctx.saved_tensors
+    return (*_bwd(dout, q, k, v, out, lse, draw, slopes, *ctx.options), None, *[None] * len(ctx.options))
 
 
 torch.library.register_autograd("cuflash::fwd", _fwd_backward, setup_context=_fwd_setup)
@@ -161,9 +161,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16 CUDA tensors. Returns out; with
     return_attn_probs, (out, lse, None). dropout_p: the mask's seed is drawn from torch's default
     generator (torch.manual_seed reproduces it) and regenerated by the backward; a call captured in
-    a CUDA graph keeps the seed of its capture. No ALiBi here yet."""
-    options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
-    out, lse, _ = _fwd(q, k, v, *options)
+    a CUDA graph keeps the seed of its capture. alibi_slopes: float32 (nheads,) or (batch, nheads),
+    no gradient."""
+    options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    out, lse, _ = _fwd(q, k, v, alibi_slopes, *options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -171,7 +172,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 @_op("varlen_fwd", seeded=True)
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                alibi_slopes: torch.Tensor | None, causal: bool,
                 softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
                 deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q)
@@ -179,7 +181,8 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     draw = _dropout_draw(dropout_p)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _varlen.attention_varlen(_cp(q), _cp(k), _cp(v), _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q,
-                                 max_seqlen_k, out=_cp(out), lse=_cp(lse), **_dropout(dropout_p, draw),
+                                 max_seqlen_k, out=_cp(out), lse=_cp(lse), alibi_slopes=_cp(alibi_slopes),
+                                 **_dropout(dropout_p, draw),
                                  **_options(causal, softmax_scale, window_left, window_right, softcap))
     return out, lse, draw
 
@@ -193,7 +196,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @_op("varlen_bwd")
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, draw: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, window_left: int,
+                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: torch.Tensor | None, causal: bool,
+                softmax_scale: float | None, window_left: int,
                 window_right: int, softcap: float, deterministic: bool,
                 dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -202,7 +206,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         _varlen.attention_varlen_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                           _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                                           dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
-                                          **_dropout(dropout_p, draw),
+                                          alibi_slopes=_cp(alibi_slopes), **_dropout(dropout_p, draw),
                                           **_options(causal, softmax_scale, window_left, window_right, softcap))
     return dq, dk, dv
 
@@ -213,15 +217,15 @@ def _varlen_bwd_fake(dout, q, k, v, *rest):
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *options = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
-    ctx.options = options
+    q, k, v, cu_q, cu_k, max_q, max_k, slopes, *options = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, slopes, *output)
+    ctx.lengths, ctx.options = (max_q, max_k), options
 
 
 def _varlen_backward(ctx, dout, dlse, ddraw):
-    q, k, v, cu_q, cu_k, out, lse, draw = ctx.saved_tensors
-    grads = _varlen_bwd(dout, q, k, v, out, lse, draw, cu_q, cu_k, *ctx.options)
-    return (*grads, None, None, *[None] * len(ctx.options))
+    q, k, v, cu_q, cu_k, slopes, out, lse, draw = ctx.saved_tensors
+    grads = _varlen_bwd(dout, q, k, v, out, lse, draw, cu_q, cu_k, *ctx.lengths, slopes, *ctx.options)
+    return (*grads, None, None, None, None, None, *[None] * len(ctx.options))
 
 
 torch.library.register_autograd("cuflash::varlen_fwd", _varlen_backward, setup_context=_varlen_setup)
@@ -232,9 +236,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False):
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
-    (out, lse (nheads, total_q), None). dropout_p as in flash_attn_func."""
-    options = _flash_options(dropout_p, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
-    out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), *options)
+    (out, lse (nheads, total_q), None). dropout_p and alibi_slopes as in flash_attn_func."""
+    options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                              alibi_slopes, *options)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -70,6 +70,83 @@ def test_jit_forward_and_grad_match_reference_and_eager(rng, options):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
 
 
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])
+def test_jit_alibi_matches_reference_and_eager(rng, slopes_shape):
+    """alibi_slopes with softcap and the causal mask under jax.jit: forward and gradients against the
+    reference (2x rule) and the eager CuPy calls (bitwise); the slopes' cotangent is zero."""
+    import cupy
+
+    import cuflash
+    import cuflash.jax
+
+    host, dout = inputs(rng)
+    slopes_host = rng.uniform(0.01, 0.5, slopes_shape).astype(np.float32)
+    q, k, v = (jnp.asarray(x) for x in host)
+    options = dict(causal=True, softcap=2.5)
+
+    def loss(q, k, v, slopes):
+        out = cuflash.jax.attention(q, k, v, alibi_slopes=slopes, deterministic=True, **options)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.asarray(slopes_host))
+    assert not np.asarray(grads[3]).any()
+    refs_opts = dict(options, alibi_slopes=slopes_host)
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(np.asarray(out), reference.attention(*host, **refs_opts),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, **refs_opts), atol)
+    refs = reference.attention_backward(dout, *host, **refs_opts)
+    naives = reference.attention_backward_naive_lowp(dout, *host, dtype=np.float16, **refs_opts)
+    for g, r, n in zip(grads[:3], refs, naives):
+        assert_close_2x(np.asarray(g), r, n, atol)
+
+    dev = [cupy.asarray(x) for x in host]
+    eager_opts = dict(options, alibi_slopes=cupy.asarray(slopes_host))
+    eager_out, eager_lse = cuflash.attention(*dev, return_lse=True, **eager_opts)
+    eager_grads = cuflash.attention_backward(cupy.asarray(dout), *dev, eager_out, eager_lse, deterministic=True,
+                                             **eager_opts)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), eager_out.get().view(np.uint16))
+    for g, e in zip(grads, eager_grads):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), e.get().view(np.uint16))
+
+
+def test_bad_alibi_slopes_are_named(rng):
+    import cuflash.jax
+
+    host, _ = inputs(rng)
+    q, k, v = (jnp.asarray(x) for x in host)
+    for bad, error in ((jnp.ones((3,), jnp.float32), ValueError), (jnp.ones((4,), jnp.float16), TypeError),
+                       (jnp.ones((3, 4), jnp.float32), ValueError)):
+        with pytest.raises(error, match="alibi_slopes"):
+            cuflash.jax.attention(q, k, v, alibi_slopes=bad)
+
+
+def test_vmap_alibi_slopes_follow_each_element(rng):
+    """jax.vmap over calls of batch 2 with ALiBi: slopes of shape (nheads,) shared by the elements
+    (broadcast, then repeated over each element's batch) or mapped with them; each element's output
+    and gradients equal its own call's, bitwise."""
+    import cuflash.jax
+
+    stacks = [inputs(np.random.default_rng(seed), batch=2, nq=65, nk=97)[0] for seed in range(3)]
+    q, k, v = (jnp.asarray(np.stack([s[i] for s in stacks])) for i in range(3))
+    slopes = jnp.asarray(rng.uniform(0.01, 0.5, (3, 4)).astype(np.float32))
+
+    def value_and_grads(q, k, v, slopes):
+        def loss(q, k, v):
+            out = cuflash.jax.attention(q, k, v, alibi_slopes=slopes, causal=True, deterministic=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, *grads
+
+    for in_axes, pick in (((0, 0, 0, None), lambda i: slopes[0]), ((0, 0, 0, 0), lambda i: slopes[i])):
+        shared = slopes[0] if in_axes[3] is None else slopes
+        mapped = jax.jit(jax.vmap(value_and_grads, in_axes=in_axes))(q, k, v, shared)
+        for i in range(len(stacks)):
+            own = jax.jit(value_and_grads)(q[i], k[i], v[i], pick(i))
+            for a, b in zip(mapped, own):
+                np.testing.assert_array_equal(np.asarray(a[i]).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
 def test_vmap_merges_the_mapped_axis_into_the_batch(rng):
     import cuflash.jax
 
@@ -124,7 +201,8 @@ def test_grad_under_checkpoint(rng):
         assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
 
 
-def test_varlen_in_jit_with_grad(rng):
+@pytest.mark.parametrize("alibi", [False, True])
+def test_varlen_in_jit_with_grad(rng, alibi):
     import cuflash.jax
 
     lengths = [17, 0, 130, 64]
@@ -135,17 +213,20 @@ def test_varlen_in_jit_with_grad(rng):
     dout = randn(rng, (total, 4, 64), np.float16)
     q, k, v = (jnp.asarray(x) for x in host)
     cu_dev = jnp.asarray(cu)
+    slopes_host = rng.uniform(0.01, 0.5, (4,)).astype(np.float32) if alibi else None
+    slopes = None if slopes_host is None else jnp.asarray(slopes_host)
 
     def loss(q, k, v):
-        out = cuflash.jax.attention_varlen(q, k, v, cu_dev, cu_dev, 130, 130, causal=True)
+        out = cuflash.jax.attention_varlen(q, k, v, cu_dev, cu_dev, 130, 130, causal=True, alibi_slopes=slopes)
         return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    ref = reference.attention_varlen(*host, cu, cu, causal=True)
-    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, causal=True, dtype=np.float16)
+    options = dict(causal=True, alibi_slopes=slopes_host)
+    ref = reference.attention_varlen(*host, cu, cu, **options)
+    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, dtype=np.float16, **options)
     assert_close_2x(np.asarray(out), ref, naive, ATOL[np.dtype(np.float16)])
-    refs = reference.attention_varlen_backward(dout, *host, cu, cu, causal=True)
-    naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, causal=True, dtype=np.float16)
+    refs = reference.attention_varlen_backward(dout, *host, cu, cu, **options)
+    naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, dtype=np.float16, **options)
     for g, r, n in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
 

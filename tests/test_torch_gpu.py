@@ -54,7 +54,42 @@ def test_flash_attn_func_eager_and_compiled(rng, options):
         assert torch.equal(a, b)
 
 
-def test_flash_attn_varlen_func(rng):
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])
+def test_flash_attn_func_alibi(rng, slopes_shape):
+    """alibi_slopes (nheads,) or (batch, nheads) with softcap and the causal mask: forward and gradients
+    hold the 2x rule against the reference, compiled equals eager bitwise, and the slopes take no
+    gradient."""
+    from cuflash.torch import flash_attn_func
+
+    host = [randn(rng, (2, n, h, 64), np.float16) for n, h in ((97, 4), (130, 2), (130, 2))]
+    dout_host = randn(rng, (2, 97, 4, 64), np.float16)
+    dout = torch.from_numpy(dout_host.view(np.int16)).view(torch.float16).cuda()
+    slopes_host = rng.uniform(0.01, 0.5, slopes_shape).astype(np.float32)
+    slopes = torch.from_numpy(slopes_host).cuda().requires_grad_()
+    options = dict(causal=True, softcap=2.5)
+
+    def block(q, k, v):
+        return flash_attn_func(q, k, v, alibi_slopes=slopes, deterministic=True, **options)
+
+    eager = grads_of(block, leaves(host), dout)
+    compiled = grads_of(torch.compile(block, fullgraph=True), leaves(host), dout)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    ref_options = dict(options, alibi_slopes=slopes_host)
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(as_numpy(eager[0]), reference.attention(*host, **ref_options),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, **ref_options), atol)
+    refs = reference.attention_backward(dout_host, *host, **ref_options)
+    naives = reference.attention_backward_naive_lowp(dout_host, *host, dtype=np.float16, **ref_options)
+    for g, r, n in zip(eager[1:], refs, naives):
+        assert_close_2x(as_numpy(g), r, n, atol)
+    out = block(*leaves(host))
+    (out.float() * dout.float()).sum().backward()
+    assert slopes.grad is None
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_flash_attn_varlen_func(rng, alibi):
     from cuflash.torch import flash_attn_varlen_func
 
     lengths = [17, 0, 130, 64]
@@ -64,16 +99,21 @@ def test_flash_attn_varlen_func(rng):
     dout_host = randn(rng, (total, 4, 64), np.float16)
     dout = torch.from_numpy(dout_host.view(np.int16)).view(torch.float16).cuda()
     cu_t = torch.from_numpy(cu).cuda()
+    options = dict(causal=True)
+    # ALiBi: a slope per (sequence, head)
+    slopes_host = rng.uniform(0.01, 0.5, (len(lengths), 4)).astype(np.float32) if alibi else None
+    slopes = torch.from_numpy(slopes_host).cuda() if alibi else None
 
     def call(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu_t, cu_t, 130, 130, causal=True)
+        return flash_attn_varlen_func(q, k, v, cu_t, cu_t, 130, 130, alibi_slopes=slopes, **options)
 
     results = grads_of(torch.compile(call, fullgraph=True), leaves(host), dout)
-    ref = reference.attention_varlen(*host, cu, cu, causal=True)
-    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, causal=True, dtype=np.float16)
+    options["alibi_slopes"] = slopes_host
+    ref = reference.attention_varlen(*host, cu, cu, **options)
+    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, dtype=np.float16, **options)
     assert_close_2x(as_numpy(results[0]), ref, naive, ATOL[np.dtype(np.float16)])
-    refs = reference.attention_varlen_backward(dout_host, *host, cu, cu, causal=True)
-    naives = reference.attention_varlen_backward_naive_lowp(dout_host, *host, cu, cu, causal=True, dtype=np.float16)
+    refs = reference.attention_varlen_backward(dout_host, *host, cu, cu, **options)
+    naives = reference.attention_varlen_backward_naive_lowp(dout_host, *host, cu, cu, dtype=np.float16, **options)
     for g, r, n in zip(results[1:], refs, naives):
         assert_close_2x(as_numpy(g), r, n, ATOL[np.dtype(np.float16)])
 
@@ -153,6 +193,15 @@ def test_bad_dropout_p_is_named():
     q = torch.zeros((1, 8, 1, 64), dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attn_func(q, q, q, dropout_p=1.0)
+
+
+def test_bad_alibi_slopes_are_named():
+    from cuflash.torch import flash_attn_func
+
+    q = torch.zeros((2, 8, 4, 64), dtype=torch.float16, device="cuda")
+    for bad, error in ((torch.ones(3, device="cuda"), ValueError), (torch.ones(4, device="cuda").half(), TypeError)):
+        with pytest.raises(error, match="alibi_slopes"):
+            flash_attn_func(q, q, q, alibi_slopes=bad)
 
 
 def test_flash_attn_with_kvcache_e4m3_cache(rng):
