@@ -3,7 +3,9 @@
     from cuflash.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 `flash_attn_func(q, k, v, ...)` takes flash-attn's layout (batch, seqlen,
-nheads, headdim) and keywords, so that a flash-attn user changes one import.
+nheads, headdim) and keywords, so that a flash-attn user changes one import;
+so do the packed forms (`flash_attn_qkvpacked_func`, `flash_attn_kvpacked_func`
+and their varlen twins).
 Each pass is a torch op (`torch.library`, schema from its annotations) with a
 fake (meta) implementation and registered autograd, so
 `torch.compile(fullgraph=True)` keeps it in the graph without a break. The
@@ -241,6 +243,52 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                               alibi_slopes, *options)
     return (out, lse, None) if return_attn_probs else out
+
+
+# ---------------------------------------------------------------- packed q, k, v
+# flash-attn's packed forms: views of one tensor (the kernels take any strides with a contiguous
+# last dim), whose gradient autograd assembles from dq, dk and dv.
+
+def _unpack(name: str, x, dim: int, parts: int, rank: int):
+    if x.dim() != rank or x.shape[dim] != parts:
+        raise ValueError(f"{name} must have {rank} dims with {parts} at dim {dim}, got shape {tuple(x.shape)}")
+    return x.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_qkvpacked_func`: qkv (batch, seqlen, 3, nheads, headdim); the rest as
+    flash_attn_func."""
+    return flash_attn_func(*_unpack("qkv", qkv, 2, 3, 5), dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_kvpacked_func`: kv (batch, seqlen_k, 2, nheads_kv, headdim); the rest as
+    flash_attn_func."""
+    return flash_attn_func(q, *_unpack("kv", kv, 2, 2, 5), dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's `flash_attn_varlen_qkvpacked_func`: qkv (total, 3, nheads, headdim), one cu_seqlens
+    and max_seqlen for queries and keys; the rest as flash_attn_varlen_func."""
+    return flash_attn_varlen_func(*_unpack("qkv", qkv, 1, 3, 4), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's `flash_attn_varlen_kvpacked_func`: kv (total_k, 2, nheads_kv, headdim); the rest as
+    flash_attn_varlen_func."""
+    return flash_attn_varlen_func(q, *_unpack("kv", kv, 1, 2, 4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
 
 
 # ---------------------------------------------------------------- KV cache

@@ -195,6 +195,53 @@ def test_bad_dropout_p_is_named():
         flash_attn_func(q, q, q, dropout_p=1.0)
 
 
+def test_packed_forms(rng):
+    """flash-attn's packed forms: the qkv-packed calls hold the 2x rule against the reference, their
+    gradient being dq, dk, dv in qkv's layout; the kv-packed calls (GQA) equal the unpacked calls on
+    contiguous copies, bitwise; a wrong packing is named."""
+    from cuflash.torch import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                               flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                               flash_attn_varlen_qkvpacked_func)
+
+    atol = ATOL[np.dtype(np.float16)]
+    lengths = [17, 0, 130, 64]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu_t = torch.from_numpy(cu).cuda()
+    for shape, dim, call, ref_args in (
+            ((2, 97, 3, 4, 64), 2, lambda qkv: flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True), ()),
+            ((int(cu[-1]), 3, 4, 64), 1,
+             lambda qkv: flash_attn_varlen_qkvpacked_func(qkv, cu_t, 130, causal=True, deterministic=True), (cu, cu))):
+        qkv_host = randn(rng, shape, np.float16)
+        dout_host = randn(rng, np.delete(shape, dim), np.float16)
+        (qkv,) = leaves([qkv_host])
+        out = call(qkv)
+        (grad,) = torch.autograd.grad(out, qkv, torch.from_numpy(dout_host.view(np.int16)).view(torch.float16).cuda())
+        host = [np.take(qkv_host, i, axis=dim) for i in range(3)]
+        varlen = "_varlen" if ref_args else ""
+        forward, backward = getattr(reference, "attention" + varlen), getattr(reference, f"attention{varlen}_backward")
+        naive_fwd = getattr(reference, f"attention{varlen}_naive_lowp")
+        naive_bwd = getattr(reference, f"attention{varlen}_backward_naive_lowp")
+        assert_close_2x(as_numpy(out), forward(*host, *ref_args, causal=True),
+                        naive_fwd(*host, *ref_args, causal=True, dtype=np.float16), atol)
+        refs = backward(dout_host, *host, *ref_args, causal=True)
+        naives = naive_bwd(dout_host, *host, *ref_args, causal=True, dtype=np.float16)
+        for i in range(3):
+            assert_close_2x(np.take(as_numpy(grad), i, axis=dim), refs[i], naives[i], atol)
+
+    q_host, kv_host = randn(rng, (2, 97, 4, 64), np.float16), randn(rng, (2, 130, 2, 2, 64), np.float16)
+    q, kv = leaves([q_host, kv_host])
+    packed = flash_attn_kvpacked_func(q, kv, window_size=(24, 8), deterministic=True)
+    k, v = (t.contiguous() for t in kv.detach().unbind(2))
+    assert torch.equal(packed, flash_attn_func(q, k, v, window_size=(24, 8), deterministic=True))
+    q_host, kv_host = randn(rng, (int(cu[-1]), 4, 64), np.float16), randn(rng, (int(cu[-1]), 2, 2, 64), np.float16)
+    q, kv = leaves([q_host, kv_host])
+    packed = flash_attn_varlen_kvpacked_func(q, kv, cu_t, cu_t, 130, 130, causal=True)
+    k, v = (t.contiguous() for t in kv.detach().unbind(1))
+    assert torch.equal(packed, flash_attn_varlen_func(q, k, v, cu_t, cu_t, 130, 130, causal=True))
+    with pytest.raises(ValueError, match="qkv"):
+        flash_attn_qkvpacked_func(q)
+
+
 def test_bad_alibi_slopes_are_named():
     from cuflash.torch import flash_attn_func
 
