@@ -17,6 +17,7 @@ backward, as flash-attn does.
   (buffer_callback's "broadcast_all": an unmapped operand is broadcast first).
 - `jax.grad`, `jax.checkpoint` and `shard_map` work as with any custom_vjp
   function; each device calls the kernels on its own shard.
+- fp8 (jnp.float8_e4m3fn q, k, v with descales) runs the forward only, out bfloat16.
 - `attention`'s backward scratch is an output XLA allocates; the forward's
   per-stream buffers and the varlen backward's scratch come from CuPy's memory
   pool on XLA's stream: leave JAX room for them
@@ -236,7 +237,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_key=None):
+              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_key=None, q_descale=None,
+              k_descale=None, v_descale=None):
     """`cuflash.attention` on JAX arrays, usable inside `jax.jit`, differentiable (`jax.grad`, `jax.vjp`).
 
     alibi_slopes: float32 (nheads,) or (batch, nheads), as `cuflash.attention`'s; no gradient flows
@@ -247,6 +249,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     takes as `seed`); the kernels read them on the device and the backward regenerates the mask.
     Under `jax.vmap` the mapped elements share one key (the first's; their masks differ by their
     index in the merged batch), so a vmapped call is not the calls of its elements.
+    fp8: q, k and v jnp.float8_e4m3fn with q_descale, k_descale, v_descale float32 (batch, nheads_kv)
+    (ones where None); out is bfloat16. Forward only (Hopper), with causal, window and softcap.
     dropout_p is checked when traced, the other options when the kernels first run (inside the
     computation); their errors name the argument as `cuflash.attention`'s do.
     """
@@ -254,10 +258,62 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if q.dtype == jnp.float8_e4m3fn:
+        return _fp8_attention(q, k, v, descales, _option_items(causal, softmax_scale, window_size, softcap),
+                              alibi_slopes, dropout_p)
+    for name, x in descales.items():
+        if x is not None:
+            raise ValueError(f"{name} applies to fp8 (float8_e4m3fn) inputs only, got q of {q.dtype}")
     slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
     p, state = _dropout_state(dropout_p, dropout_key)
     options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
     return _attention(q, k, v, slopes, state, options, bool(deterministic))
+
+
+# ---------------------------------------------------------------- fp8 (forward only)
+
+def _fp8_forward_callback(names, options, ctx, outputs, q, k, v, *descales):
+    out, lse = outputs
+    device_id = _device_of(out)
+    qc, kc, vc = (_cupy_view(x, _batch_shape(x), device_id) for x in (q, k, v))
+    given = {name: _cupy_view(x, _batch_shape(x, 2), device_id) for name, x in zip(names, descales)}
+    with _on_xla_stream(ctx, qc):
+        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out), device_id),
+                           lse=_cupy_view(lse, _batch_shape(lse, 3), device_id), **given, **options)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_call(q, k, v, descales, names, options):
+    # e4m3 crosses the callback as its uint8 codes (buffer callbacks take no float8 buffer).
+    codes = [jax.lax.bitcast_convert_type(x, jnp.uint8) for x in (q, k, v)]
+    batch, seqlen_q, nheads, _ = q.shape
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+              jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
+    call = _buffer_callback(functools.partial(_fp8_forward_callback, names, dict(options)), shapes,
+                            vmap_method="broadcast_all")
+    return call(*codes, *descales)[0]
+
+
+def _fp8_call_fwd(q, k, v, descales, names, options):
+    return _fp8_call(q, k, v, descales, names, options), None
+
+
+def _fp8_call_bwd(names, options, residuals, dout):
+    raise NotImplementedError("cuflash.jax.attention: fp8 (float8_e4m3fn) inputs have a forward only")
+
+
+_fp8_call.defvjp(_fp8_call_fwd, _fp8_call_bwd)
+
+
+def _fp8_attention(q, k, v, descales: dict, options: tuple, alibi_slopes, dropout_p):
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"{name} must be float8_e4m3fn as q is, got {x.dtype}")
+    if alibi_slopes is not None or _validate.dropout(dropout_p, 0, 0)[0]:
+        raise ValueError("alibi_slopes and dropout_p: fp8 attention takes causal, window_size and softcap only")
+    names = tuple(name for name, x in descales.items() if x is not None)
+    return _fp8_call(q, k, v, tuple(jnp.asarray(descales[name], jnp.float32) for name in names), names, options)
 
 
 # ---------------------------------------------------------------- packed batches

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, randn, ring_rounding
+from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, randn, ring_rounding
 
 # JAX would otherwise take 75% of the GPU's memory when it starts, from tests that share the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -145,6 +145,44 @@ def test_vmap_alibi_slopes_follow_each_element(rng):
             own = jax.jit(value_and_grads)(q[i], k[i], v[i], pick(i))
             for a, b in zip(mapped, own):
                 np.testing.assert_array_equal(np.asarray(a[i]).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_e4m3_forward_in_jit(rng):
+    """float8_e4m3fn q, k, v with descales under jax.jit, and under jax.vmap: the bf16 output of
+    cuflash.attention on the codes, bitwise; no backward, mixed dtypes and 16-bit descales refused
+    by name."""
+    import cupy
+    import ml_dtypes
+
+    import cuflash
+    import cuflash.jax
+
+    quantised = [reference.fp8_quantize(randn(rng, (2, n, 2, 64), np.float32)) for n in (97, 130, 130)]
+    codes = [jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn)) for bits, _ in quantised]
+    names = ("q_descale", "k_descale", "v_descale")
+    descales = {name: jnp.asarray(d) for name, (_, d) in zip(names, quantised)}
+    options = dict(causal=True, softcap=3.0, window_size=(40, 0))
+    expected = cuflash.attention(*(cupy.asarray(bits) for bits, _ in quantised), **options,
+                                 **{name: cupy.asarray(d) for name, (_, d) in zip(names, quantised)})
+    expected = expected.get().view(np.uint16)
+
+    def call(q, k, v, descales):
+        return cuflash.jax.attention(q, k, v, **options, **descales)
+
+    out = jax.jit(call)(*codes, descales)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), expected)
+    stacked = [jnp.stack([x, x]) for x in codes]
+    mapped = jax.jit(jax.vmap(call))(*stacked, {name: jnp.stack([d, d]) for name, d in descales.items()})
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(mapped[i]).view(np.uint16), expected)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        jax.grad(lambda q: call(q, *codes[1:], descales).astype(jnp.float32).sum())(codes[0])
+    half = jnp.zeros((2, 130, 2, 64), jnp.float16)
+    with pytest.raises(TypeError, match=mentions("k")):
+        cuflash.jax.attention(codes[0], half, codes[2])
+    with pytest.raises(ValueError, match="q_descale"):
+        cuflash.jax.attention(half, half, half, q_descale=descales["q_descale"])
 
 
 def test_vmap_merges_the_mapped_axis_into_the_batch(rng):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, randn
+from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, randn
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -249,6 +249,38 @@ def test_bad_alibi_slopes_are_named():
     for bad, error in ((torch.ones(3, device="cuda"), ValueError), (torch.ones(4, device="cuda").half(), TypeError)):
         with pytest.raises(error, match="alibi_slopes"):
             flash_attn_func(q, q, q, alibi_slopes=bad)
+
+
+def test_flash_attn_func_e4m3(rng):
+    """fp8 inputs (torch.float8_e4m3fn) with descales, eager and compiled: the bf16 output of
+    cuflash.attention on the uint8 codes, bitwise; mixed dtypes, dropout and 16-bit descales are refused
+    by name."""
+    import cupy
+
+    import cuflash
+    from cuflash.torch import flash_attn_func
+
+    quantised = [reference.fp8_quantize(randn(rng, (2, n, 2, 64), np.float32)) for n in (97, 130, 130)]
+    codes = [torch.from_numpy(bits).cuda().view(torch.float8_e4m3fn) for bits, _ in quantised]
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), (torch.from_numpy(d).cuda() for _, d in quantised)))
+    options = dict(causal=True, softcap=3.0, window_size=(40, 0))
+    expected = cuflash.attention(*(cupy.asarray(bits) for bits, _ in quantised), **options,
+                                 **{name: cupy.asarray(d.cpu().numpy()) for name, d in descales.items()})
+
+    def call(q, k, v):
+        return flash_attn_func(q, k, v, **options, **descales)
+
+    for fn in (call, torch.compile(call, fullgraph=True)):
+        out = fn(*codes)
+        assert out.dtype == torch.bfloat16
+        np.testing.assert_array_equal(out.cpu().view(torch.int16).numpy(), expected.get().view(np.int16))
+    half = torch.zeros((2, 130, 2, 64), dtype=torch.float16, device="cuda")
+    with pytest.raises(TypeError, match=mentions("k")):
+        flash_attn_func(codes[0], half, codes[2])
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(*codes, dropout_p=0.1)
+    with pytest.raises(ValueError, match="q_descale"):
+        flash_attn_func(half, half, half, q_descale=descales["q_descale"])
 
 
 def test_flash_attn_with_kvcache_e4m3_cache(rng):
