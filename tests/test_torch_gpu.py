@@ -30,6 +30,18 @@ def as_numpy(t):
     return t.detach().float().cpu().numpy()
 
 
+def assert_follows_reference(results, host, dout_host, **options):
+    """out, dq, dk, dv (torch) against reference.attention and attention_backward of the fp16 host
+    inputs (2x rule)."""
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(as_numpy(results[0]), reference.attention(*host, **options),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, **options), atol)
+    refs = reference.attention_backward(dout_host, *host, **options)
+    naives = reference.attention_backward_naive_lowp(dout_host, *host, dtype=np.float16, **options)
+    for g, r, n in zip(results[1:], refs, naives):
+        assert_close_2x(as_numpy(g), r, n, atol)
+
+
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(24, 8), softcap=2.5)])
 def test_flash_attn_func_eager_and_compiled(rng, options):
     from cuflash.torch import flash_attn_func
@@ -43,13 +55,7 @@ def test_flash_attn_func_eager_and_compiled(rng, options):
 
     eager = grads_of(block, leaves(host), dout)
     compiled = grads_of(torch.compile(block, fullgraph=True), leaves(host), dout)
-    ref = reference.attention(*host, **options)
-    naive = reference.attention_naive_lowp(*host, dtype=np.float16, **options)
-    assert_close_2x(as_numpy(eager[0]) / 2, ref, naive, ATOL[np.dtype(np.float16)])
-    refs = reference.attention_backward(dout_host, *host, **options)
-    naives = reference.attention_backward_naive_lowp(dout_host, *host, dtype=np.float16, **options)
-    for g, r, n in zip(eager[1:], refs, naives):
-        assert_close_2x(as_numpy(g) / 2, r, n, ATOL[np.dtype(np.float16)])
+    assert_follows_reference([t.float() / 2 for t in eager], host, dout_host, **options)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
 
@@ -75,14 +81,7 @@ def test_flash_attn_func_alibi(rng, slopes_shape):
     compiled = grads_of(torch.compile(block, fullgraph=True), leaves(host), dout)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
-    ref_options = dict(options, alibi_slopes=slopes_host)
-    atol = ATOL[np.dtype(np.float16)]
-    assert_close_2x(as_numpy(eager[0]), reference.attention(*host, **ref_options),
-                    reference.attention_naive_lowp(*host, dtype=np.float16, **ref_options), atol)
-    refs = reference.attention_backward(dout_host, *host, **ref_options)
-    naives = reference.attention_backward_naive_lowp(dout_host, *host, dtype=np.float16, **ref_options)
-    for g, r, n in zip(eager[1:], refs, naives):
-        assert_close_2x(as_numpy(g), r, n, atol)
+    assert_follows_reference(eager, host, dout_host, alibi_slopes=slopes_host, **options)
     out = block(*leaves(host))
     (out.float() * dout.float()).sum().backward()
     assert slopes.grad is None
@@ -140,14 +139,8 @@ def test_dropout_mask_comes_from_torch_generator(rng):
     compiled = grads_of(torch.compile(block, fullgraph=True), leaves(host), dout)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
-    drop = dict(dropout_mask=reference.dropout_keep_mask(seed, offset, 2, 4, 97, 130, p), dropout_p=p, causal=True)
-    atol = ATOL[np.dtype(np.float16)]
-    assert_close_2x(as_numpy(eager[0]), reference.attention(*host, **drop),
-                    reference.attention_naive_lowp(*host, dtype=np.float16, **drop), atol)
-    refs = reference.attention_backward(dout_host, *host, **drop)
-    naives = reference.attention_backward_naive_lowp(dout_host, *host, dtype=np.float16, **drop)
-    for g, r, n in zip(eager[1:], refs, naives):
-        assert_close_2x(as_numpy(g), r, n, atol)
+    mask = reference.dropout_keep_mask(seed, offset, 2, 4, 97, 130, p)
+    assert_follows_reference(eager, host, dout_host, dropout_mask=mask, dropout_p=p, causal=True)
     torch.manual_seed(8)
     assert not torch.equal(block(*leaves(host)), eager[0])
 
