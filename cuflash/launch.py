@@ -64,8 +64,10 @@ def _lengths(problem, q, k) -> tuple[int, int, int]:
     return q.shape[0], q.shape[1], k.shape[1]
 
 
-def require_not_capturing(what: str) -> None:
-    if stream_is_capturing():
+def require_not_capturing(what: str, stream=None) -> None:
+    """Raise if `stream` (default: CuPy's current one, which a caller may pass to save a lookup)
+    is capturing a CUDA graph."""
+    if stream.is_capturing() if stream is not None else stream_is_capturing():
         raise RuntimeError(f"cuflash: {what} would allocate device memory while the current stream captures a "
                            "CUDA graph: pass the outputs and workspaces, and run the call once on this stream "
                            "before the capture")
