@@ -89,6 +89,7 @@ class _Plan:
     launch: DecodeLaunch | None  # None: nothing to compute (an empty q)
     device_id: int
     out_shape: tuple
+    out_bytes: int
     lse_shape: tuple
     dtype: numpy.dtype
     capacity: int
@@ -109,12 +110,13 @@ class _Plan:
             cache_batch_idx = cp.asarray(cache_batch_idx)
         if type(cache_leftpad) is numpy.ndarray:
             cache_leftpad = cp.asarray(cache_leftpad)
+        stream = cp.cuda.get_current_stream()
         if out is None:
-            require_not_capturing("attention_with_kvcache without out=")
-            out = cp.empty(self.out_shape, self.dtype)
+            require_not_capturing("attention_with_kvcache without out=", stream)
+            out = cp.ndarray(self.out_shape, self.dtype, cp.cuda.alloc(self.out_bytes))
         return_lse = return_lse or lse is not None
         if return_lse and lse is None:
-            require_not_capturing("attention_with_kvcache with return_lse=True and no lse=")
+            require_not_capturing("attention_with_kvcache with return_lse=True and no lse=", stream)
             lse = cp.empty(self.lse_shape, numpy.float32)
         launch = self.launch
         if launch is None:
@@ -131,13 +133,13 @@ class _Plan:
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
                      _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), 0, 0,
                      _ptr(rotary_cos), _ptr(rotary_sin), _ptr(descales[0]), _ptr(descales[1]))
-        stream = cp.cuda.get_current_stream().ptr
         if launch.num_splits > 1:
-            state = stream_state(self.device_id, stream)
-            launch.run(addresses, cache_len_all, _ptr(slopes), stream, state.partials_for(launch.partial_floats),
+            state = stream_state(self.device_id, stream.ptr)
+            launch.run(addresses, cache_len_all, _ptr(slopes), stream.ptr,
+                       state.partials_for(launch.partial_floats),
                        state.splits_done_for(launch.row_blocks) if launch.merge_in_kernel else 0)
         else:
-            launch.run(addresses, cache_len_all, _ptr(slopes), stream)
+            launch.run(addresses, cache_len_all, _ptr(slopes), stream.ptr)
         return (out, lse) if return_lse else out
 
 
@@ -149,6 +151,8 @@ def _cache_lengths(cache_seqlens, plan: _Plan):
     """(every batch's length when one int is given, the device int32 array otherwise or None)."""
     if cache_seqlens is None:
         cache_seqlens = plan.capacity - plan.n_new
+    if type(cache_seqlens) is int and 0 <= cache_seqlens <= plan.capacity - plan.n_new:
+        return cache_seqlens, None  # the common host length, valid: no NumPy round trip
     if type(cache_seqlens) is int or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
         _check_host_lengths(cache_seqlens, plan.capacity, plan.n_new)
         if isinstance(cache_seqlens, numpy.ndarray):
@@ -390,8 +394,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if isinstance(x, cupy().ndarray):
             validate.same_device(name_, x, q)
 
-    plan = _Plan(None, device_id, q.shape, (batch, nheads, seqlen_q), q.dtype, capacity, n_new, not is_aligned(q),
-                 copy_new, copy_rotary)
+    plan = _Plan(None, device_id, q.shape, q.size * q.dtype.itemsize, (batch, nheads, seqlen_q), q.dtype, capacity,
+                 n_new, not is_aligned(q), copy_new, copy_rotary)
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
