@@ -30,101 +30,26 @@ backward, as flash-attn does.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy
 
-from . import backward as _backward
 from . import forward as _forward
 from . import kv_cache as _kv_cache
-from . import launch as _launch
-from . import score_mods as _score_mods
 from . import validate as _validate
 from . import varlen as _varlen
-from .device import cupy, external_stream, memoised_external_array
-
-try:
-    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
-except ImportError:  # JAX < 0.7
-    _buffer_callback = None
-
+from .jax_callbacks import (backward_call, batch_shape, buffer_callback, cupy_view, device_of, dropout_state,
+                            forward_call, on_xla_stream, operands, option_items, split_dropout, with_dropout)
 
 def _require_gpu_backend() -> None:
-    if _buffer_callback is None:
+    if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or later); this is JAX "
                           f"{jax.__version__}")
     backend = jax.default_backend()
     if backend != "gpu":
         raise RuntimeError(f"cuflash.jax runs on CUDA GPUs; JAX's default backend is {backend!r}")
-
-
-def _option_items(causal, softmax_scale, window_size, softcap) -> tuple:
-    """The options as hashable (name, value) pairs: custom_vjp's static arguments."""
-    window = None if window_size is None else tuple(int(x) for x in window_size)
-    return (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
-            ("softcap", float(softcap)))
-
-
-def _dropout_state(dropout_p, dropout_key):
-    """(dropout_p, the seed and offset words the kernels read) of a call: 4 uint32 drawn from
-    dropout_key (jax.random.bits), zeros without dropout; the backward regenerates the mask from them."""
-    p = _validate.dropout(dropout_p, 0, 0)[0]
-    if p == 0:
-        return p, jnp.zeros((_score_mods.DROPOUT_STATE_WORDS,), jnp.uint32)
-    if dropout_key is None:
-        raise ValueError("dropout_key: dropout_p > 0 needs a JAX random key (jax.random.key) to draw the mask from")
-    return p, jax.random.bits(dropout_key, (_score_mods.DROPOUT_STATE_WORDS,), jnp.uint32)
-
-
-def _with_dropout(options: dict, state, device_id: int) -> dict:
-    """cuflash's keywords: the options (a new dict), and dropout's seed words (a view of the state
-    buffer) where p > 0."""
-    options = dict(options)
-    p = options.pop("dropout_p")
-    if p == 0:
-        return options
-    # Under jax.vmap the words are broadcast (or batched): every element takes the first's.
-    words = _cupy_view(state, (math.prod(state.shape) // _score_mods.DROPOUT_STATE_WORDS,
-                               _score_mods.DROPOUT_STATE_WORDS), device_id)[0]
-    return dict(options, dropout_p=p, seed=words)
-
-
-def _device_of(buffer) -> int:
-    """The GPU that holds an XLA buffer (under shard_map over several GPUs, the thread that runs a
-    device's callback need not have that device current)."""
-    return cupy().cuda.runtime.pointerGetAttributes(buffer.__cuda_array_interface__["data"][0]).device
-
-
-def _cupy_view(buffer, shape, device_id: int):
-    """A CuPy array over an XLA buffer on device_id (zero-copy), reshaped to `shape` (as many elements;
-    e.g. leading vmapped dims merged into the batch).
-
-    Built from the buffer's address and memoised: a DLPack import cost ~5 us a buffer on the H100
-    host, plus its release when the callback returns. A buffer with strides of its own (XLA's are
-    row-major) goes through DLPack."""
-    interface = buffer.__cuda_array_interface__
-    if interface.get("strides") is not None:
-        return cupy().from_dlpack(buffer).reshape(shape)
-    return memoised_external_array(interface["data"][0], tuple(shape), None, buffer.dtype, device_id)
-
-
-def _batch_shape(x, rank: int = 4) -> tuple:
-    """x's shape with any leading (vmapped) dims merged into the first of its last `rank` dims."""
-    lead = len(x.shape) - rank + 1
-    return (math.prod(x.shape[:lead]), *x.shape[lead:])
-
-
-@contextlib.contextmanager
-def _on_xla_stream(ctx, array):
-    """XLA's stream as CuPy's current one, with the device of `array` (a view of one of the callback's
-    buffers) current: under shard_map over several GPUs, the thread that runs a device's callback
-    need not have that device current."""
-    with array.device, external_stream(ctx.stream):
-        yield
 
 
 def _alibi_operand(alibi_slopes, nheads: int, batch: int):
@@ -141,72 +66,6 @@ def _alibi_operand(alibi_slopes, nheads: int, batch: int):
     return slopes
 
 
-def _operands(slopes) -> tuple:
-    """The optional slopes as trailing callback operands."""
-    return () if slopes is None else (slopes,)
-
-
-def _slopes_view(slopes: tuple, batch: int, device_id: int):
-    """The callback's slopes operand (if any) as cuflash takes it for a call of `batch` rows: (nheads,)
-    or (batch, nheads). Under jax.vmap ("broadcast_all") the buffer gains the mapped dims in front:
-    slopes of shape (batch, nheads) merge them into the batch; slopes of shape (nheads,) become a row
-    per mapped element, repeated over the element's own batch (a copy on the current stream)."""
-    if not slopes:
-        return None
-    (buffer,) = slopes
-    nheads = buffer.shape[-1]
-    rows = math.prod(buffer.shape[:-1])
-    view = _cupy_view(buffer, (rows, nheads) if rows > 1 else (nheads,), device_id)
-    if rows <= 1 or rows == batch:
-        return view
-    return cupy().repeat(view, batch // rows, axis=0)
-
-
-def _forward_callback(options, ctx, outputs, q, k, v, state, *slopes):
-    out, lse = outputs
-    device_id = _device_of(out)
-    qc, kc, vc = (_cupy_view(x, _batch_shape(x), device_id) for x in (q, k, v))
-    with _on_xla_stream(ctx, qc):
-        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out), device_id),
-                           lse=_cupy_view(lse, _batch_shape(lse, 3), device_id),
-                           alibi_slopes=_slopes_view(slopes, qc.shape[0], device_id),
-                           **_with_dropout(options, state, device_id))
-
-
-def _backward_callback(options, deterministic, ctx, outputs, dout, q, k, v, out, lse, state, *slopes):
-    *grads, scratch = outputs
-    device_id = _device_of(scratch)
-    dq, dk, dv = (_cupy_view(x, _batch_shape(x), device_id) for x in grads)
-    inputs = [_cupy_view(x, _batch_shape(x), device_id) for x in (dout, q, k, v, out)]
-    with _on_xla_stream(ctx, dq):
-        workspace = _launch.BackwardWorkspace(0, device_id, _cupy_view(scratch, (math.prod(scratch.shape),), device_id))
-        _backward.attention_backward(*inputs, _cupy_view(lse, _batch_shape(lse, 3), device_id), dq=dq, dk=dk,
-                                     dv=dv, deterministic=deterministic, workspace=workspace,
-                                     alibi_slopes=_slopes_view(slopes, dq.shape[0], device_id),
-                                     **_with_dropout(options, state, device_id))
-
-
-def _forward_call(q, k, v, state, options, slopes=None):
-    batch, seqlen_q, nheads, _ = q.shape
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
-    call = _buffer_callback(functools.partial(_forward_callback, options), shapes, vmap_method="broadcast_all")
-    return call(q, k, v, state, *_operands(slopes))
-
-
-def _backward_call(dout, q, k, v, out, lse, state, options, deterministic, slopes=None):
-    # The backward's scratch is one more output, so that XLA owns it: no allocation in the call.
-    batch = int(numpy.prod(q.shape[:-3]))  # vmapped dims merge into the batch
-    floats = _backward.workspace_floats((batch, *q.shape[-3:]), (batch, *k.shape[-3:]), q.dtype,
-                                        alibi=slopes is not None, deterministic=deterministic,
-                                        device_id=cupy().cuda.Device().id,
-                                        **{name: options[name] for name in ("causal", "window_size", "softcap")})
-    shapes = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
-              jax.ShapeDtypeStruct((max(floats, 1),), jnp.float32))
-    call = _buffer_callback(functools.partial(_backward_callback, options, deterministic), shapes,
-                            vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse, state, *_operands(slopes))[:3]
-
-
 def _no_cotangent(x):
     """The cotangent of an integer input: float0 zeros."""
     return numpy.zeros(x.shape, jax.dtypes.float0)
@@ -219,17 +78,17 @@ def _slopes_cotangent(slopes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, slopes, state, options, deterministic):
-    return _forward_call(q, k, v, state, dict(options), slopes)[0]
+    return forward_call(q, k, v, state, dict(options), slopes)[0]
 
 
 def _attention_fwd(q, k, v, slopes, state, options, deterministic):
-    out, lse = _forward_call(q, k, v, state, dict(options), slopes)
+    out, lse = forward_call(q, k, v, state, dict(options), slopes)
     return out, (q, k, v, out, lse, slopes, state)
 
 
 def _attention_bwd(options, deterministic, residuals, dout):
     q, k, v, out, lse, slopes, state = residuals
-    return (*_backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic, slopes),
+    return (*backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic, slopes),
             _slopes_cotangent(slopes), _no_cotangent(state))
 
 
@@ -260,14 +119,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                          f"{k.shape}, {v.shape}")
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if q.dtype == jnp.float8_e4m3fn:
-        return _fp8_attention(q, k, v, descales, _option_items(causal, softmax_scale, window_size, softcap),
+        return _fp8_attention(q, k, v, descales, option_items(causal, softmax_scale, window_size, softcap),
                               alibi_slopes, dropout_p)
     for name, x in descales.items():
         if x is not None:
             raise ValueError(f"{name} applies to fp8 (float8_e4m3fn) inputs only, got q of {q.dtype}")
     slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
-    p, state = _dropout_state(dropout_p, dropout_key)
-    options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    p, state = dropout_state(dropout_p, dropout_key)
+    options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
     return _attention(q, k, v, slopes, state, options, bool(deterministic))
 
 
@@ -275,12 +134,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 def _fp8_forward_callback(names, options, ctx, outputs, q, k, v, *descales):
     out, lse = outputs
-    device_id = _device_of(out)
-    qc, kc, vc = (_cupy_view(x, _batch_shape(x), device_id) for x in (q, k, v))
-    given = {name: _cupy_view(x, _batch_shape(x, 2), device_id) for name, x in zip(names, descales)}
-    with _on_xla_stream(ctx, qc):
-        _forward.attention(qc, kc, vc, out=_cupy_view(out, _batch_shape(out), device_id),
-                           lse=_cupy_view(lse, _batch_shape(lse, 3), device_id), **given, **options)
+    device_id = device_of(out, ctx.stream)
+    qc, kc, vc = (cupy_view(x, batch_shape(x), device_id) for x in (q, k, v))
+    given = {name: cupy_view(x, batch_shape(x, 2), device_id) for name, x in zip(names, descales)}
+    with on_xla_stream(ctx, qc):
+        _forward.attention(qc, kc, vc, out=cupy_view(out, batch_shape(out), device_id),
+                           lse=cupy_view(lse, batch_shape(lse, 3), device_id), **given, **options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -290,8 +149,8 @@ def _fp8_call(q, k, v, descales, names, options):
     batch, seqlen_q, nheads, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
               jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
-    call = _buffer_callback(functools.partial(_fp8_forward_callback, names, dict(options)), shapes,
-                            vmap_method="broadcast_all")
+    call = buffer_callback(functools.partial(_fp8_forward_callback, names, dict(options)), shapes,
+                           vmap_method="broadcast_all")
     return call(*codes, *descales)[0]
 
 
@@ -319,34 +178,34 @@ def _fp8_attention(q, k, v, descales: dict, options: tuple, alibi_slopes, dropou
 # ---------------------------------------------------------------- packed batches
 
 def _varlen_slopes(slopes: tuple, device_id: int):
-    return _cupy_view(slopes[0], slopes[0].shape, device_id) if slopes else None
+    return cupy_view(slopes[0], slopes[0].shape, device_id) if slopes else None
 
 
-def _varlen_forward_callback(lengths, options, ctx, outputs, q, k, v, cu_q, cu_k, state, *slopes):
-    device_id = _device_of(outputs[0])
-    out, lse = (_cupy_view(x, x.shape, device_id) for x in outputs)
-    with _on_xla_stream(ctx, out):
-        _varlen.attention_varlen(*(_cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
+def _varlen_forward_callback(lengths, kwargs, p, ctx, outputs, q, k, v, cu_q, cu_k, state, *slopes):
+    device_id = device_of(outputs[0], ctx.stream)
+    out, lse = (cupy_view(x, x.shape, device_id) for x in outputs)
+    with on_xla_stream(ctx, out):
+        _varlen.attention_varlen(*(cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
                                  out=out, lse=lse, alibi_slopes=_varlen_slopes(slopes, device_id),
-                                 **_with_dropout(options, state, device_id))
+                                 **with_dropout(kwargs, p, state, device_id))
 
 
-def _varlen_backward_callback(lengths, options, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q, cu_k,
-                              state, *slopes):
-    device_id = _device_of(outputs[0])
-    dq, dk, dv = (_cupy_view(x, x.shape, device_id) for x in outputs)
-    arrays = [_cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
-    with _on_xla_stream(ctx, dq):
+def _varlen_backward_callback(lengths, kwargs, p, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q,
+                              cu_k, state, *slopes):
+    device_id = device_of(outputs[0], ctx.stream)
+    dq, dk, dv = (cupy_view(x, x.shape, device_id) for x in outputs)
+    arrays = [cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
+    with on_xla_stream(ctx, dq):
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
                                           alibi_slopes=_varlen_slopes(slopes, device_id),
-                                          **_with_dropout(options, state, device_id))
+                                          **with_dropout(kwargs, p, state, device_id))
 
 
 def _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, options):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
-    call = _buffer_callback(functools.partial(_varlen_forward_callback, lengths, options), shapes,
-                            vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k, state, *_operands(slopes))
+    call = buffer_callback(functools.partial(_varlen_forward_callback, lengths, *split_dropout(options)), shapes,
+                           vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k, state, *operands(slopes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -362,9 +221,9 @@ def _attention_varlen_fwd(q, k, v, cu_q, cu_k, slopes, state, lengths, options, 
 def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
     q, k, v, cu_q, cu_k, slopes, state, out, lse = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    call = _buffer_callback(functools.partial(_varlen_backward_callback, lengths, dict(options), deterministic),
-                            shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state, *_operands(slopes))
+    call = buffer_callback(functools.partial(_varlen_backward_callback, lengths, *split_dropout(dict(options)),
+                                             deterministic), shapes, vmap_method="sequential")
+    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state, *operands(slopes))
     return (dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), _slopes_cotangent(slopes),
             _no_cotangent(state))
 
@@ -393,8 +252,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
     slopes = _alibi_operand(alibi_slopes, q.shape[1], cu_seqlens_q.shape[0] - 1)
-    p, state = _dropout_state(dropout_p, dropout_key)
-    options = (*_option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    p, state = dropout_state(dropout_p, dropout_key)
+    options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, state, lengths, options,
                              bool(deterministic))
 
@@ -408,11 +267,11 @@ _KVCACHE_ARRAYS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad"
 
 def _kvcache_callback(names, options, ctx, outputs, q, k_cache, v_cache, *arrays):
     # The caches' outputs alias their inputs: the append lands there.
-    device_id = _device_of(outputs[0])
-    out, k_out, v_out = (_cupy_view(x, x.shape, device_id) for x in outputs)
-    given = {name: _cupy_view(x, x.shape, device_id) for name, x in zip(names, arrays)}
-    with _on_xla_stream(ctx, out):
-        _kv_cache.attention_with_kvcache(_cupy_view(q, q.shape, device_id), k_out, v_out, out=out, **given,
+    device_id = device_of(outputs[0], ctx.stream)
+    out, k_out, v_out = (cupy_view(x, x.shape, device_id) for x in outputs)
+    given = {name: cupy_view(x, x.shape, device_id) for name, x in zip(names, arrays)}
+    with on_xla_stream(ctx, out):
+        _kv_cache.attention_with_kvcache(cupy_view(q, q.shape, device_id), k_out, v_out, out=out, **given,
                                          **options)
 
 
@@ -431,7 +290,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     Not differentiable; `jax.vmap` is not supported (batch the call instead).
     """
     _require_gpu_backend()
-    options = dict(_option_items(causal, softmax_scale, window_size, softcap))
+    options = dict(option_items(causal, softmax_scale, window_size, softcap))
     options.update(rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits))
     arrays = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                   block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
@@ -445,8 +304,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if float8:
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint8) for c in (k_cache, v_cache))
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_cache, v_cache))
-    call = _buffer_callback(functools.partial(_kvcache_callback, names, options), shapes,
-                            input_output_aliases={1: 1, 2: 2})
+    call = buffer_callback(functools.partial(_kvcache_callback, names, options), shapes,
+                           input_output_aliases={1: 1, 2: 2})
     out, k_cache, v_cache = call(q, k_cache, v_cache, *(arrays[name] for name in names))
     if float8:
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, cache_dtype) for c in (k_cache, v_cache))

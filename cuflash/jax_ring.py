@@ -1,5 +1,5 @@
 """Ring attention in JAX: `cuflash.distributed`'s algorithm inside `shard_map`, with
-`jax.lax.ppermute` as the transport and cuflash's kernels (`cuflash.jax`) as each step's.
+`jax.lax.ppermute` as the transport and cuflash's kernels (`cuflash.jax_callbacks`) as each step's.
 
     from jax.sharding import PartitionSpec as P
     from cuflash import distributed, jax_ring
@@ -26,22 +26,22 @@ import jax
 import jax.numpy as jnp
 
 from . import distributed
-from .jax import _backward_call, _dropout_state, _forward_call, _option_items
+from .jax_callbacks import backward_call, dropout_state, forward_call, option_items
 
 
 def _kernel_options(causal, softmax_scale, softcap) -> dict:
     """cuflash.jax's call options of one step: no window, no dropout."""
-    return dict(_option_items(causal, softmax_scale, None, softcap), dropout_p=0.0)
+    return dict(option_items(causal, softmax_scale, None, softcap), dropout_p=0.0)
 
 
 def _kernel_forward(q, k, v, *, causal, softmax_scale, softcap):
-    _, state = _dropout_state(0.0, None)
-    return _forward_call(q, k, v, state, _kernel_options(causal, softmax_scale, softcap))
+    _, state = dropout_state(0.0, None)
+    return forward_call(q, k, v, state, _kernel_options(causal, softmax_scale, softcap))
 
 
 def _kernel_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap):
-    _, state = _dropout_state(0.0, None)
-    return _backward_call(dout, q, k, v, out, lse, state, _kernel_options(causal, softmax_scale, softcap), False)
+    _, state = dropout_state(0.0, None)
+    return backward_call(dout, q, k, v, out, lse, state, _kernel_options(causal, softmax_scale, softcap), False)
 
 
 def _bound(local: tuple, softmax_scale, softcap) -> tuple:

@@ -18,8 +18,8 @@ LAYERS = {
     "launch": ["launch", "decode_launch"],
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
-    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "distributed", "jax",
-             "jax_ring", "torch", "__init__"],
+    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "distributed",
+             "jax_callbacks", "jax", "jax_ring", "torch", "__init__"],
     "top": ["bench", "cli", "__main__"],
 }
 RANK = {name: rank for rank, names in enumerate(LAYERS.values()) for name in names}
