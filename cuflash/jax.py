@@ -43,6 +43,7 @@ from . import varlen as _varlen
 from .jax_callbacks import (backward_call, batch_shape, buffer_callback, cupy_view, device_of, dropout_state,
                             forward_call, on_xla_stream, operands, option_items, split_dropout, with_dropout)
 
+
 def _require_gpu_backend() -> None:
     if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or later); this is JAX "
