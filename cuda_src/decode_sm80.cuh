@@ -314,8 +314,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             cp_async_16(v_dst, row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn) + chunk_bytes, true);
         } else {
             const int t = j - span.cache_len;
-            const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
-            const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
+            const u16* k_row = new_row(a, true, b, t, hk);
+            const u16* v_row = new_row(a, false, b, t, hk);
             if constexpr (FP8) {  // as the append stores them: rotated, then quantised
                 store_shared(k_dst, new_chunk_e4m3<BF16>(a, k_row, col, j, true, k_desc));
                 store_shared(v_dst, new_chunk_e4m3<BF16>(a, v_row, col, j, false, v_desc));

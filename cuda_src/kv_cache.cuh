@@ -219,6 +219,11 @@ __device__ __forceinline__ uint4 quantize_e4m3(uint4 lo, uint4 hi, float descale
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Row t of batch b's new keys (key) or values, kv head hk.
+__device__ __forceinline__ const u16* new_row(const KVCacheArgs& a, bool key, int b, int t, int hk) {
+    return key ? a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh : a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
+}
+
 // The 16 elements at columns [col, col + 16) of a new key row (rotated at position pos) or
 // value row, quantised to e4m3 as the cache stores them.
 template <bool BF16>
@@ -268,8 +273,8 @@ __device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int
     const unsigned char* v_head = head_of<PAGED, ELEM_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, 0);
     for (int t = first; t < rows; t += step) {
         const int j = span.cache_len + t;
-        const u16* k_row = a.k_new + b * a.kn_sb + t * a.kn_sn + hk * a.kn_sh;
-        const u16* v_row = a.v_new + b * a.vn_sb + t * a.vn_sn + hk * a.vn_sh;
+        const u16* k_row = new_row(a, true, b, t, hk);
+        const u16* v_row = new_row(a, false, b, t, hk);
         const CachePos pos = cache_pos<PAGED>(a, span, j, PAGED ? page_of(a, b, j) : 0);
         unsigned char* k_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(k_head, pos, a.kc_sb, a.kc_sn));
         unsigned char* v_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(v_head, pos, a.vc_sb, a.vc_sn));

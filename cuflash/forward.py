@@ -18,7 +18,7 @@ import os
 import numpy
 
 from . import dispatch, fp8, launch, tuner, validate
-from .arrays import ALIGN_BYTES, aligned_copy, is_aligned, out_dtype
+from .arrays import ALIGN_BYTES, aligned_copy, is_aligned, out_dtype, pool_array
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
 from .plans import PlanCache, ndarray_type, option_key, optional_layout
@@ -78,11 +78,9 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     dtype_name = validate.qkv(q, k, v, allow_fp8=True)
     is_fp8 = dtype_name == FP8_DTYPE_NAME
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
-    if is_fp8 and alibi_slopes is not None:
-        raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
+    if is_fp8:
+        fp8.refuse_options(alibi_slopes, dropout=bool(dropout_p))
     causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes, dropout_p, seed, offset)
-    if is_fp8 and mods.dropout is not None:
-        raise ValueError("dropout_p: fp8 attention takes no dropout")
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
         validate.output("out", out, q, "q", result_dtype)
@@ -154,8 +152,7 @@ class _Plan:
                 if kernel_lse is None:
                     kernel_lse = launch.stream_state(self.device_id, stream.ptr).discarded_lse_for(self.lse_size)
                     self.discarded_lse[stream.ptr] = kernel_lse
-                # An ndarray over the pool's block: ~0.5 us less than cupy.empty.
-                out = cp.ndarray(q.shape, self.out_dtype, cp.cuda.alloc(self.out_bytes)) if out is None else out
+                out = pool_array(q.shape, self.out_dtype, self.out_bytes) if out is None else out
             else:
                 out, lse = _outputs(q.shape, self.out_dtype, self.lse_shape, out, lse)
                 kernel_lse = lse
@@ -181,10 +178,10 @@ def _outputs(out_shape, out_dtype, lse_shape, out, lse):
     lse_bytes = 4 * math.prod(lse_shape)
     memory = cp.cuda.alloc((out_bytes if out is None else 0) + (lse_bytes if lse is None else 0))
     if out is None:
-        out = cp.ndarray(out_shape, out_dtype, memory)
+        out = pool_array(out_shape, out_dtype, memory)
         memory = memory + out_bytes
     if lse is None:
-        lse = cp.ndarray(lse_shape, numpy.float32, memory)
+        lse = pool_array(lse_shape, numpy.float32, memory)
     return out, lse
 
 

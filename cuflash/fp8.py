@@ -43,6 +43,21 @@ def check_descale(name: str, x, batch: int, nheads_kv: int, device) -> None:
         raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
 
 
+def refuse_descales(q_descale, k_descale, v_descale) -> None:
+    """Descales with inputs that are not fp8 raise, naming the first one given."""
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is not None:
+            raise ValueError(f"{name} applies to fp8 (e4m3) inputs only")
+
+
+def refuse_options(alibi_slopes, dropout: bool) -> None:
+    """What the fp8 kernels lack raises: they take causal, window_size and softcap, not ALiBi or dropout."""
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
+    if dropout:
+        raise ValueError("dropout_p: fp8 attention takes no dropout")
+
+
 def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: int, fp8: bool, device):
     """The three descale factors as float32 (batch, nheads_kv) arrays on `device` (ones where None).
 
@@ -51,11 +66,8 @@ def validate_descales(q_descale, k_descale, v_descale, batch: int, nheads_kv: in
     """
     import cupy
 
-    given = [(n, x) for n, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
-             if x is not None]
     if not fp8:
-        if given:
-            raise ValueError(f"{given[0][0]} applies to fp8 (e4m3) inputs only")
+        refuse_descales(q_descale, k_descale, v_descale)
         return None
     out = []
     for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):

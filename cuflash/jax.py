@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from . import forward as _forward
+from . import fp8 as _fp8
 from . import kv_cache as _kv_cache
 from . import validate as _validate
 from . import varlen as _varlen
-from .jax_callbacks import (backward_call, batch_shape, buffer_callback, cupy_view, device_of, dropout_state,
+from .jax_callbacks import (backward_call, buffer_callback, cupy_view, device_of, dropout_state,
                             forward_call, on_xla_stream, operands, option_items, split_dropout, with_dropout)
 
 
@@ -65,6 +65,11 @@ def _alibi_operand(alibi_slopes, nheads: int, batch: int):
         raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
                          f"{(batch, nheads)}, got {slopes.shape}")
     return slopes
+
+
+def _codes(x):
+    """An e4m3 array as its uint8 codes (buffer callbacks take no float8 buffer); others as they are."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
 
 
 def _no_cotangent(x):
@@ -122,9 +127,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if q.dtype == jnp.float8_e4m3fn:
         return _fp8_attention(q, k, v, descales, option_items(causal, softmax_scale, window_size, softcap),
                               alibi_slopes, dropout_p)
-    for name, x in descales.items():
-        if x is not None:
-            raise ValueError(f"{name} applies to fp8 (float8_e4m3fn) inputs only, got q of {q.dtype}")
+    _fp8.refuse_descales(**descales)
     slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
@@ -133,26 +136,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 # ---------------------------------------------------------------- fp8 (forward only)
 
-def _fp8_forward_callback(names, options, ctx, outputs, q, k, v, *descales):
-    out, lse = outputs
-    device_id = device_of(out, ctx.stream)
-    qc, kc, vc = (cupy_view(x, batch_shape(x), device_id) for x in (q, k, v))
-    given = {name: cupy_view(x, batch_shape(x, 2), device_id) for name, x in zip(names, descales)}
-    with on_xla_stream(ctx, qc):
-        _forward.attention(qc, kc, vc, out=cupy_view(out, batch_shape(out), device_id),
-                           lse=cupy_view(lse, batch_shape(lse, 3), device_id), **given, **options)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fp8_call(q, k, v, descales, names, options):
-    # e4m3 crosses the callback as its uint8 codes (buffer callbacks take no float8 buffer).
-    codes = [jax.lax.bitcast_convert_type(x, jnp.uint8) for x in (q, k, v)]
-    batch, seqlen_q, nheads, _ = q.shape
-    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-              jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
-    call = buffer_callback(functools.partial(_fp8_forward_callback, names, dict(options)), shapes,
-                           vmap_method="broadcast_all")
-    return call(*codes, *descales)[0]
+    no_dropout = dropout_state(0.0, None)[1]
+    return forward_call(*(_codes(x) for x in (q, k, v)), no_dropout, dict(options, dropout_p=0.0),
+                        descales=dict(zip(names, descales)), out_dtype=jnp.bfloat16)[0]
 
 
 def _fp8_call_fwd(q, k, v, descales, names, options):
@@ -170,8 +158,7 @@ def _fp8_attention(q, k, v, descales: dict, options: tuple, alibi_slopes, dropou
     for name, x in (("k", k), ("v", v)):
         if x.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"{name} must be float8_e4m3fn as q is, got {x.dtype}")
-    if alibi_slopes is not None or _validate.dropout(dropout_p, 0, 0)[0]:
-        raise ValueError("alibi_slopes and dropout_p: fp8 attention takes causal, window_size and softcap only")
+    _fp8.refuse_options(alibi_slopes, dropout=bool(_validate.dropout(dropout_p, 0, 0)[0]))
     names = tuple(name for name, x in descales.items() if x is not None)
     return _fp8_call(q, k, v, tuple(jnp.asarray(descales[name], jnp.float32) for name in names), names, options)
 
@@ -299,15 +286,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if isinstance(cache_seqlens, int):
         options["cache_seqlens"] = arrays.pop("cache_seqlens")
     names = tuple(name for name in _KVCACHE_ARRAYS if arrays.get(name) is not None)
-    # An e4m3 cache crosses the callback as its uint8 codes (buffer callbacks take no float8 buffer).
     cache_dtype = k_cache.dtype
-    float8 = cache_dtype == jnp.float8_e4m3fn
-    if float8:
-        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint8) for c in (k_cache, v_cache))
+    k_cache, v_cache = _codes(k_cache), _codes(v_cache)
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k_cache, v_cache))
     call = buffer_callback(functools.partial(_kvcache_callback, names, options), shapes,
                            input_output_aliases={1: 1, 2: 2})
     out, k_cache, v_cache = call(q, k_cache, v_cache, *(arrays[name] for name in names))
-    if float8:
+    if cache_dtype == jnp.float8_e4m3fn:
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, cache_dtype) for c in (k_cache, v_cache))
     return out, k_cache, v_cache

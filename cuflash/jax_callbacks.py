@@ -148,14 +148,21 @@ def slopes_view(slopes: tuple, batch: int, device_id: int):
     return cupy().repeat(view, batch // rows, axis=0)
 
 
-def _forward_callback(kwargs, p, ctx, outputs, q, k, v, state, *slopes):
+def _named_operands(names: tuple, buffers: tuple, batch: int, device_id: int) -> dict:
+    """A forward callback's trailing operands as cuflash's keywords: alibi_slopes (slopes_view) and
+    fp8's descales ((batch, nheads_kv), vmapped dims merged into the batch)."""
+    return {name: slopes_view((x,), batch, device_id) if name == "alibi_slopes"
+            else cupy_view(x, batch_shape(x, 2), device_id) for name, x in zip(names, buffers)}
+
+
+def _forward_callback(kwargs, p, names, ctx, outputs, q, k, v, state, *named):
     out, lse = outputs
     device_id = device_of(out, ctx.stream)
     qc, kc, vc = (cupy_view(x, batch_shape(x), device_id) for x in (q, k, v))
     with on_xla_stream(ctx, qc):
         _forward.attention(qc, kc, vc, out=cupy_view(out, batch_shape(out), device_id),
                            lse=cupy_view(lse, batch_shape(lse, 3), device_id),
-                           alibi_slopes=slopes_view(slopes, qc.shape[0], device_id),
+                           **_named_operands(names, named, qc.shape[0], device_id),
                            **with_dropout(kwargs, p, state, device_id))
 
 
@@ -172,13 +179,18 @@ def _backward_callback(kwargs, p, deterministic, ctx, outputs, dout, q, k, v, ou
                                      **with_dropout(kwargs, p, state, device_id))
 
 
-def forward_call(q, k, v, state, options: dict, slopes=None):
-    """(out, lse) of cuflash.attention on JAX arrays (options: cuflash's keywords and dropout_p)."""
+def forward_call(q, k, v, state, options: dict, slopes=None, descales: dict | None = None, out_dtype=None):
+    """(out, lse) of cuflash.attention on JAX arrays (options: cuflash's keywords and dropout_p).
+    slopes and fp8's descales (name -> array) go as trailing operands; out is of q's dtype unless
+    out_dtype is given (fp8: bfloat16, q, k and v their uint8 codes)."""
+    named = {} if slopes is None else {"alibi_slopes": slopes}
+    named.update(descales or {})
     batch, seqlen_q, nheads, _ = q.shape
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
-    call = buffer_callback(functools.partial(_forward_callback, *split_dropout(options)), shapes,
+    shapes = (jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
+              jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
+    call = buffer_callback(functools.partial(_forward_callback, *split_dropout(options), tuple(named)), shapes,
                            vmap_method="broadcast_all")
-    return call(q, k, v, state, *operands(slopes))
+    return call(q, k, v, state, *named.values())
 
 
 def backward_call(dout, q, k, v, out, lse, state, options: dict, deterministic: bool, slopes=None):

@@ -15,7 +15,8 @@ import dataclasses
 import numpy
 
 from . import dispatch, score_mods, validate
-from .arrays import aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous
+from .arrays import (aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous,
+                     pool_array)
 from .decode_launch import DecodeLaunch
 from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
 from .fp8 import check_descale, is_e4m3
@@ -113,7 +114,7 @@ class _Plan:
         stream = cp.cuda.get_current_stream()
         if out is None:
             require_not_capturing("attention_with_kvcache without out=", stream)
-            out = cp.ndarray(self.out_shape, self.dtype, cp.cuda.alloc(self.out_bytes))
+            out = pool_array(self.out_shape, self.dtype, self.out_bytes)
         return_lse = return_lse or lse is not None
         if return_lse and lse is None:
             require_not_capturing("attention_with_kvcache with return_lse=True and no lse=", stream)

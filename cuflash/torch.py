@@ -20,6 +20,7 @@ import torch
 
 from . import backward as _backward
 from . import forward as _forward
+from . import fp8 as _fp8
 from . import kv_cache as _kv_cache
 from . import validate as _validate
 from . import varlen as _varlen
@@ -35,6 +36,11 @@ def _on_torch_stream(device):
 # The dtypes the custom ops hand to cuflash, as CuPy's: tensors, lse and offsets.
 _DTYPES = {torch.float16: numpy.float16, torch.bfloat16: BF16, torch.float32: numpy.float32,
            torch.int32: numpy.int32, torch.uint8: numpy.uint8}
+
+
+def _codes(x: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its uint8 codes, as cuflash takes fp8; others as they are."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
 def _cp(x):
@@ -173,9 +179,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if q.dtype == torch.float8_e4m3fn:
         out, lse = _fp8_fwd(q, k, v, q_descale, k_descale, v_descale, *_fp8_options(k, v, alibi_slopes, options))
     else:
-        for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-            if x is not None:
-                raise ValueError(f"{name} applies to fp8 (torch.float8_e4m3fn) inputs only, got q of {q.dtype}")
+        _fp8.refuse_descales(q_descale, k_descale, v_descale)
         out, lse, _ = _fwd(q, k, v, alibi_slopes, *options)
     return (out, lse, None) if return_attn_probs else out
 
@@ -189,8 +193,7 @@ def _fp8_options(k, v, alibi_slopes, options) -> tuple:
         if x.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name} must be torch.float8_e4m3fn as q is, got {x.dtype}")
     causal, scale, left, right, softcap, _, dropout_p = options
-    if alibi_slopes is not None or dropout_p:
-        raise ValueError("alibi_slopes and dropout_p: fp8 attention takes causal, window_size and softcap only")
+    _fp8.refuse_options(alibi_slopes, dropout=bool(dropout_p))
     return causal, scale, left, right, softcap
 
 
@@ -202,8 +205,7 @@ def _fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    # e4m3 tensors go to CuPy as their uint8 codes.
-    codes = [_cp(x.view(torch.uint8)) for x in (q, k, v)]
+    codes = [_cp(_codes(x)) for x in (q, k, v)]
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _forward.attention(*codes, out=_cp(out), lse=_cp(lse), q_descale=_cp(q_descale), k_descale=_cp(k_descale),
                            v_descale=_cp(v_descale), **_options(causal, softmax_scale, window_left, window_right,
@@ -352,8 +354,7 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    # An e4m3 cache (torch.float8_e4m3fn) goes to CuPy as its uint8 codes.
-    k_codes, v_codes = (c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c for c in (k_cache, v_cache))
+    k_codes, v_codes = _codes(k_cache), _codes(v_cache)
     with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
         _kv_cache.attention_with_kvcache(
             _cp(q), _cp(k_codes), _cp(v_codes), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
