@@ -169,12 +169,15 @@ def _varlen_slopes(slopes: tuple, device_id: int):
     return cupy_view(slopes[0], slopes[0].shape, device_id) if slopes else None
 
 
-def _varlen_forward_callback(lengths, kwargs, p, ctx, outputs, q, k, v, cu_q, cu_k, state, *slopes):
+def _varlen_forward_callback(lengths, kwargs, p, names, ctx, outputs, q, k, v, cu_q, cu_k, state, *named):
+    """The forward of a packed batch; `named` holds the optional operands named in `names`
+    (alibi_slopes, block_table), passed to cuflash.attention_varlen by those names."""
     device_id = device_of(outputs[0], ctx.stream)
     out, lse = (cupy_view(x, x.shape, device_id) for x in outputs)
     with on_xla_stream(ctx, out):
         _varlen.attention_varlen(*(cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=out, lse=lse, alibi_slopes=_varlen_slopes(slopes, device_id),
+                                 out=out, lse=lse,
+                                 **{name: cupy_view(x, x.shape, device_id) for name, x in zip(names, named)},
                                  **with_dropout(kwargs, p, state, device_id))
 
 
@@ -189,11 +192,12 @@ def _varlen_backward_callback(lengths, kwargs, p, deterministic, ctx, outputs, d
                                           **with_dropout(kwargs, p, state, device_id))
 
 
-def _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, options):
+def _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, options, block_table=None):
+    named = {name: x for name, x in (("alibi_slopes", slopes), ("block_table", block_table)) if x is not None}
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
-    call = buffer_callback(functools.partial(_varlen_forward_callback, lengths, *split_dropout(options)), shapes,
-                           vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k, state, *operands(slopes))
+    call = buffer_callback(functools.partial(_varlen_forward_callback, lengths, *split_dropout(options),
+                                             tuple(named)), shapes, vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k, state, *named.values())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -219,9 +223,27 @@ def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _attention_varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, slopes, state, lengths, options):
+    return _varlen_forward_call(q, k_cache, v_cache, cu_q, cu_k, slopes, state, lengths, dict(options),
+                                block_table)[0]
+
+
+def _attention_varlen_paged_fwd(*args):
+    return _attention_varlen_paged(*args), None
+
+
+def _attention_varlen_paged_bwd(lengths, options, residuals, dout):
+    raise NotImplementedError("cuflash.jax.attention_varlen: with block_table (a paged KV cache) there is a "
+                              "forward only")
+
+
+_attention_varlen_paged.defvjp(_attention_varlen_paged_fwd, _attention_varlen_paged_bwd)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                     dropout_p=0.0, dropout_key=None):
+                     dropout_p=0.0, dropout_key=None, block_table=None):
     """`cuflash.attention_varlen` on JAX arrays inside `jax.jit`, differentiable in q, k and v.
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim); cu_seqlens_q and
@@ -230,11 +252,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     alibi_slopes: float32 (nheads,) or (batch, nheads), as `attention`'s.
     dropout_p, dropout_key: as `attention`'s. `jax.vmap` runs one call per mapped element
     ("sequential").
+    block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages,
+    page_size, nheads_kv, headdim), as `cuflash.attention_varlen` takes it (chunked prefill;
+    forward only: its gradient raises).
     """
     _require_gpu_backend()
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"q, k and v must have 3 dims (total, nheads, headdim), got shapes {q.shape}, {k.shape}, "
-                         f"{v.shape}")
+    k_rank = 3 if block_table is None else 4
+    if q.ndim != 3 or k.ndim != k_rank or v.ndim != k_rank:
+        raise ValueError(f"q must have 3 dims (total, nheads, headdim) and k and v {k_rank}, got shapes {q.shape}, "
+                         f"{k.shape}, {v.shape}")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
@@ -242,6 +268,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     slopes = _alibi_operand(alibi_slopes, q.shape[1], cu_seqlens_q.shape[0] - 1)
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    if block_table is not None:
+        return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, slopes, state, lengths,
+                                       options)
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, state, lengths, options,
                              bool(deterministic))
 

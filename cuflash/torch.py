@@ -283,15 +283,51 @@ def _varlen_backward(ctx, dout, dlse, ddraw):
 torch.library.register_autograd("cuflash::varlen_fwd", _varlen_backward, setup_context=_varlen_setup)
 
 
+@_op("varlen_paged_fwd")
+def _varlen_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor,
+                      alibi_slopes: torch.Tensor | None, causal: bool, softmax_scale: float | None,
+                      window_left: int, window_right: int, softcap: float,
+                      dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    with cupy().cuda.Device(q.device.index), _on_torch_stream(q.device):
+        _varlen.attention_varlen(_cp(q), _cp(k_cache), _cp(v_cache), _cp(cu_seqlens_q), _cp(cu_seqlens_k),
+                                 max_seqlen_q, max_seqlen_k, out=_cp(out), lse=_cp(lse),
+                                 block_table=_cp(block_table), alibi_slopes=_cp(alibi_slopes), dropout_p=dropout_p,
+                                 **_options(causal, softmax_scale, window_left, window_right, softcap))
+    return out, lse
+
+
+@torch.library.register_fake("cuflash::varlen_paged_fwd")
+def _varlen_paged_fwd_fake(q, *rest):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _paged_backward(ctx, dout, dlse):
+    raise NotImplementedError("flash_attn_varlen_func: with block_table (a paged KV cache) there is a forward only")
+
+
+torch.library.register_autograd("cuflash::varlen_paged_fwd", _paged_backward)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False):
+                           deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
-    (out, lse (nheads, total_q), None). dropout_p and alibi_slopes as in flash_attn_func."""
+    (out, lse (nheads, total_q), None). dropout_p and alibi_slopes as in flash_attn_func.
+    block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages, page_size,
+    nheads_kv, headdim), sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
+    (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
-    out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                              alibi_slopes, *options)
+    if block_table is not None:
+        causal, scale, left, right, softcap, _, dropout_p = options
+        out, lse = _varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                     block_table, alibi_slopes, causal, scale, left, right, softcap, dropout_p)
+    else:
+        out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  alibi_slopes, *options)
     return (out, lse, None) if return_attn_probs else out
 
 

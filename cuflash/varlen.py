@@ -134,8 +134,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q4, k4, v4 = _packed(q, k, v)
     dtype_name = validate.qkv(q4, k4, v4, allow_fp8=True)
     is_fp8 = dtype_name == FP8_DTYPE_NAME
-    if is_fp8 and alibi_slopes is not None:
-        raise ValueError("alibi_slopes: fp8 attention takes window_size and softcap, not ALiBi")
+    if is_fp8:
+        fp8.refuse_options(alibi_slopes, dropout=bool(dropout_p))
     scale = validate.softmax_scale(softmax_scale, q.shape[2])
     device_id = validate.cuda_device(q, fp8=is_fp8)
     total_q, nheads, headdim = q.shape
@@ -144,8 +144,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                     q.device)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
                             (dropout_p, seed, offset))
-    if is_fp8 and mods.dropout is not None:
-        raise ValueError("dropout_p: fp8 attention takes no dropout")
     descale = fp8.validate_descales(q_descale, k_descale, v_descale, num_seqs, nheads_kv, is_fp8, q.device)
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:

@@ -117,3 +117,26 @@ def e4m3_kvcache_step(rng, batch=2, capacity=160, nheads=8, nheads_kv=2, headdim
                                          k_descale=cupy.asarray(step["descales"][0]),
                                          v_descale=cupy.asarray(step["descales"][1]))
     return step, out.get(), [c.get() for c in caches]
+
+
+def paged_prefill_case(rng, page_size=32, nheads=4, nheads_kv=2, headdim=64, **options):
+    """A chunked prefill over a paged cache for the framework wrappers to repeat: host inputs (q, the
+    pages, cu_seqlens, block_table, lengths) and cuflash.attention_varlen's output and lse on them,
+    which a wrapper's must equal bit for bit."""
+    import cupy
+
+    import cuflash
+
+    lengths_k, lengths_q = [130, 17, 0, 64], [33, 17, 0, 1]
+    batch = len(lengths_k)
+    pages_per = max(-(-n // page_size) for n in lengths_k)
+    num_pages = batch * pages_per + 1
+    case = dict(q=randn(rng, (sum(lengths_q), nheads, headdim), np.float16),
+                pages=[randn(rng, (num_pages, page_size, nheads_kv, headdim), np.float16) for _ in range(2)],
+                cu=[np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k)],
+                table=rng.permutation(num_pages)[:batch * pages_per].reshape(batch, pages_per).astype(np.int32),
+                lengths=(max(lengths_q), max(lengths_k)))
+    out, lse = cuflash.attention_varlen(cupy.asarray(case["q"]), *(cupy.asarray(p) for p in case["pages"]),
+                                        *(cupy.asarray(c) for c in case["cu"]), *case["lengths"],
+                                        block_table=cupy.asarray(case["table"]), return_lse=True, **options)
+    return case, out.get(), lse.get()

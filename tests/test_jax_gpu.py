@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, randn, ring_rounding
+from tests.numerics import (ATOL, assert_close_2x, e4m3_kvcache_step, mentions, paged_prefill_case, randn,
+                            ring_rounding)
 
 # JAX would otherwise take 75% of the GPU's memory when it starts, from tests that share the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -267,6 +268,28 @@ def test_varlen_in_jit_with_grad(rng, alibi):
     naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, dtype=np.float16, **options)
     for g, r, n in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
+
+
+def test_varlen_paged_in_jit(rng):
+    """block_table (chunked prefill over a paged cache) inside jit: bitwise equal to
+    cuflash.attention_varlen on the same arrays; its gradient raises."""
+    import cupy
+
+    import cuflash.jax
+
+    options = dict(window_size=(40, 0), alibi_slopes=rng.uniform(0.01, 0.3, (4,)).astype(np.float32))
+    case, expected, _ = paged_prefill_case(rng, **{n: cupy.asarray(x) if isinstance(x, np.ndarray) else x
+                                                  for n, x in options.items()})
+    q, k_pages, v_pages, cu_q, cu_k, table = (jnp.asarray(x) for x in (case["q"], *case["pages"], *case["cu"],
+                                                                        case["table"]))
+
+    def call(q):
+        return cuflash.jax.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, *case["lengths"], block_table=table,
+                                            **options)
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q)).view(np.uint16), expected.view(np.uint16))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        jax.grad(lambda q: call(q).astype(jnp.float32).sum())(q)
 
 
 def test_kvcache_decoding_steps_in_jit(rng):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, randn
+from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, paged_prefill_case, randn
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -323,3 +323,29 @@ def test_flash_attn_with_kvcache_eager_and_compiled(rng):
         np.testing.assert_array_equal(k_cache.cpu().view(torch.int16).numpy(), k_host.view(np.int16))
         np.testing.assert_array_equal(v_cache.cpu().view(torch.int16).numpy(), v_host.view(np.int16))
         lengths = lengths + 2
+
+
+def test_flash_attn_varlen_func_paged(rng):
+    """block_table (chunked prefill over a paged cache), eager and compiled: bitwise equal to
+    cuflash.attention_varlen on the same arrays; its gradient raises."""
+    from cuflash.torch import flash_attn_varlen_func
+
+    def tensor(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda()
+
+    options = dict(causal=True, softcap=3.0)
+    case, expected, expected_lse = paged_prefill_case(rng, **options)
+    q, k_pages, v_pages = tensor(case["q"]), *(tensor(p) for p in case["pages"])
+    cu_q, cu_k, table = (torch.from_numpy(x).cuda() for x in (*case["cu"], case["table"]))
+
+    def call(q, k_pages, v_pages):
+        return flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, *case["lengths"], block_table=table,
+                                      return_attn_probs=True, **options)
+
+    for fn in (call, torch.compile(call, fullgraph=True)):
+        out, lse, _ = fn(q, k_pages, v_pages)
+        np.testing.assert_array_equal(out.cpu().view(torch.int16).numpy(), expected.view(np.int16))
+        np.testing.assert_array_equal(lse.cpu().numpy(), expected_lse)
+    out, _, _ = call(q.clone().requires_grad_(), k_pages, v_pages)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        out.float().sum().backward()
