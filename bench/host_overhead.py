@@ -5,7 +5,11 @@
 Host time: 2,000 back-to-back calls of a problem whose GPU time is a few
 microseconds (batch 1, 128 tokens, 1 head, head dim 64, fp16), one
 synchronise at the end, wall time / 2,000. The GPU never catches up with
-the host, so this is the host's cost of a call.
+the host, so this is the host's cost of a call. The libraries take turns
+for ROUNDS rounds, and each row reports the median (and min) of its rounds:
+a host's speed drifts over seconds (one pass read 35 us for a call that
+another process had read at 13 a minute earlier on the same host), and
+alternating spreads the drift over every library alike.
 
 Per-call speed: CUDA events around each single call (the GPU idle before
 it, so the call's host time before its launch counts), median of 200, at
@@ -26,6 +30,7 @@ import cupy
 import cuflash
 
 CALLS = 2000
+ROUNDS = 7
 SINGLE_CALLS = 200
 
 
@@ -88,9 +93,15 @@ def main() -> None:
     gen = cupy.random.default_rng(0)
     with cupy.cuda.Stream(non_blocking=True):
         q, k, v = (gen.standard_normal((1, 128, 1, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
-        for name, (context, fn) in libraries(q, k, v).items():
-            with context():
-                rows.append({"measure": "host us/call", "lib": name, "value": host_us(fn)})
+        rounds: dict = {}
+        libs = libraries(q, k, v)
+        for _ in range(ROUNDS):
+            for name, (context, fn) in libs.items():
+                with context():
+                    rounds.setdefault(name, []).append(host_us(fn))
+        for name, times in rounds.items():
+            rows.append({"measure": "host us/call", "lib": name, "value": statistics.median(times),
+                         "min": min(times)})
         for tokens in (512, 1024):
             for batch in (1, 16384 // tokens):
                 q, k, v = (gen.standard_normal((batch, tokens, 16, 128), dtype=cupy.float32).astype(cupy.float16)
@@ -102,7 +113,8 @@ def main() -> None:
                     rows.append({"measure": f"TFLOP/s single call, {batch}x{tokens}", "lib": name,
                                  "value": flops / ms / 1e9})
     for row in rows:
-        print(f"{row['measure']:<36} {row['lib']:<14} {row['value']:10.2f}")
+        least = f"   (min {row['min']:.2f})" if "min" in row else ""
+        print(f"{row['measure']:<36} {row['lib']:<14} {row['value']:10.2f}{least}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f,
