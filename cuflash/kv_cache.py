@@ -450,13 +450,39 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
     return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedPrefillPlan:
+    """A paged prefill's launch for one call signature (shapes, strides, dtypes, options): a repeat
+    with that signature allocates the outputs it is not given and launches."""
+    launch: DecodeLaunch
+    device_id: int
+
+    def call(self, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse):
+        """(out, lse) of the call; the offsets on q's device, out and lse validated where given."""
+        cp = cupy()
+        if cp.cuda.runtime.getDevice() != self.device_id:
+            with q.device:
+                return self.call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out,
+                                 lse)
+        stream = cp.cuda.get_current_stream()
+        if out is None or lse is None:
+            require_not_capturing("attention_varlen with block_table, without out= and lse=", stream)
+            out = pool_array(q.shape, q.dtype, q.nbytes) if out is None else out
+            lse = cp.empty((q.shape[1], q.shape[0]), numpy.float32) if lse is None else lse
+        q_ = q if is_aligned(q[None]) else aligned_copy(q)
+        addresses = (q_.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0, 0, out.data.ptr, lse.data.ptr, 0, 0, 0, 0, 0,
+                     block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0, 0, 0)
+        self.launch.run(addresses, 0, _ptr(alibi_slopes), stream.ptr)
+        return out, lse
+
+
 def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, *,
                            causal, window_size, softcap, alibi_slopes, softmax_scale, out, lse, host_key_lengths=None):
     """`attention_varlen` over a paged cache (chunked prefill): q (total_q, H, D) packed by cu_seqlens_q,
     sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of its pages in
     block_table. The offsets arrive validated and on q's device (host_key_lengths: the keys per
     sequence where the caller had them on the host); out and lse too where given.
-    Returns (out, lse (H, total_q))."""
+    Returns (out, lse (H, total_q), the call's PagedPrefillPlan or None where nothing was launched)."""
     total_q, nheads, headdim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     name, _, capacity, fp8_cache = _query_and_cache(q[None], k_cache, v_cache, block_table, num_seqs,
@@ -476,17 +502,17 @@ def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
                          "kernel's grid")
     cp = cupy()
     with q.device:
-        if out is None or lse is None:
-            require_not_capturing("attention_varlen with block_table, without out= and lse=")
-        out = cp.empty(q.shape, q.dtype) if out is None else out
-        lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
         if total_q == 0:
-            return out, lse
-        q_ = q if is_aligned(q[None]) else aligned_copy(q)
+            if out is None or lse is None:
+                require_not_capturing("attention_varlen with block_table, without out= and lse=")
+            out = cp.empty(q.shape, q.dtype) if out is None else out
+            lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
+            return out, lse, None
+        q_strides = elem_strides(q[None]) if is_aligned(q[None]) else contiguous_strides((1, *q.shape))
+        out_strides = elem_strides(out[None]) if out is not None else contiguous_strides((1, *q.shape))
         launch = DecodeLaunch(cfg, name, True, causal, mods, (num_seqs, max_seqlen_q, nheads, headdim), k_cache, 0,
-                              {"q": elem_strides(q_[None]), "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
-                               "o": elem_strides(out[None])}, block_table, None, 1, scale, device_id, total_q=total_q)
-        addresses = (q_.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0, 0, out.data.ptr, lse.data.ptr, 0, 0, 0, 0, 0,
-                     block_table.data.ptr, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0, 0, 0, 0)
-        launch.run(addresses, 0, _ptr(alibi_slopes), cp.cuda.get_current_stream().ptr)
-    return out, lse
+                              {"q": q_strides, "kc": elem_strides(k_cache), "vc": elem_strides(v_cache),
+                               "o": out_strides}, block_table, None, 1, scale, device_id, total_q=total_q)
+        plan = PagedPrefillPlan(launch, device_id)
+        return (*plan.call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse),
+                plan)

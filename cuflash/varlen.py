@@ -176,9 +176,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
            window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse, descales):
-    """attention_varlen over a paged KV cache (cuflash.kv_cache.attention_paged_varlen)."""
+    """attention_varlen over a paged KV cache (cuflash.kv_cache.attention_paged_varlen); a repeated
+    signature with device offsets takes its plan."""
     if any(x is not None for x in descales):
         raise ValueError("block_table: a paged cache takes float16 or bfloat16, not fp8 with descales")
+    key = _plan_key((q, k_cache, v_cache, block_table), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, causal, (window_size, softcap, alibi_slopes), softmax_scale, "paged")
+    plan = _fwd_plans.get(key) if key is not None else None
+    if plan is not None:
+        out, lse = plan.call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse)
+        return (out, lse) if return_lse else out
     _require_3d(q=q)
     host_lengths = numpy.diff(cu_seqlens_k) if isinstance(cu_seqlens_k, numpy.ndarray) else None
     total_k = int(cu_seqlens_k[-1]) if host_lengths is not None else None
@@ -187,10 +194,12 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         _output("out", out, q, "q")
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True, varlen=True)
-    out, lse = kv_cache.attention_paged_varlen(
+    out, lse, plan = kv_cache.attention_paged_varlen(
         q, k_cache, v_cache, *cu_seqlens, max_seqlen_q, block_table, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, out=out, lse=lse,
         host_key_lengths=host_lengths)
+    if key is not None and plan is not None:
+        _fwd_plans.store(key, plan)
     return (out, lse) if return_lse else out
 
 

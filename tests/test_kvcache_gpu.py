@@ -15,7 +15,7 @@ import pytest
 import cuflash
 from cuflash import reference
 from tests.numerics import (ATOL, DTYPES, FUZZ_CASES, FUZZ_SEED, assert_close_2x, check_lse, fuzz_indices, mentions,
-                           randn)
+                           paged_prefill_case, randn)
 
 pytestmark = pytest.mark.gpu
 
@@ -368,6 +368,29 @@ def test_paged_varlen_prefill(page_size, name, options):
         assert result is out
         assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])
         check_lse(lse, ref_lse)
+
+
+def test_paged_varlen_prefill_repeats_through_its_plan(rng):
+    """Device offsets: a repeated signature takes its plan (fresh q and pages each call, the output
+    allocated, then given), each call against the float64 reference."""
+    from cuflash import varlen
+
+    case, _, _ = paged_prefill_case(rng, causal=True)
+    cu_q, cu_k, table = (cupy.asarray(x) for x in (*case["cu"], case["table"]))
+    lengths_k = np.diff(case["cu"][1])
+    varlen._fwd_plans.clear()
+    for out in (None, None, cupy.full(case["q"].shape, POISON, np.float16)):
+        q = randn(rng, case["q"].shape, np.float16)
+        pages = [randn(rng, p.shape, np.float16) for p in case["pages"]]
+        result = cuflash.attention_varlen(cupy.asarray(q), *(cupy.asarray(p) for p in pages), cu_q, cu_k,
+                                          *case["lengths"], block_table=table, causal=True, out=out)
+        k_packed, v_packed = (np.concatenate([p[case["table"][b]].reshape(-1, *p.shape[2:])[:n]
+                                              for b, n in enumerate(lengths_k)]) for p in pages)
+        ref = reference.attention_varlen(q, k_packed, v_packed, *case["cu"], causal=True)
+        naive = reference.attention_varlen_naive_lowp(q, k_packed, v_packed, *case["cu"], dtype=np.float16,
+                                                      causal=True)
+        assert_close_2x(result.get(), ref, naive, ATOL[np.dtype(np.float16)])
+    assert len(varlen._fwd_plans.plans) == 2  # one signature without out=, one with
 
 
 def test_paged_varlen_bad_input():
