@@ -178,10 +178,10 @@ def _outputs(out_shape, out_dtype, lse_shape, out, lse):
     lse_bytes = 4 * math.prod(lse_shape)
     memory = cp.cuda.alloc((out_bytes if out is None else 0) + (lse_bytes if lse is None else 0))
     if out is None:
-        out = pool_array(out_shape, out_dtype, memory)
+        out = cp.ndarray(out_shape, out_dtype, memory)
         memory = memory + out_bytes
     if lse is None:
-        lse = pool_array(lse_shape, numpy.float32, memory)
+        lse = cp.ndarray(lse_shape, numpy.float32, memory)
     return out, lse
 
 
