@@ -68,6 +68,7 @@ __global__ void bwd_preprocess_kernel(const u16* __restrict__ o, const u16* __re
                                       long long do_sb, long long do_sn, long long do_sh, const ScoreModArgs mod_args) {
     static_assert(ROW_LANES >= 4 && ROW_LANES <= 16 && (ROW_LANES & (ROW_LANES - 1)) == 0,
                   "a row's lanes: a power of two within a warp");
+    allow_next_grid();  // the Hopper dK/dV kernel's CTAs may settle in (it waits for this grid's rows)
     const int sub = threadIdx.x % ROW_LANES;
     const unsigned row_mask = ((1u << ROW_LANES) - 1) << (threadIdx.x & 31 & ~(ROW_LANES - 1));
     const int row = blockIdx.x * (blockDim.x / ROW_LANES) + threadIdx.x / ROW_LANES;

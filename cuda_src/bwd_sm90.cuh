@@ -113,6 +113,7 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
     // Rows padded by 4 words: a warp's stores of 8 rows x 4 lanes take the 32 banks once.
     constexpr int ROW = D / 2 + 4;
     __shared__ u32 tile[BM * ROW];
+    wait_prior_grid();  // the dK/dV kernel's sums
     const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, nheads = gridDim.y;
     const SeqSpan seq = seq_span<VARLEN>(mod_args, b, nq, 0);
     if (m0 >= seq.nq) return;
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(384, 1)
                     long long dv_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
     using T = BwdSm90Traits<D, BM, STAGES, ATOMIC_DQ>;
     constexpr int BN = T::BN;
+    allow_next_grid();  // the dQ convert (or deterministic dQ) kernel's CTAs may settle in
     constexpr int NT_S = BM / 8, NT_D = D / 8, NT_DQ = T::DQ_N / 8;
     constexpr bool IS_BF16 = DTYPE == BF16;
     static_assert(DTYPE == F16 || DTYPE == BF16, "16-bit inputs only");
@@ -202,6 +204,7 @@ __global__ void __launch_bounds__(384, 1)
             tma_load_4d(sK + p * BN * 128, map_k, p * 64, seq.k0 + n0, hk, batch, full_kv);
             tma_load_4d(sV + p * BN * 128, map_v, p * 64, seq.k0 + n0, hk, batch, full_kv);
         }
+        wait_prior_grid();  // lse2 and Delta from the preprocess (K and V were in place before it ran)
         const u32 rows_smem = base + T::OFF_ROWS;
         for (int t = 0; t < n_iter; ++t) {
             const int st = t % STAGES, use = t / STAGES;
@@ -222,6 +225,7 @@ __global__ void __launch_bounds__(384, 1)
 
     // ---------------------------------------------------------------- consumers
     setmaxnreg_inc<T::CONSUMER_REGS>();
+    wait_prior_grid();  // dq_accum zeroed by the preprocess
     const int c = wg - 1;
     const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows of the consumer's 64
     const int key_lane0 = n0 + 64 * c + warp_row0 + (lane >> 2);
@@ -488,6 +492,7 @@ __global__ void __launch_bounds__(384, 1)
     // Varlen: as in bwd_sm90_kernel, this block's sequence.
     const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
     if (Mods::VARLEN && m0 >= seq.nq) return;
+    wait_prior_grid();  // the preprocess's lse2 and Delta (complete once the dK/dV kernel before this one is)
     const int batch = Mods::VARLEN ? 0 : b;  // the tensor maps' batch coordinate
     nq = seq.nq;
     nk = seq.nk;

@@ -92,6 +92,25 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// ---------------------------------------------------------------- launch order
+// Programmatic dependent launch (sm_90; no-ops before): a kernel the host
+// launches with programmatic stream serialization may start while the
+// stream's previous kernel still runs. wait_prior_grid returns once that
+// kernel has completed and its writes are visible; a kernel so launched calls
+// it before it reads what the previous kernel wrote. allow_next_grid lets the
+// stream's next such kernel be scheduled once every CTA of this one has called
+// it (or exited).
+__device__ __forceinline__ void wait_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- numerics
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

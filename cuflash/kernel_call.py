@@ -45,7 +45,9 @@ def _driver():
     error_name = lib.cuGetErrorName
     error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     error_name.restype = ctypes.c_int
-    return launch, error_name
+    launch_ex = lib.cuLaunchKernelEx
+    launch_ex.restype = ctypes.c_int
+    return launch, error_name, launch_ex
 
 
 def _error_text(code: int) -> str:
@@ -96,6 +98,19 @@ def _raw_bytes(value) -> bytes:
     return struct.pack("<Q", value.data.ptr)  # a CuPy array: its device address
 
 
+# cuda.h's CUlaunchAttribute (an id, then a 64-byte value union) and CUlaunchConfig, for cuLaunchKernelEx.
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class Kernel:
     """One compiled kernel (CuPy's function object) launched through the driver."""
 
@@ -120,6 +135,36 @@ class Kernel:
         if err != 0:
             raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} "
                                f"(grid {grid}, block {block}, {self.smem_bytes} bytes of shared memory)")
+
+
+class LaunchAfterPrior:
+    """A kernel launched with programmatic stream serialization (sm_90): it may be scheduled before the
+    stream's previous kernel completes, and waits for it in the kernel (common.cuh's wait_prior_grid),
+    so that the gap between the two launches is hidden. Same `launch` as Kernel's; the config it
+    fills in is its own, so one launch site uses it at a time (the backward holds its lock).
+    """
+
+    def __init__(self, kernel_: Kernel):
+        self.kernel = kernel_
+        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attribute.value[0] = 1
+        self.config = _LaunchConfig(smem=kernel_.smem_bytes, attrs=ctypes.pointer(self.attribute), num_attrs=1)
+
+    def launch(self, grid, block: int, args: KernelArgs, stream) -> None:
+        config = self.config
+        config.grid[0], config.grid[1], config.grid[2] = grid
+        config.block[0], config.block[1], config.block[2] = block, 1, 1
+        config.stream = stream.value if isinstance(stream, ctypes.c_void_p) else stream
+        launch_ex = _driver()[2]
+        err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:  # this thread never made the device current
+            import cupy
+
+            cupy.cuda.runtime.setDevice(self.kernel.device_id)
+            err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
+        if err != 0:
+            raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} (grid {grid}, block {block}, "
+                               f"{self.kernel.smem_bytes} bytes of shared memory, after the prior kernel)")
 
 
 _kernels: dict = {}

@@ -23,7 +23,7 @@ from . import fp8, tail_split, tma
 from .arrays import aligned_copy, contiguous_strides, elem_strides
 from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig, preprocess_row_lanes
 from .device import cupy, sm_count, stream_is_capturing
-from .kernel_call import KernelArgs, kernel
+from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
 from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
 
 # Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
@@ -402,6 +402,10 @@ class BwdLaunch:
             else:
                 self.last_args = KernelArgs([q, k, v, dout, scratch, scratch, dq, *ints,
                                              *_strides(q, k, v, dout, dq), *scales])
+        if cfg.hopper:
+            # Each Hopper kernel settles in while the one before it finishes, and waits for its results in
+            # the kernel (programmatic dependent launch): the launch gaps between the three are hidden.
+            dkdv, last = LaunchAfterPrior(dkdv), LaunchAfterPrior(last)
         # run()'s launches in order: (kernel, grid, threads, packed arguments) by name.
         self.stages = {"preprocess": (pre, pre_grid, ROW_KERNEL_THREADS, self.pre_args),
                        "dkdv": (dkdv, dkdv_grid, cfg.dkdv_threads, self.dkdv_args),

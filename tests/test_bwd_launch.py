@@ -1,6 +1,7 @@
 """The backward's launch sequence on the host, with the kernels replaced by recorders (no GPU): what
 run() launches, in which order, on which grids, and where the preprocess zeroes the dQ accumulator."""
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -82,3 +83,14 @@ def test_the_preprocess_gives_a_row_the_lanes_its_16_byte_loads_need(headdim, la
     assert preprocess_row_lanes(headdim) == lanes
     assert 8 * lanes >= min(headdim, 128) and (lanes == 4 or 8 * lanes // 2 < headdim)
 
+
+
+def test_the_programmatic_launch_config_has_the_layout_of_cuda_h():
+    """The Hopper backward's dK/dV and dQ kernels go through cuLaunchKernelEx: the structs it reads
+    are laid out as cuda.h's CUlaunchAttribute (72 bytes, the value at 8) and CUlaunchConfig (56 bytes)."""
+    from cuflash.kernel_call import _LaunchAttribute, _LaunchConfig
+
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    offsets = {name: getattr(_LaunchConfig, name).offset for name in ("block", "smem", "stream", "attrs", "num_attrs")}
+    assert offsets == {"block": 12, "smem": 24, "stream": 32, "attrs": 40, "num_attrs": 48}
