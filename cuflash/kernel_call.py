@@ -50,6 +50,14 @@ def _driver():
     return launch, error_name, launch_ex
 
 
+def _make_current(device_id: int) -> None:
+    """Bind the device's primary context to this thread, which never made it current (its first CUDA
+    call came through the driver API rather than the runtime)."""
+    import cupy
+
+    cupy.cuda.runtime.setDevice(device_id)
+
+
 def _error_text(code: int) -> str:
     name = ctypes.c_char_p()
     _driver()[1](code, ctypes.byref(name))
@@ -127,10 +135,8 @@ class Kernel:
             stream = ctypes.c_void_p(stream)
         launch = _driver()[0]
         err = launch(self.handle, gx, gy, gz, block, 1, 1, self.smem_bytes, stream, args.address, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:  # this thread never made the device current
-            import cupy
-
-            cupy.cuda.runtime.setDevice(self.device_id)  # binds the primary context to the thread
+        if err == _CUDA_ERROR_INVALID_CONTEXT:
+            _make_current(self.device_id)
             err = launch(self.handle, gx, gy, gz, block, 1, 1, self.smem_bytes, stream, args.address, None)
         if err != 0:
             raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} "
@@ -157,10 +163,8 @@ class LaunchAfterPrior:
         config.stream = stream.value if isinstance(stream, ctypes.c_void_p) else stream
         launch_ex = _driver()[2]
         err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:  # this thread never made the device current
-            import cupy
-
-            cupy.cuda.runtime.setDevice(self.kernel.device_id)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:
+            _make_current(self.kernel.device_id)
             err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
         if err != 0:
             raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} (grid {grid}, block {block}, "

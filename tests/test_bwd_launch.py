@@ -84,7 +84,6 @@ def test_the_preprocess_gives_a_row_the_lanes_its_16_byte_loads_need(headdim, la
     assert 8 * lanes >= min(headdim, 128) and (lanes == 4 or 8 * lanes // 2 < headdim)
 
 
-
 def test_the_programmatic_launch_config_has_the_layout_of_cuda_h():
     """The Hopper backward's dK/dV and dQ kernels go through cuLaunchKernelEx: the structs it reads
     are laid out as cuda.h's CUlaunchAttribute (72 bytes, the value at 8) and CUlaunchConfig (56 bytes)."""
