@@ -108,7 +108,7 @@ class Training:
             self.params, self.moments, loss = self.step_fn(self.params, self.moments, tokens, self.t)
             if self.t % 50 == 0:
                 self.losses.append((self.t, float(loss)))
-                print(f"{self.name:8s} step {self.t:4d}  loss {float(loss):.3f}", flush=True)
+                print(f"{self.name:8s} step {self.t:4d}  loss {self.losses[-1][1]:.3f}", flush=True)
         jax.block_until_ready(self.params)
         if timed:
             self.turn_seconds.append((time.perf_counter() - start) / steps)
