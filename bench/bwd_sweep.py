@@ -1,8 +1,8 @@
 """Time backward configurations (forward + backward) against torch SDPA.
 
-Usage (on a GPU): PYTHONPATH=. python bench/bwd_sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds 5]
+Usage (on a GPU): PYTHONPATH=. python bench/bwd_sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds N]
 Each config's gradients are checked against torch's flash backward first;
-then the configs and both peers are timed in interleaved rounds with rotating
+then the configs and both peers are timed in interleaved rounds in a balanced
 order (cuflash.timing.time_calls). A config's call is cuflash's forward (the
 heuristic table's) plus that config's backward launched directly.
 """
@@ -43,7 +43,8 @@ def main():
     p.add_argument("--headdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--dtype", default="float16")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds (default: enough to complete the order design)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per config and peer (median)")
     a = p.parse_args()
     rows = []

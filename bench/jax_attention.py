@@ -29,7 +29,7 @@ from cuflash import timing
 from cuflash.bench.shapes import HIDDEN, TOKENS
 
 STEPS = 20  # jitted steps per timed call
-REPEATS = 5  # timed calls per subject
+REPEATS = 6  # timed calls per subject: one per round of the order design
 
 
 def steps(fn, *args):
@@ -45,6 +45,30 @@ def eager_step(q, k, v, dout, causal):
     cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
 
+def row_subjects(headdim: int, seqlen: int, causal: bool) -> tuple[dict[str, timing.Calls], float]:
+    """The three subjects of one row, and the row's forward+backward FLOP count."""
+    batch, nheads = TOKENS // seqlen, HIDDEN // headdim
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((batch, seqlen, nheads, headdim), dtype=np.float32).astype(np.float16)
+            for _ in range(4)]
+    q, k, v, dout = (jnp.asarray(x) for x in host)
+
+    def grad_of(attn):
+        def loss(q, k, v):
+            return jnp.sum(attn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    ours = grad_of(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=causal))
+    cudnn = grad_of(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                 implementation="cudnn"))
+    flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
+    host_clock = timing.HostEvents()
+    entries = {"cuflash.jax": timing.Calls([steps(ours, q, k, v)], host_clock),
+               "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], host_clock),
+               "eager": timing.Calls([steps(eager_step, *(cupy.asarray(x) for x in host), causal)])}
+    return entries, flops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -53,25 +77,7 @@ def main() -> None:
     for headdim in (64, 128):
         for seqlen in (2048, 8192, 16384):
             for causal in (False, True):
-                batch, nheads = TOKENS // seqlen, HIDDEN // headdim
-                rng = np.random.default_rng(0)
-                host = [rng.standard_normal((batch, seqlen, nheads, headdim), dtype=np.float32).astype(np.float16)
-                        for _ in range(4)]
-                q, k, v, dout = (jnp.asarray(x) for x in host)
-
-                def grad_of(attn):
-                    def loss(q, k, v):
-                        return jnp.sum(attn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
-                    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-                ours = grad_of(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=causal))
-                cudnn = grad_of(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                             implementation="cudnn"))
-                flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
-                host_clock = timing.HostEvents()
-                entries = {"cuflash.jax": timing.Calls([steps(ours, q, k, v)], host_clock),
-                           "jax-cudnn": timing.Calls([steps(cudnn, q, k, v)], host_clock),
-                           "eager": timing.Calls([steps(eager_step, *(cupy.asarray(x) for x in host), causal)])}
+                entries, flops = row_subjects(headdim, seqlen, causal)
                 results = timing.time_calls(entries, REPEATS)
                 failed = {name: result["error"] for name, result in results.items() if "error" in result}
                 if failed:

@@ -1,8 +1,8 @@
 """Time forward kernel configurations against torch SDPA on the benchmark shapes.
 
-Usage (on a GPU): PYTHONPATH=. python bench/sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds 7]
+Usage (on a GPU): PYTHONPATH=. python bench/sweep.py [--headdim 64,128] [--seqlen 2048,8192] [--rounds N]
 Each config is checked against torch-flash's output before it is timed; then
-the configs and both peers are timed in interleaved rounds with rotating order
+the configs and both peers are timed in interleaved rounds in a balanced order
 (cuflash.timing.time_calls).
 """
 
@@ -52,7 +52,8 @@ def main():
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--only", default="", help="run only configs whose name contains this text")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds (default: enough to complete the order design)")
     p.add_argument("--repeats", type=int, default=70, help="timed calls per config and peer (median)")
     a = p.parse_args()
     rows = []

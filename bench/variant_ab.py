@@ -2,7 +2,7 @@
 
 Usage (on a GPU):
   PYTHONPATH=. python bench/variant_ab.py --dtype fp8 --headdim 128 --seqlen 8192,16384 \
-      --variant base=-:192:2:npp --variant other=path/to/fwd_sm90.cuh:128:2:pp [--rounds 7]
+      --variant base=-:192:2:npp --variant other=path/to/fwd_sm90.cuh:128:2:pp [--rounds N]
 
 A variant is NAME=SOURCE:BLOCK_N:STAGES:pp|npp[:nso][:whole]. SOURCE is "-"
 (the tree's kernels), a file that replaces cuda_src/fwd_sm90.cuh (the other
@@ -13,7 +13,7 @@ cuflash/tail_split.py). A variant's kernel must take the tree's parameters:
 it is launched by the tree's launch.FwdSm90Launch. Every variant's output is
 checked against the first variant's (NaN-poisoned before each check), then
 the variants and torch SDPA's cuDNN backend (bf16 inputs of the same shape)
-are timed in interleaved rounds with rotating order (cuflash.timing). fp8
+are timed in interleaved rounds in a balanced order (cuflash.timing). fp8
 calls include the V transpose, as cuflash.attention's do.
 """
 
@@ -94,7 +94,8 @@ def main():
     p.add_argument("--seqlen", default="8192,16384")
     p.add_argument("--causal", default="no,yes", help="no, yes or no,yes")
     p.add_argument("--variant", action="append", required=True)
-    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds (default: enough to complete the order design)")
     p.add_argument("--repeats", type=int, default=70, help="timed calls per variant and peer (median)")
     a = p.parse_args()
     dtype_name = DTYPES[a.dtype]

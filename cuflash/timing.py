@@ -17,9 +17,14 @@ Work launched on a stream outside cuflash's and CuPy's reach (XLA's, inside
 device-wide synchronisations, around batches of calls.
 
 Several subjects (libraries, configurations, kernel variants) are timed in
-interleaved rounds, each round starting one subject further along the list: a
+interleaved rounds whose orders form a Williams design: each subject takes
+each place in a round, and follows each other subject, equally often. A
 variant timed first in every round measured 5-10% low in A/B runs
-(bench/PERFLOG.md, v12).
+(bench/PERFLOG.md, v12). Rotating one order is not enough: each subject then
+always follows the same one, and on a GPU at its power limit a call runs
+slower after a power-hungry neighbour (jitted JAX read 7% under the same
+kernels called eagerly, which always followed cuDNN: PERFLOG, "Orders of
+subjects").
 
 This module imports CuPy only when it records events, and nothing from the
 rest of the package, so every layer may use it.
@@ -35,7 +40,7 @@ import time
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 WARMUP = 3  # warm-up calls at least; more when there are more input sets
-ROUNDS = 5  # interleaved rounds of time_calls
+ROUNDS = 5  # interleaved rounds of time_calls at least; more to complete the order design
 MIN_REPEATS = 5  # a time budget never cuts a subject below this many timed calls
 MIN_INPUT_SETS = 2
 
@@ -174,13 +179,32 @@ def median_ms(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int = WARM
     return statistics.median(events.elapsed_ms(s, e) for s, e in marks)
 
 
-def time_calls(entries: dict[str, Calls], repeats: int, budget_ms: float | None = None, rounds: int = ROUNDS,
+def round_orders(count: int) -> list[list[int]]:
+    """A Williams design for `count` subjects: orders in which each subject holds each place, and directly
+    follows each other subject, equally often. count orders for an even count, 2 * count for an odd one."""
+    first = [0]
+    for j in range(1, count):  # 0, 1, n-1, 2, n-2, ...
+        first.append((j + 1) // 2 if j % 2 else count - j // 2)
+    orders = [[(s + r) % count for s in first] for r in range(count)]
+    if count % 2:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
+def rounds_for(count: int, minimum: int = ROUNDS) -> int:
+    """The fewest rounds, at least `minimum`, that complete round_orders(count) a whole number of times."""
+    length = len(round_orders(count)) if count > 1 else 1
+    return -(-minimum // length) * length
+
+
+def time_calls(entries: dict[str, Calls], repeats: int, budget_ms: float | None = None, rounds: int | None = None,
                warmup: int = WARMUP) -> dict[str, dict]:
     """Median device time of one call of each subject, timed in interleaved rounds.
 
-    Every subject is warmed up; then each of `rounds` rounds times a share of
-    every subject's calls, starting one subject further along each round.
-    budget_ms: time per subject beyond which its repeats are cut (long calls,
+    Every subject is warmed up; then each round times a share of every
+    subject's calls, in the order of round_orders' next row. rounds: by
+    default rounds_for(subjects), which completes the design; a given count
+    uses its rows cyclically. budget_ms: time per subject beyond which its repeats are cut (long calls,
     the naive baseline above all). Returns name -> {"ms", "min_ms",
     "repeats"}, or {"error": one line} for a subject that raised; the others
     go on.
@@ -195,9 +219,10 @@ def time_calls(entries: dict[str, Calls], repeats: int, budget_ms: float | None 
             continue
         plans[name] = (calls, repeats_within(repeats, estimate, budget_ms), [])
     names = list(plans)
+    orders = round_orders(len(names)) if names else [[]]
+    rounds = rounds or rounds_for(len(names))
     for r in range(rounds):
-        shift = r % max(len(names), 1)
-        for name in names[shift:] + names[:shift]:
+        for name in (names[i] for i in orders[r % len(orders)]):
             if name in results:  # raised in an earlier round
                 continue
             calls, reps, marks = plans[name]

@@ -1,16 +1,17 @@
 """A small GPT trained under jax.jit with cuflash attention, against JAX's cuDNN and XLA attention.
 
-    PYTHONPATH=. python examples/jax_gpt.py [--steps 300] [--plot loss.png]
+    PYTHONPATH=. python examples/jax_gpt.py [--steps 350] [--plot loss.png]
 
 Byte-level language model on the repository's own text (README and docs),
 4 layers, model width 512, 8 heads of 64, context 1024, batch 16, fp16
 activations with fp32 parameters and Adam. Each attention implementation
 trains the same model from the same initialisation on the same batches; the
 script prints the loss every 50 steps and the step time (tokens/s) of each.
-The three train in turns of 50 steps, each turn in a rotated order, and a
-step time is the median of an implementation's timed turns: timed one after
-the other, the first in the process read 5.40-5.82 ms a step on one H100
-across runs, against a spread of under 1% when alternating.
+The three train in turns of 50 steps, the turns' orders those of
+cuflash.timing (each one first, and after each other one, equally often),
+and a step time is the median of an implementation's timed turns: timed one
+after the other, the first in the process read 5.40-5.82 ms a step on one
+H100 across runs, against a spread of under 1% when alternating.
 --plot saves the loss curves (needs matplotlib: pip install cuflash[examples]).
 """
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cuflash.jax
+from cuflash.timing import round_orders
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, WIDTH, HEADS, CONTEXT, BATCH = 4, 512, 8, 1024, 16
@@ -119,16 +121,17 @@ class Training:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=350)  # a compile turn and six timed ones
     parser.add_argument("--plot")
     args = parser.parse_args()
     data = corpus()
     runs = [Training(name, data) for name in ("cuflash", "cudnn", "xla")]
     for run in runs:  # the first turn compiles: not timed
         run.train(min(TURN, args.steps), timed=False)
-    for turn in range(1, max(args.steps // TURN, 2)):  # at least one timed turn
-        for run in runs[turn % len(runs):] + runs[:turn % len(runs)]:
-            run.train(TURN, timed=True)
+    orders = round_orders(len(runs))
+    for turn in range(max(args.steps // TURN - 1, 1)):  # at least one timed turn
+        for i in orders[turn % len(orders)]:
+            runs[i].train(TURN, timed=True)
     for run in runs:
         step_s = run.step_seconds()
         print(f"{run.name:8s} {step_s * 1e3:7.2f} ms/step  {BATCH * CONTEXT / step_s:10.0f} tokens/s")

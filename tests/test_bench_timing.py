@@ -61,12 +61,27 @@ def test_every_subject_gets_its_repeats_and_its_own_time(clock):
         assert clock.count(name) == 3 + 10
 
 
-def test_rounds_rotate_which_subject_goes_first(clock):
+def test_rounds_follow_the_order_design(clock):
     entries = {name: clock.subject(name, 1.0) for name in "abc"}
-    timing.time_calls(entries, repeats=3, rounds=3)
+    timing.time_calls(entries, repeats=6)
     timed = [name for name, _ in clock.calls[9:]]  # after 3 warm-up calls each; one call per subject per round
-    rounds = [timed[i:i + 3] for i in range(0, 9, 3)]
-    assert rounds == [list("abc"), list("bca"), list("cab")]
+    rounds = [timed[i:i + 3] for i in range(0, 18, 3)]
+    assert rounds == [["abc"[i] for i in order] for order in timing.round_orders(3)]
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_each_subject_holds_each_place_and_follows_each_other_equally_often(count):
+    orders = timing.round_orders(count)
+    places, follows = {}, {}
+    for order in orders:
+        assert sorted(order) == list(range(count))
+        for place, subject in enumerate(order):
+            places[place, subject] = places.get((place, subject), 0) + 1
+        for before, after in zip(order, order[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+    assert len(places) == count * count and len(set(places.values())) == 1
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) == 1
+    assert timing.rounds_for(count) % len(orders) == 0 and timing.rounds_for(count) >= timing.ROUNDS
 
 
 def test_a_subject_that_raises_is_reported_and_the_others_finish(clock):
