@@ -6,13 +6,15 @@
 //   S^T = K Q^T,  P^T = 2^(S^T * c - lse2[query]),  dP^T = V dO^T,
 //   dS^T = P^T o (dP^T - Delta[query]),
 //   dV += P^T dO,  dK += dS^T Q (times scale at the end),  dQ += dS K.
-// One CTA per block of BN = 128 keys (and kv head, batch), three warpgroups.
-// Warpgroup 0 is the producer: one thread copies K and V once, then for every
+// A work tile is a block of BN = 128 keys (and kv head, batch), a CTA takes one,
+// or where the kernel is persistent several in turn (kv_tile_at); three
+// warpgroups. Warpgroup 0 is the producer: one thread copies a tile's K and V
+// once (once the consumers have released the last tile's: empty_kv), then for every
 // query block that sees these keys (over the query heads of a GQA group) Q,
 // dO (bulk tensor copies, 128-byte swizzle) and the block's lse2 and Delta
 // rows (plain bulk copies) into a STAGES-deep ring on mbarriers. Warpgroups 1
 // and 2 are the consumers; consumer c owns keys 64c .. 64c+63 and holds their
-// dK and dV accumulators for the whole CTA:
+// dK and dV accumulators for the whole tile:
 //   S^T, dP^T:  wgmma SS, M = 64 keys, N = BM queries (K, V and Q, dO K-major);
 //   dV, dK:     wgmma RS, P^T and dS^T from registers (the accumulators
 //               rounded to 16 bits), dO and Q as MN-major B operands;
@@ -54,7 +56,7 @@ struct BwdSm90Traits {
     // Each consumer's share of dQ = dS K: 64 query rows x DQ_N head-dim columns.
     static constexpr int DQ_N = BM == 128 ? D : D / 2;
     static constexpr int DQ_BYTES = ATOMIC_DQ ? 64 * DQ_N * 4 : 0;  // one consumer's dQ tile (fp32)
-    static constexpr int BARRIERS = 1 + 2 * STAGES;
+    static constexpr int BARRIERS = 2 + 2 * STAGES;  // full_kv, empty_kv, full and empty per stage
     // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V,
     // STAGES x Q, STAGES x dO, 2 x dS^T (tiles 1024-byte aligned), 2 x dQ (one
     // per consumer), STAGES x lse2, STAGES x Delta, mbarriers.
@@ -136,14 +138,40 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
     }
 }
 
+// The dK/dV kernel's work tile t -> (key block, kv head, batch): key blocks
+// innermost, so that the CTAs running together share a head's Q and dO in L2.
+// Where tiles are alike the kernel is persistent (one CTA an SM, tiles
+// blockIdx.x + i gridDim.x; bwd_sm90_persistent): with one CTA a tile an SM
+// had no consumer at work while a CTA stored its dK and dV and the next one
+// loaded its K, V and first Q and dO (ncu, H100, 8 x 2k x 16 heads of 128:
+// 8.8 of 12 warps active an SM on average, against 10.0 in cuDNN's persistent
+// kernel); now the producer loads the next tile's while the consumers store.
+// Under a causal mask, a window or a packed batch the tiles' lengths differ,
+// and this fixed turn order left SMs idle (causal 1.2-1.4x slower, H100): a
+// CTA a tile there, the hardware handing them out as SMs free up. So is
+// deterministic mode, whose tile loop, kept to one pass, fits its registers.
+struct KvTile {
+    int n_block, hk, b;
+};
+
+__device__ __forceinline__ KvTile kv_tile_at(int t, int n_blocks, int kv_heads) {
+    const int hb = t / n_blocks;
+    return KvTile{t - hb * n_blocks, hb % kv_heads, hb / kv_heads};
+}
+
+template <bool CAUSAL, bool ATOMIC_DQ, int MODS>
+constexpr bool bwd_sm90_persistent() {
+    return ATOMIC_DQ && !CAUSAL && !(MODS & (MOD_WINDOW | MOD_VARLEN));
+}
+
 template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
 __global__ void __launch_bounds__(384, 1)
     bwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
                     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
                     u16* __restrict__ dk, u16* __restrict__ dv, int nq, int nk, int d, int group, int nq_pad,
-                    long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb, long long dv_sn,
-                    long long dv_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
+                    int kv_heads, int batches, long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb,
+                    long long dv_sn, long long dv_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
     using T = BwdSm90Traits<D, BM, STAGES, ATOMIC_DQ>;
     constexpr int BN = T::BN;
     allow_next_grid();  // the dQ convert (or deterministic dQ) kernel's CTAs may settle in
@@ -160,29 +188,42 @@ __global__ void __launch_bounds__(384, 1)
     // lse2 of stage st at rows[st * BM], Delta at rows[(STAGES + st) * BM]
     const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);
     const u32 bars = base + T::OFF_BARS;
-    const u32 full_kv = bars;
-    auto full = [&](int s) { return bars + 8 * (1 + s); };
-    auto empty = [&](int s) { return bars + 8 * (1 + STAGES + s); };
+    const u32 full_kv = bars, empty_kv = bars + 8;
+    auto full = [&](int s) { return bars + 8 * (2 + s); };
+    auto empty = [&](int s) { return bars + 8 * (2 + STAGES + s); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int nheads = gridDim.y * group;
-    const int n0 = n_block * BN;
+    const int nheads = kv_heads * group;
+    // Tiles: the key blocks of the longest sequence (varlen), of every kv head and batch entry. A
+    // kernel that is not persistent takes one, in a grid of one CTA a tile (cuflash/launch.py).
+    const int n_blocks = (nk + BN - 1) / BN, tiles = n_blocks * kv_heads * batches;
+    constexpr bool PERSISTENT = bwd_sm90_persistent<CAUSAL, ATOMIC_DQ, MODS>();
+    const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) : tiles;
+    if (!PERSISTENT && static_cast<int>(gridDim.x) < tiles) __trap();  // tiles would go undone
 
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
-    // Varlen: the grid covers the longest sequence; from here on nq and nk are this sequence's
-    // lengths, and its rows start at seq.q0 and seq.k0 of the tensor maps' packed rows.
-    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
-    if (Mods::VARLEN && n0 >= seq.nk) return;
-    const int batch = Mods::VARLEN ? 0 : b;  // the tensor maps' batch coordinate
-    nq = seq.nq;
-    nk = seq.nk;
-    Mods mods(mod_args, nq, nk);
-    const QueryBlockSteps<BM> steps(mods, n_block, n0, BN, group);
-    const int n_iter = steps.count;
+    // A tile's work, the same for producer and consumers. Varlen: nq and nk are the longest
+    // sequence's lengths, seq's this sequence's, whose rows start at seq.q0 and seq.k0 of the
+    // tensor maps' packed rows; a key block past its sequence is no work.
+    struct TileWork {
+        KvTile at;
+        int n0, batch;  // batch: the tensor maps' batch coordinate
+        SeqSpan seq;
+        Mods mods;
+        QueryBlockSteps<BM> steps;
+    };
+    auto work_of = [&](int t) {
+        const KvTile at = kv_tile_at(t, n_blocks, kv_heads);
+        const int n0 = at.n_block * BN;
+        const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, at.b, nq, nk);
+        const Mods mods(mod_args, seq.nq, seq.nk);
+        return TileWork{at, n0, Mods::VARLEN ? 0 : at.b, seq, mods,
+                        QueryBlockSteps<BM>(mods, at.n_block, n0, BN, group)};
+    };
 
     if (tid == 0) {
         mbar_init(full_kv, 1);
+        mbar_init(empty_kv, 128 * T::CONSUMERS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
@@ -197,28 +238,45 @@ __global__ void __launch_bounds__(384, 1)
         if (tid != 0) return;
         tma_prefetch_desc(map_q);
         tma_prefetch_desc(map_do);
-        // One box per 64-column panel (tensor dims: head dim, seq, head, batch);
-        // rows past the sequence arrive as zeros.
-        mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
-        for (int p = 0; p < D / 64; ++p) {
-            tma_load_4d(sK + p * BN * 128, map_k, p * 64, seq.k0 + n0, hk, batch, full_kv);
-            tma_load_4d(sV + p * BN * 128, map_v, p * 64, seq.k0 + n0, hk, batch, full_kv);
-        }
-        wait_prior_grid();  // lse2 and Delta from the preprocess (K and V were in place before it ran)
         const u32 rows_smem = base + T::OFF_ROWS;
-        for (int t = 0; t < n_iter; ++t) {
-            const int st = t % STAGES, use = t / STAGES;
-            const int h = hk * group + steps.head(t), m0 = steps.query_block(t) * BM;
-            if (use > 0) mbar_wait(empty(st), (use - 1) & 1);
-            mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
+        // The rings' positions: steps so far, and the parity of K/V loads so far (a phase bit: the
+        // first wait on the fresh empty_kv, for parity 1, returns at once).
+        int step = 0;
+        bool kv_phase = false;
+        for (int t = blockIdx.x; t < tiles; t += tile_stride) {
+            const TileWork w = work_of(t);
+            if (Mods::VARLEN && w.n0 >= w.seq.nk) continue;
+            // One box per 64-column panel (tensor dims: head dim, seq, head, batch);
+            // rows past the sequence arrive as zeros.
+            mbar_wait(empty_kv, !kv_phase);
+            kv_phase = !kv_phase;
+            mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
             for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h, batch, full(st));
-                tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, seq.q0 + m0, h, batch, full(st));
+                tma_load_4d(sK + p * BN * 128, map_k, p * 64, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
+                tma_load_4d(sV + p * BN * 128, map_v, p * 64, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
             }
-            // lse2 and Delta rows are padded to nq_pad: BM floats are always in range.
-            const long long row_off = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0;
-            bulk_load(rows_smem + st * T::ROW_BYTES, lse2 + row_off, T::ROW_BYTES, full(st));
-            bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full(st));
+            wait_prior_grid();  // lse2 and Delta from the preprocess (K and V were in place before it ran)
+            // lse2 and Delta rows are padded to nq_pad: BM floats are always in range. Row 0 of the
+            // group's first head; the heads' rows follow one another (padded_row0).
+            const int h0 = w.at.hk * group;
+            const long long head_rows0 = w.seq.padded_row0<Mods::VARLEN>(w.at.b, h0, nheads, nq_pad);
+            // The steps' order (QueryBlockSteps), as nested loops: a division per step took the one
+            // producer thread past its registers.
+            for (int g = 0; g < group; ++g) {
+                const float* lse2_head = lse2 + head_rows0 + static_cast<long long>(g) * nq_pad;
+                const float* delta_head = delta + (lse2_head - lse2);
+                for (int j = 0; j < w.steps.per_head; ++j, ++step) {
+                    const int st = step % STAGES, use = step / STAGES, m0 = w.steps.query_block_of_head(j) * BM;
+                    mbar_wait(empty(st), (use & 1) ^ 1);  // the first use's wait, on a fresh barrier, returns at once
+                    mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
+                    for (int p = 0; p < D / 64; ++p) {
+                        tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, w.seq.q0 + m0, h0 + g, w.batch, full(st));
+                        tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, w.seq.q0 + m0, h0 + g, w.batch, full(st));
+                    }
+                    bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full(st));
+                    bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full(st));
+                }
+            }
         }
         return;
     }
@@ -228,11 +286,6 @@ __global__ void __launch_bounds__(384, 1)
     wait_prior_grid();  // dq_accum zeroed by the preprocess
     const int c = wg - 1;
     const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows of the consumer's 64
-    const int key_lane0 = n0 + 64 * c + warp_row0 + (lane >> 2);
-
-    float acc_dk[NT_D * 4], acc_dv[NT_D * 4];
-#pragma unroll
-    for (int i = 0; i < NT_D * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
     // Q and dO as the MN-major B operands of dK and dV (K = queries, N = head
     // dim): the leading offset is the distance between 64-column panels, the
@@ -267,164 +320,185 @@ __global__ void __launch_bounds__(384, 1)
         }
     };
 
-    long long dq_block = 0;  // the dq_accum block of the dQ tile store_dq left in shared memory
-    mbar_wait(full_kv, 0);
-    for (int t = 0; t < n_iter; ++t) {
-        const int st = t % STAGES;
-        const int h = hk * group + steps.head(t), m0 = steps.query_block(t) * BM;
-        mods.set_head(mod_args, b, h);
-        mbar_wait(full(st), (t / STAGES) & 1);
-
-        // S^T, the previous step's dQ reduction beside it, then dP^T, then P^T while dP^T is still computed.
-        float acc_s[NT_S * 4], acc_dp[NT_S * 4];
-        wgmma_fence();
+    long long dq_block = 0;   // the dq_accum block of the dQ tile store_dq left in shared memory,
+    bool dq_pending = false;  // not yet reduced (it is, beside the next step's S^T, in this tile or the next)
+    int step = 0;  // the rings' positions, as the producer's
+    bool kv_phase = false;
+    for (int t = blockIdx.x; t < tiles; t += tile_stride) {
+        TileWork w = work_of(t);
+        if (Mods::VARLEN && w.n0 >= w.seq.nk) continue;
+        const int b = w.at.b, n0 = w.n0;
+        const SeqSpan& seq = w.seq;
+        Mods& mods = w.mods;
+        const int key_lane0 = n0 + 64 * c + warp_row0 + (lane >> 2);
+        float acc_dk[NT_D * 4], acc_dv[NT_D * 4];
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<BM, DTYPE>::ss(acc_s, desc_k_major_sw128<BN>(sK, 64 * c, ks), desc_k_major_sw128<BM>(sQ(st), 0, ks),
-                                 ks > 0);
-        wgmma_commit();
-        if constexpr (ATOMIC_DQ) {
-            if (t > 0) reduce_dq(dq_block);
+        for (int j = 0; j < NT_D * 4; ++j) acc_dk[j] = acc_dv[j] = 0.f;
+
+        mbar_wait(full_kv, kv_phase);
+        kv_phase = !kv_phase;
+        for (int i = 0; i < w.steps.count; ++i, ++step) {
+            const int st = step % STAGES;
+            const int h = w.at.hk * group + w.steps.head(i), m0 = w.steps.query_block(i) * BM;
+            mods.set_head(mod_args, b, h);
+            mbar_wait(full(st), (step / STAGES) & 1);
+
+            // S^T, the previous step's dQ reduction beside it, then dP^T, then P^T while dP^T is still computed.
+            float acc_s[NT_S * 4], acc_dp[NT_S * 4];
             wgmma_fence();
-        }
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<BM, DTYPE>::ss(acc_dp, desc_k_major_sw128<BN>(sV, 64 * c, ks),
-                                 desc_k_major_sw128<BM>(sdO(st), 0, ks), ks > 0);
-        wgmma_commit();
-        // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; below, dP^T o M / (1 - p) in
-        // place of dP^T, and (P o M / (1 - p))^T for dV.
-        KeepBits<NT_S> kept{};
-        if constexpr (Mods::DROPOUT)
-            kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
-                                                             lane);
-        wgmma_wait<1>();
-
-        // P^T = 2^(score^T c - lse2[query]) (score_mods.cuh); keys past nk
-        // (zero rows of K, or varlen the next sequence's) and keys outside
-        // the causal mask or window get P = 0, in a pass of its own that
-        // only boundary blocks take. Queries past nq have lse2 = +inf, hence P = 0.
-        const float* lse2_s = rows + st * BM;
-        const float* delta_s = rows + (STAGES + st) * BM;
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float dist =
-                    mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
-                const float u = mods.transform(acc_s[j * 4 + e]);
-                acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -((e & 1) ? l2.y : l2.x)));
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<BM, DTYPE>::ss(acc_s, desc_k_major_sw128<BN>(sK, 64 * c, ks),
+                                     desc_k_major_sw128<BM>(sQ(st), 0, ks), ks > 0);
+            wgmma_commit();
+            if constexpr (ATOMIC_DQ) {
+                if (dq_pending) reduce_dq(dq_block);
+                wgmma_fence();
             }
-        }
-        if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk)) {
 #pragma unroll
-            for (int j = 0; j < NT_S; ++j)
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<BM, DTYPE>::ss(acc_dp, desc_k_major_sw128<BN>(sV, 64 * c, ks),
+                                     desc_k_major_sw128<BM>(sdO(st), 0, ks), ks > 0);
+            wgmma_commit();
+            // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run; below, dP^T o M / (1 - p) in
+            // place of dP^T, and (P o M / (1 - p))^T for dV.
+            KeepBits<NT_S> kept{};
+            if constexpr (Mods::DROPOUT)
+                kept = dropout_bits_t<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0, n0 + 64 * c + warp_row0,
+                                                                 lane);
+            wgmma_wait<1>();
+
+            // P^T = 2^(score^T c - lse2[query]) (score_mods.cuh); keys past nk
+            // (zero rows of K, or varlen the next sequence's) and keys outside
+            // the causal mask or window get P = 0, in a pass of its own that
+            // only boundary blocks take. Queries past nq have lse2 = +inf, hence P = 0.
+            const float* lse2_s = rows + st * BM;
+            const float* delta_s = rows + (STAGES + st) * BM;
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mods.visible(m0 + 8 * j + 2 * (lane & 3) + (e & 1), key_lane0 + 8 * (e >> 1)))
-                        acc_s[j * 4 + e] = 0.f;
-        }
-        wgmma_wait<0>();
-        if constexpr (Mods::DROPOUT)
-            apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
-        // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
+            for (int j = 0; j < NT_S; ++j) {
+                const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-            const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * (lane & 3));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
-                if constexpr (Mods::SOFTCAP) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
+                for (int e = 0; e < 4; ++e) {
                     const float dist =
                         mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
-                    acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, dist);
+                    const float u = mods.transform(acc_s[j * 4 + e]);
+                    acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -((e & 1) ? l2.y : l2.x)));
                 }
             }
-        }
-        if constexpr (Mods::DROPOUT)
-            apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
-        AFragments<DTYPE, BM> p_frag, ds_frag;
-        p_frag.pack(acc_s);
-        ds_frag.pack(acc_dp);
-
-        // dV += P^T dO, dK += dS^T Q
-        wgmma_fence();
+            if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > seq.nk)) {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<D, DTYPE>::template rs<true>(acc_dv, p_frag.r[kk], qb_desc(sdO(st), kk));
+                for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<D, DTYPE>::template rs<true>(acc_dk, ds_frag.r[kk], qb_desc(sQ(st), kk));
-        wgmma_commit();
-
-        if constexpr (ATOMIC_DQ) {
-            // dS^T into the swizzled [key][query] tile; register (kk, 2 half + r)
-            // of the A fragments holds row r of the 8-column tile 2 kk + half.
-            const u32 ds_tile = sdS(t & 1);
+                    for (int e = 0; e < 4; ++e)
+                        if (!mods.visible(m0 + 8 * j + 2 * (lane & 3) + (e & 1), key_lane0 + 8 * (e >> 1)))
+                            acc_s[j * 4 + e] = 0.f;
+            }
+            wgmma_wait<0>();
+            if constexpr (Mods::DROPOUT)
+                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
+            // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
 #pragma unroll
-            for (int j = 0; j < NT_S; ++j)
+            for (int j = 0; j < NT_S; ++j) {
+                const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int key = 64 * c + warp_row0 + (lane >> 2) + 8 * r;
-                    const int col = 8 * j + 2 * (lane & 3);
-                    const u32 addr = ds_tile + 2 * (tile_offset<BN, BM>(key, col >> 3) + (col & 7));
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag.r[j / 2][2 * (j % 2) + r])
-                                 : "memory");
+                for (int e = 0; e < 4; ++e) {
+                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
+                    if constexpr (Mods::SOFTCAP) {
+                        const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
+                        const float dist =
+                            mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
+                        acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, dist);
+                    }
                 }
-            fence_proxy_async();
-            named_bar_sync<256>(BWD_DS_STORED);
+            }
+            if constexpr (Mods::DROPOUT)
+                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
+            AFragments<DTYPE, BM> p_frag, ds_frag;
+            p_frag.pack(acc_s);
+            ds_frag.pack(acc_dp);
 
-            // dQ (64 queries x DQ_N columns) = dS K: A = dS^T read MN-major
-            // (M = queries: the 64-column panel of this consumer's rows), B =
-            // K read MN-major (N = head dim: this consumer's 64-column panel).
-            const u32 a_tile = ds_tile + (BM == 128 ? c * BN * 128 : 0);
-            const u32 b_tile = sK + (BM == 128 ? 0 : c * BN * 128);
-            float acc_dq[NT_DQ * 4];
+            // dV += P^T dO, dK += dS^T Q
             wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < BN / 16; ++ks)
-                Wgmma<T::DQ_N, DTYPE>::template ss<true, true>(acc_dq, desc_mn_major_sw128<BN * 128, 1024>(a_tile, ks),
-                                                             desc_mn_major_sw128<BN * 128, 1024>(b_tile, ks), ks > 0);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<D, DTYPE>::template rs<true>(acc_dv, p_frag.r[kk], qb_desc(sdO(st), kk));
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<D, DTYPE>::template rs<true>(acc_dk, ds_frag.r[kk], qb_desc(sQ(st), kk));
             wgmma_commit();
-            wgmma_wait<1>();  // dV and dK are done with Q and dO (dQ reads dS^T and K only)
-            thread_arrive(empty(st));
-            wgmma_wait<0>();
-            store_dq(acc_dq);
-            dq_block = (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D + c * 64 * T::DQ_N;
-        } else {
-            wgmma_wait<0>();
-            thread_arrive(empty(st));
+
+            if constexpr (ATOMIC_DQ) {
+                // dS^T into the swizzled [key][query] tile; register (kk, 2 half + r)
+                // of the A fragments holds row r of the 8-column tile 2 kk + half.
+                const u32 ds_tile = sdS(step & 1);
+#pragma unroll
+                for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int key = 64 * c + warp_row0 + (lane >> 2) + 8 * r;
+                        const int col = 8 * j + 2 * (lane & 3);
+                        const u32 addr = ds_tile + 2 * (tile_offset<BN, BM>(key, col >> 3) + (col & 7));
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag.r[j / 2][2 * (j % 2) + r])
+                                     : "memory");
+                    }
+                fence_proxy_async();
+                named_bar_sync<256>(BWD_DS_STORED);
+
+                // dQ (64 queries x DQ_N columns) = dS K: A = dS^T read MN-major
+                // (M = queries: the 64-column panel of this consumer's rows), B =
+                // K read MN-major (N = head dim: this consumer's 64-column panel).
+                const u32 a_tile = ds_tile + (BM == 128 ? c * BN * 128 : 0);
+                const u32 b_tile = sK + (BM == 128 ? 0 : c * BN * 128);
+                float acc_dq[NT_DQ * 4];
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < BN / 16; ++ks)
+                    Wgmma<T::DQ_N, DTYPE>::template ss<true, true>(
+                        acc_dq, desc_mn_major_sw128<BN * 128, 1024>(a_tile, ks),
+                        desc_mn_major_sw128<BN * 128, 1024>(b_tile, ks), ks > 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // dV and dK are done with Q and dO (dQ reads dS^T and K only)
+                thread_arrive(empty(st));
+                wgmma_wait<0>();
+                store_dq(acc_dq);
+                dq_block = (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D + c * 64 * T::DQ_N;
+                dq_pending = true;
+            } else {
+                wgmma_wait<0>();
+                thread_arrive(empty(st));
+            }
+        }
+
+        // Every GEMM of the tile has completed (each step waited for its own): K and V are free for the
+        // producer's next tile while the epilogue stores dK (times scale) and dV from registers; a quad
+        // writes 16 contiguous bytes of a row.
+        thread_arrive(empty_kv);
+        u16* dk_head = dk + b * dk_sb + w.at.hk * dk_sh + seq.k0 * dk_sn;
+        u16* dv_head = dv + b * dv_sb + w.at.hk * dv_sh + seq.k0 * dv_sn;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key_lane0 + 8 * r;
+            if (key >= seq.nk) continue;
+#pragma unroll
+            for (int j = 0; j < NT_D; ++j) {
+                const int col = 8 * j + 2 * (lane & 3);
+                if (col < d) {
+                    *reinterpret_cast<u32*>(dk_head + key * dk_sn + col) =
+                        pack2<IS_BF16>(acc_dk[j * 4 + 2 * r] * scale, acc_dk[j * 4 + 2 * r + 1] * scale);
+                    *reinterpret_cast<u32*>(dv_head + key * dv_sn + col) =
+                        pack2<IS_BF16>(acc_dv[j * 4 + 2 * r], acc_dv[j * 4 + 2 * r + 1]);
+                }
+            }
         }
     }
 
     // The last step's dQ; its reductions must complete before the CTA exits.
     if constexpr (ATOMIC_DQ) {
-        if (n_iter > 0) reduce_dq(dq_block);
+        if (dq_pending) reduce_dq(dq_block);
         if (lane == 0) bulk_wait<0, false>();
     }
-
-    // Epilogue: dK (times scale) and dV stored from registers; a quad writes
-    // 16 contiguous bytes of a row.
-    u16* dk_head = dk + b * dk_sb + hk * dk_sh + seq.k0 * dk_sn;
-    u16* dv_head = dv + b * dv_sb + hk * dv_sh + seq.k0 * dv_sn;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key_lane0 + 8 * r;
-        if (key >= nk) continue;
-#pragma unroll
-        for (int j = 0; j < NT_D; ++j) {
-            const int col = 8 * j + 2 * (lane & 3);
-            if (col < d) {
-                *reinterpret_cast<u32*>(dk_head + key * dk_sn + col) =
-                    pack2<IS_BF16>(acc_dk[j * 4 + 2 * r] * scale, acc_dk[j * 4 + 2 * r + 1] * scale);
-                *reinterpret_cast<u32*>(dv_head + key * dv_sn + col) =
-                    pack2<IS_BF16>(acc_dv[j * 4 + 2 * r], acc_dv[j * 4 + 2 * r + 1]);
-            }
-        }
-    }
 }
+
 
 // ---------------------------------------------------------------- dQ alone
 // Deterministic mode's dQ: one CTA per block of 128 queries (and head,

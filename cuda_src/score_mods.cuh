@@ -222,8 +222,10 @@ struct QueryBlockSteps {
         rotation = per_head > 0 ? n_block % per_head : 0;
     }
     __device__ __forceinline__ int head(int t) const { return t / per_head; }  // within the group
-    __device__ __forceinline__ int query_block(int t) const {
-        const int i = t % per_head + rotation;
+    __device__ __forceinline__ int query_block(int t) const { return query_block_of_head(t % per_head); }
+    // Step j of a head's per_head steps (no division: a loop over heads and then blocks takes these).
+    __device__ __forceinline__ int query_block_of_head(int j) const {
+        const int i = j + rotation;
         return m_begin + (i >= per_head ? i - per_head : i);
     }
 };

@@ -312,7 +312,7 @@ class BwdConfig:
             dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
             return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", stages * 2 * m * d),
                            ("DS", 2 * ds), ("DQ", 2 * dq), ("ROWS", 2 * stages * 4 * m),
-                           ("BARS", 8 * (1 + 2 * stages)))
+                           ("BARS", 8 * (2 + 2 * stages)))
         return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", 2 * stages * m * d), ("DO", 2 * stages * m * d),
                        ("LSE2", 4 * stages * m), ("DELTA", 4 * stages * m),
                        ("DS", 2 * n * m if atomic_dq else 0))

@@ -15,6 +15,7 @@ captures a CUDA graph: a buffer that would have to grow raises instead.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy
@@ -335,6 +336,13 @@ class BackwardWorkspace:
         return 2 * rows + (0 if deterministic else rows * cfg.headdim)
 
 
+def hopper_bwd_persistent(problem) -> bool:
+    """Whether the Hopper dK/dV kernel of `problem` is persistent: cuda_src/bwd_sm90.cuh's
+    bwd_sm90_persistent (the atomic dQ, no causal mask, window or packed batch)."""
+    mods = problem.mods
+    return not problem.deterministic and not problem.causal and mods.window is None and mods.varlen is None
+
+
 class BwdLaunch:
     """The backward of one config: preprocess, dK/dV (with an atomic dQ) and the dQ convert or dQ kernel."""
 
@@ -376,8 +384,12 @@ class BwdLaunch:
                       cfg.dkdv_smem_bytes(self.atomic_dq), device_id)
         dkdv_grid = (-(-seqlen_k // cfg.dkdv_block_n), nheads_kv, batch)
         if cfg.hopper:
-            self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, *ints, *_strides(dk, dv),
-                                         *scales])
+            # One CTA a tile, in a 1-D grid; or, where the kernel is persistent, one an SM that takes the
+            # tiles in turn (cuda_src/bwd_sm90.cuh, kv_tile_at and bwd_sm90_persistent).
+            tiles = math.prod(dkdv_grid)
+            dkdv_grid = (min(tiles, sm_count(device_id)) if hopper_bwd_persistent(problem) else tiles, 1, 1)
+            self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, *ints,
+                                         numpy.int32(nheads_kv), numpy.int32(batch), *_strides(dk, dv), *scales])
         else:
             self.dkdv_args = KernelArgs([q, k, v, dout, scratch, scratch, scratch, dk, dv, *ints,
                                          *_strides(q, k, v, dout, dk, dv), *scales])

@@ -28,6 +28,8 @@ class FakeArray:
 
 
 class Recorder:
+    smem_bytes = 0
+
     def __init__(self, family, name, launches):
         self.family, self.name, self.launches = family, name, launches
 
@@ -93,3 +95,29 @@ def test_the_programmatic_launch_config_has_the_layout_of_cuda_h():
     assert ctypes.sizeof(_LaunchConfig) == 56
     offsets = {name: getattr(_LaunchConfig, name).offset for name in ("block", "smem", "stream", "attrs", "num_attrs")}
     assert offsets == {"block": 12, "smem": 24, "stream": 32, "attrs": 40, "num_attrs": 48}
+
+
+@pytest.mark.parametrize("causal, deterministic, window, persistent", [
+    (False, False, None, True), (True, False, None, False), (False, True, None, False),
+    (False, False, (64, 64), False)])
+def test_the_hopper_dkdv_kernel_is_persistent_where_its_tiles_are_alike(monkeypatch, causal, deterministic, window,
+                                                                        persistent):
+    """One CTA an SM takes the tiles in turn without a causal mask, window or packed batch (with the
+    atomic dQ); else one CTA a tile (cuda_src/bwd_sm90.cuh: bwd_sm90_persistent, which traps on a
+    grid smaller than the tiles)."""
+    from cuflash.score_mods import ScoreMods
+
+    launches = []
+    monkeypatch.setattr(launch, "kernel", lambda family, name, smem, device: Recorder(family, name, launches))
+    monkeypatch.setattr(launch, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(launch.tma, "usable", lambda x: True)
+    b, n, h, d = 2, 4096, 16, 128
+    q, k, v, dout, out, dq, dk, dv = (FakeArray((b, n, h, d), np.float16) for _ in range(8))
+    lse = FakeArray((b, h, n), np.float32)
+    cfg = dispatch.HEURISTIC_BWD_SM90[d]
+    problem = dispatch.BwdProblem("float16", d, causal, n, n, 1, deterministic, arch=90, mods=ScoreMods(window=window))
+    run = launch.prepare_bwd(cfg, problem, 0.125, q, k, v, dout, out, lse, dq, dk, dv, 0)
+    _, dkdv_grid, _, _ = run.stages["dkdv"]
+    tiles = -(-n // cfg.dkdv_block_n) * h * b  # 1,024
+    assert launch.hopper_bwd_persistent(problem) == persistent
+    assert dkdv_grid == ((132 if persistent else tiles), 1, 1)
