@@ -59,7 +59,7 @@ struct BwdSm90Traits {
     static constexpr int BARRIERS = 2 + 2 * STAGES;  // full_kv, empty_kv, full and empty per stage
     // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V,
     // STAGES x Q, STAGES x dO, 2 x dS^T (tiles 1024-byte aligned), 2 x dQ (one
-    // per consumer), STAGES x lse2, STAGES x Delta, mbarriers.
+    // per consumer), STAGES x lse2, STAGES x Delta, mbarriers, the next tile.
     static constexpr int OFF_K = 0;
     static constexpr int OFF_V = OFF_K + KV_BYTES;
     static constexpr int OFF_Q = OFF_V + KV_BYTES;
@@ -68,7 +68,8 @@ struct BwdSm90Traits {
     static constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;
     static constexpr int OFF_ROWS = OFF_DQ + CONSUMERS * DQ_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
-    static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
+    static constexpr int OFF_TILE = OFF_BARS + 8 * BARRIERS;  // the persistent kernel's next tile (int)
+    static constexpr int SMEM_BYTES = OFF_TILE + 16;
     // Register split (setmaxnreg, SM90_ENTRY_REGS).
     static constexpr int ENTRY_REGS = SM90_ENTRY_REGS;
     static constexpr int CONSUMER_REGS = 232;
@@ -139,17 +140,19 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
 }
 
 // The dK/dV kernel's work tile t -> (key block, kv head, batch): key blocks
-// innermost, so that the CTAs running together share a head's Q and dO in L2.
-// Where tiles are alike the kernel is persistent (one CTA an SM, tiles
-// blockIdx.x + i gridDim.x; bwd_sm90_persistent): with one CTA a tile an SM
-// had no consumer at work while a CTA stored its dK and dV and the next one
-// loaded its K, V and first Q and dO (ncu, H100, 8 x 2k x 16 heads of 128:
-// 8.8 of 12 warps active an SM on average, against 10.0 in cuDNN's persistent
-// kernel); now the producer loads the next tile's while the consumers store.
-// Under a causal mask, a window or a packed batch the tiles' lengths differ,
-// and this fixed turn order left SMs idle (causal 1.2-1.4x slower, H100): a
-// CTA a tile there, the hardware handing them out as SMs free up. So is
-// deterministic mode, whose tile loop, kept to one pass, fits its registers.
+// innermost, so that the CTAs running together share a head's Q and dO in L2
+// (under a causal mask a head's longest block first).
+// The kernel is persistent (bwd_sm90_persistent): one CTA an SM takes tile
+// blockIdx.x, then the next one not yet taken, from a ticket (as the Hopper
+// forward's scheduler, fwd_sm90_scheduler.cuh), in that order. With one CTA a
+// tile an SM had no consumer at work while a CTA stored its dK and dV and the
+// next one loaded its K, V and first Q and dO (ncu, H100, 8 x 2k x 16 heads of
+// 128: 8.8 of 12 warps active an SM on average, against 10.0 in cuDNN's
+// persistent kernel); now the producer loads the next tile's while the
+// consumers store. A fixed turn order (tiles blockIdx.x + i gridDim.x) left
+// SMs idle under a causal mask, whose tiles differ in length (1.2-1.4x
+// slower, H100). With a window or a packed batch, and in deterministic mode
+// (whose tile loop, kept to one pass, fits its registers), a CTA a tile.
 struct KvTile {
     int n_block, hk, b;
 };
@@ -159,9 +162,9 @@ __device__ __forceinline__ KvTile kv_tile_at(int t, int n_blocks, int kv_heads) 
     return KvTile{t - hb * n_blocks, hb % kv_heads, hb / kv_heads};
 }
 
-template <bool CAUSAL, bool ATOMIC_DQ, int MODS>
+template <bool ATOMIC_DQ, int MODS>
 constexpr bool bwd_sm90_persistent() {
-    return ATOMIC_DQ && !CAUSAL && !(MODS & (MOD_WINDOW | MOD_VARLEN));
+    return ATOMIC_DQ && !(MODS & (MOD_WINDOW | MOD_VARLEN));
 }
 
 template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
@@ -169,9 +172,10 @@ __global__ void __launch_bounds__(384, 1)
     bwd_sm90_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
                     const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
                     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
-                    u16* __restrict__ dk, u16* __restrict__ dv, int nq, int nk, int d, int group, int nq_pad,
-                    int kv_heads, int batches, long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb,
-                    long long dv_sn, long long dv_sh, float scale_log2, float scale, const ScoreModArgs mod_args) {
+                    u16* __restrict__ dk, u16* __restrict__ dv, int* __restrict__ tile_ticket, int nq, int nk, int d,
+                    int group, int nq_pad, int kv_heads, int batches, long long dk_sb, long long dk_sn,
+                    long long dk_sh, long long dv_sb, long long dv_sn, long long dv_sh, float scale_log2, float scale,
+                    const ScoreModArgs mod_args) {
     using T = BwdSm90Traits<D, BM, STAGES, ATOMIC_DQ>;
     constexpr int BN = T::BN;
     allow_next_grid();  // the dQ convert (or deterministic dQ) kernel's CTAs may settle in
@@ -196,10 +200,17 @@ __global__ void __launch_bounds__(384, 1)
     const int nheads = kv_heads * group;
     // Tiles: the key blocks of the longest sequence (varlen), of every kv head and batch entry. A
     // kernel that is not persistent takes one, in a grid of one CTA a tile (cuflash/launch.py).
+    // The persistent one's producer writes each next tile to next_tile before its arrival on
+    // full_kv, and a tile index past the last tells the consumers to stop; the ticket (0 between
+    // launches) numbers the tiles taken after the first gridDim.x, and its last holder resets it.
     const int n_blocks = (nk + BN - 1) / BN, tiles = n_blocks * kv_heads * batches;
-    constexpr bool PERSISTENT = bwd_sm90_persistent<CAUSAL, ATOMIC_DQ, MODS>();
-    const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) : tiles;
+    constexpr bool PERSISTENT = bwd_sm90_persistent<ATOMIC_DQ, MODS>();
     if (!PERSISTENT && static_cast<int>(gridDim.x) < tiles) __trap();  // tiles would go undone
+    // next_tile: the tile the consumers take next; drawn_tile: the one after it (first blockIdx.x),
+    // drawn by the first consumer thread as it finishes a tile (the producer, one thread on 40
+    // registers, spilled with the ticket's atomics), read by the producer once the consumers
+    // release that tile.
+    const u32 next_tile = base + T::OFF_TILE, drawn_tile = next_tile + 4;
 
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
     // A tile's work, the same for producer and consumers. Varlen: nq and nk are the longest
@@ -222,6 +233,7 @@ __global__ void __launch_bounds__(384, 1)
     };
 
     if (tid == 0) {
+        stash_shared(drawn_tile, blockIdx.x);
         mbar_init(full_kv, 1);
         mbar_init(empty_kv, 128 * T::CONSUMERS);
         for (int s = 0; s < STAGES; ++s) {
@@ -243,13 +255,21 @@ __global__ void __launch_bounds__(384, 1)
         // first wait on the fresh empty_kv, for parity 1, returns at once).
         int step = 0;
         bool kv_phase = false;
-        for (int t = blockIdx.x; t < tiles; t += tile_stride) {
+        for (int t = blockIdx.x;;) {
+            if constexpr (PERSISTENT) {
+                mbar_wait(empty_kv, !kv_phase);  // K, V and next_tile are free, drawn_tile drawn
+                kv_phase = !kv_phase;
+                t = unstash_shared(drawn_tile);
+                stash_shared(next_tile, t);
+                if (t >= tiles) {
+                    mbar_arrive(full_kv);
+                    break;
+                }
+            }
             const TileWork w = work_of(t);
-            if (Mods::VARLEN && w.n0 >= w.seq.nk) continue;
+            if (Mods::VARLEN && w.n0 >= w.seq.nk) break;
             // One box per 64-column panel (tensor dims: head dim, seq, head, batch);
             // rows past the sequence arrive as zeros.
-            mbar_wait(empty_kv, !kv_phase);
-            kv_phase = !kv_phase;
             mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
             for (int p = 0; p < D / 64; ++p) {
                 tma_load_4d(sK + p * BN * 128, map_k, p * 64, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
@@ -277,6 +297,7 @@ __global__ void __launch_bounds__(384, 1)
                     bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full(st));
                 }
             }
+            if constexpr (!PERSISTENT) break;
         }
         return;
     }
@@ -324,9 +345,16 @@ __global__ void __launch_bounds__(384, 1)
     bool dq_pending = false;  // not yet reduced (it is, beside the next step's S^T, in this tile or the next)
     int step = 0;  // the rings' positions, as the producer's
     bool kv_phase = false;
-    for (int t = blockIdx.x; t < tiles; t += tile_stride) {
+    for (int t = blockIdx.x;;) {
+        if constexpr (PERSISTENT) {
+            mbar_wait(full_kv, kv_phase);
+            t = unstash_shared(next_tile);
+            if (t >= tiles) break;
+        }
         TileWork w = work_of(t);
-        if (Mods::VARLEN && w.n0 >= w.seq.nk) continue;
+        if (Mods::VARLEN && w.n0 >= w.seq.nk) break;
+        if constexpr (!PERSISTENT) mbar_wait(full_kv, kv_phase);
+        kv_phase = !kv_phase;
         const int b = w.at.b, n0 = w.n0;
         const SeqSpan& seq = w.seq;
         Mods& mods = w.mods;
@@ -335,8 +363,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int j = 0; j < NT_D * 4; ++j) acc_dk[j] = acc_dv[j] = 0.f;
 
-        mbar_wait(full_kv, kv_phase);
-        kv_phase = !kv_phase;
         for (int i = 0; i < w.steps.count; ++i, ++step) {
             const int st = step % STAGES;
             const int h = w.at.hk * group + w.steps.head(i), m0 = w.steps.query_block(i) * BM;
@@ -469,9 +495,15 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
 
-        // Every GEMM of the tile has completed (each step waited for its own): K and V are free for the
-        // producer's next tile while the epilogue stores dK (times scale) and dV from registers; a quad
+        // Every GEMM of the tile has completed (each step waited for its own), and next_tile was read:
+        // K and V are free for the producer's next tile (drawn now, as the hardware would hand out
+        // the next CTA) while the epilogue stores dK (times scale) and dV from registers; a quad
         // writes 16 contiguous bytes of a row.
+        if (PERSISTENT && tid == 128) {
+            const int ticket = atomicAdd(tile_ticket, 1);
+            if (ticket == tiles - 1) atomicExch(tile_ticket, 0);
+            stash_shared(drawn_tile, ticket + gridDim.x);
+        }
         thread_arrive(empty_kv);
         u16* dk_head = dk + b * dk_sb + w.at.hk * dk_sh + seq.k0 * dk_sn;
         u16* dv_head = dv + b * dv_sb + w.at.hk * dv_sh + seq.k0 * dv_sn;
@@ -490,6 +522,7 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
         }
+        if constexpr (!PERSISTENT) break;
     }
 
     // The last step's dQ; its reductions must complete before the CTA exits.

@@ -304,7 +304,7 @@ class BwdConfig:
 
     def dkdv_smem_layout(self, atomic_dq: bool) -> dict[str, int]:
         """The dK/dV kernel's shared memory: BwdSm90Traits (K, V, STAGES x Q, STAGES x dO, 2 x dS^T,
-        a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers) or BwdDkdvTraits (K, V,
+        a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers, the next tile) or BwdDkdvTraits (K, V,
         STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows, dS^T)."""
         n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
         if self.hopper:
@@ -312,7 +312,7 @@ class BwdConfig:
             dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
             return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", stages * 2 * m * d),
                            ("DS", 2 * ds), ("DQ", 2 * dq), ("ROWS", 2 * stages * 4 * m),
-                           ("BARS", 8 * (2 + 2 * stages)))
+                           ("BARS", 8 * (2 + 2 * stages)), ("TILE", 16))
         return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", 2 * stages * m * d), ("DO", 2 * stages * m * d),
                        ("LSE2", 4 * stages * m), ("DELTA", 4 * stages * m),
                        ("DS", 2 * n * m if atomic_dq else 0))

@@ -126,6 +126,11 @@ class StreamState:
         ptr = self._grown("counters", needed, numpy.int32, True, "the first Hopper forward on this stream").data.ptr
         return ptr, ptr + 4
 
+    def bwd_ticket(self) -> int:
+        """Address of the Hopper dK/dV kernel's tile ticket (int32, 0 between launches: its last holder
+        resets it)."""
+        return self._grown("bwd_ticket", 1, numpy.int32, True, "the first Hopper backward on this stream").data.ptr
+
     def discarded_lse_for(self, floats: int):
         """A float32 array of at least `floats` values the forward may write an unwanted lse into."""
         return self._grown("discarded_lse", floats, numpy.float32, False,
@@ -338,9 +343,9 @@ class BackwardWorkspace:
 
 def hopper_bwd_persistent(problem) -> bool:
     """Whether the Hopper dK/dV kernel of `problem` is persistent: cuda_src/bwd_sm90.cuh's
-    bwd_sm90_persistent (the atomic dQ, no causal mask, window or packed batch)."""
+    bwd_sm90_persistent (the atomic dQ, no window or packed batch)."""
     mods = problem.mods
-    return not problem.deterministic and not problem.causal and mods.window is None and mods.varlen is None
+    return not problem.deterministic and mods.window is None and mods.varlen is None
 
 
 class BwdLaunch:
@@ -388,7 +393,8 @@ class BwdLaunch:
             # tiles in turn (cuda_src/bwd_sm90.cuh, kv_tile_at and bwd_sm90_persistent).
             tiles = math.prod(dkdv_grid)
             dkdv_grid = (min(tiles, sm_count(device_id)) if hopper_bwd_persistent(problem) else tiles, 1, 1)
-            self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, *ints,
+            # The tile ticket: a placeholder until run() points it at the stream's.
+            self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, scratch, *ints,
                                          numpy.int32(nheads_kv), numpy.int32(batch), *_strides(dk, dv), *scales])
         else:
             self.dkdv_args = KernelArgs([q, k, v, dout, scratch, scratch, scratch, dk, dv, *ints,
@@ -448,19 +454,21 @@ class BwdLaunch:
         dq_accum = delta + 4 * self.rows
         q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
         options = _option_addresses(slopes, cu_seqlens)
-        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, options)
+        ticket = stream_state(self.device_id, stream).bwd_ticket() if self.cfg.hopper else 0
+        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, options, ticket)
         with self.lock:
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
-                self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum)
+                self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum, ticket)
                 for args in (self.pre_args, self.dkdv_args, self.last_args):
                     _point_options(args, options)
                 self.last_addresses = addresses
             for kernel_, grid, threads, args in self.stages.values():
                 kernel_.launch(grid, threads, args, stream)
 
-    def _point(self, q, k, v, dout, out, lse, dq, dk, dv, lse2: int, delta: int, dq_accum: int) -> None:
+    def _point(self, q, k, v, dout, out, lse, dq, dk, dv, lse2: int, delta: int, dq_accum: int,
+               ticket: int) -> None:
         """Write the call's tensor maps and addresses into the three kernels' packed arguments."""
         cfg = self.cfg
         pre = self.pre_args
@@ -475,6 +483,8 @@ class BwdLaunch:
         args.set_address(5, delta)
         args.set_address(6, dq_accum if self.atomic_dq else lse2)  # lse2: not read without atomics
         args[7], args[8] = dk, dv
+        if cfg.hopper:
+            args.set_address(9, ticket)
 
         args = self.last_args
         if self.atomic_dq:

@@ -98,13 +98,13 @@ def test_the_programmatic_launch_config_has_the_layout_of_cuda_h():
 
 
 @pytest.mark.parametrize("causal, deterministic, window, persistent", [
-    (False, False, None, True), (True, False, None, False), (False, True, None, False),
+    (False, False, None, True), (True, False, None, True), (False, True, None, False),
     (False, False, (64, 64), False)])
-def test_the_hopper_dkdv_kernel_is_persistent_where_its_tiles_are_alike(monkeypatch, causal, deterministic, window,
-                                                                        persistent):
-    """One CTA an SM takes the tiles in turn without a causal mask, window or packed batch (with the
-    atomic dQ); else one CTA a tile (cuda_src/bwd_sm90.cuh: bwd_sm90_persistent, which traps on a
-    grid smaller than the tiles)."""
+def test_the_hopper_dkdv_kernel_is_persistent_but_with_windows_packed_batches_or_determinism(
+        monkeypatch, causal, deterministic, window, persistent):
+    """One CTA an SM takes the tiles from a ticket without a window or packed batch (with the atomic
+    dQ); else one CTA a tile (cuda_src/bwd_sm90.cuh: bwd_sm90_persistent, which traps on a grid
+    smaller than the tiles)."""
     from cuflash.score_mods import ScoreMods
 
     launches = []
