@@ -1,4 +1,4 @@
-"""cuflash.torch under torch.compile against SDPA's cuDNN and flash backends, forward+backward.
+"""cuflash.torch under torch.compile against SDPA's cuDNN (eager and compiled) and flash backends, forward+backward.
 
     PYTHONPATH=. python bench/torch_attention.py [--headdim 64,128] [--seqlen 2048,8192] [--json PATH]
 
@@ -6,7 +6,9 @@ Each row: batch x seqlen = 16k tokens, hidden 2048, fp16. A step is one
 compiled (fullgraph) attention call plus torch.autograd.grad for a fixed
 output gradient; the subjects are timed by cuflash.timing (CUDA events
 around each step on torch's stream, interleaved rounds, median of 20).
-TFLOP/s count 3.5 forward passes, halved for causal.
+SDPA cuDNN runs eager and compiled: torch.compile adds about 0.4 ms of host
+time to a step (bench/PERFLOG.md), which the GPU waits for where a step is
+short. TFLOP/s count 3.5 forward passes, halved for causal.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
                     return call
                 flops = 3.5 * 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
                 subjects = {"cuflash.torch": ours, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                            "sdpa-cudnn compiled": torch.compile(sdpa(SDPBackend.CUDNN_ATTENTION), fullgraph=True),
                             "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION)}
                 times = timing.time_calls({name: step_calls(fn, q, k, v, dout) for name, fn in subjects.items()},
                                           repeats=STEPS)
@@ -66,9 +69,10 @@ def main() -> None:
                     raise RuntimeError(f"headdim {headdim} seqlen {seqlen} causal {causal}: {failed}")
                 row = {"headdim": headdim, "seqlen": seqlen, "causal": causal,
                        **{name: t["ms"] for name, t in times.items()}}
-                for name in ("cuflash.torch", "sdpa-cudnn", "sdpa-flash"):
+                for name in subjects:
                     row[name + " TFLOP/s"] = round(flops / row[name] / 1e9, 1)
-                row["x cudnn"] = round(row["sdpa-cudnn"] / row["cuflash.torch"], 2)
+                row["x cudnn"] = round(row["sdpa-cudnn"] / row["cuflash.torch"], 3)
+                row["x cudnn compiled"] = round(row["sdpa-cudnn compiled"] / row["cuflash.torch"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
