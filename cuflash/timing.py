@@ -5,8 +5,9 @@ How a call is timed:
 * warm-up first, touching every input set, so compilation, autotuning and
   workspace allocation happen outside the timed calls;
 * each timed call sits between its own pair of CUDA events, with no
-  synchronisation between the calls of a batch: the GPU queue stays full and
-  the host's launch latency is hidden, as it is in a model;
+  synchronisation between the calls of a batch, and an untimed lead call
+  ahead of each batch: the GPU queue stays full and the host's launch
+  latency is hidden, as it is in a model;
 * the calls rotate over input sets whose total is at least twice the L2 cache
   (`input_set_count`), so a call never finds its inputs left in L2 by the
   call before;
@@ -148,9 +149,17 @@ def warm_up(calls: Calls, count: int = WARMUP) -> float:
 
 
 def record_calls(calls: Calls, first: int, stop: int) -> list:
-    """Run calls first..stop-1 (call i on input set i mod sets), each between its own events; the event pairs."""
+    """Run calls first..stop-1 (call i on input set i mod sets), each between its own events; the event pairs.
+
+    An untimed lead call (on the input set before `first`, as the rotation has it) goes ahead, so that
+    the GPU is busy when the first timed call starts, as it is in a model: a batch starts after a
+    synchronisation, and its first call would otherwise also time its host work up to its first
+    kernel. That was 0.2 ms for a torch SDPA forward+backward step and 0.5-0.7 ms for a compiled one,
+    on calls of 1.2 ms (bench/PERFLOG.md, "A lead call")."""
     fns, events, marks = calls.fns, calls.events, []
     with calls.context():
+        if first < stop:
+            fns[(first - 1) % len(fns)]()
         for i in range(first, stop):
             start = events.record()
             fns[i % len(fns)]()

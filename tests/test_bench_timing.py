@@ -57,14 +57,15 @@ def test_every_subject_gets_its_repeats_and_its_own_time(clock):
     for name, ms in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
         assert results[name]["ms"] == pytest.approx(ms)
         assert results[name]["repeats"] == 10
-        # warm-up (3 calls) + the timed ones
-        assert clock.count(name) == 3 + 10
+        # warm-up (3 calls) + a lead call a round + the timed ones
+        assert clock.count(name) == 3 + 5 + 10
 
 
 def test_rounds_follow_the_order_design(clock):
     entries = {name: clock.subject(name, 1.0) for name in "abc"}
     timing.time_calls(entries, repeats=6)
-    timed = [name for name, _ in clock.calls[9:]]  # after 3 warm-up calls each; one call per subject per round
+    # after 3 warm-up calls each; a lead call and a timed one per subject per round
+    timed = [name for name, _ in clock.calls[9:]][1::2]
     rounds = [timed[i:i + 3] for i in range(0, 18, 3)]
     assert rounds == [["abc"[i] for i in order] for order in timing.round_orders(3)]
 
@@ -89,7 +90,7 @@ def test_a_subject_that_raises_is_reported_and_the_others_finish(clock):
     results = timing.time_calls(entries, repeats=10, rounds=5)
     assert results["bad"] == {"error": "RuntimeError: launch failed"}
     assert results["a"]["repeats"] == results["c"]["repeats"] == 10
-    assert clock.count("c") == 13
+    assert clock.count("c") == 3 + 5 + 10
     assert list(results) == ["a", "bad", "c"]  # the entries' order
 
 
@@ -102,7 +103,7 @@ def test_calls_rotate_over_the_input_sets(clock):
     timing.time_calls({"a": clock.subject("a", 1.0, sets=3)}, repeats=6, rounds=2)
     warm, timed = clock.calls[:3], clock.calls[3:]
     assert [s for _, s in warm] == [0, 1, 2]  # warm-up touches every set
-    assert [s for _, s in timed] == [0, 1, 2, 0, 1, 2]
+    assert [s for _, s in timed] == [2, 0, 1, 2, 2, 0, 1, 2]  # a lead call on the set before each round's first
 
 
 def test_warm_up_touches_every_input_set_and_returns_the_last_call(clock):
@@ -114,7 +115,15 @@ def test_warm_up_touches_every_input_set_and_returns_the_last_call(clock):
 def test_median_ms_is_the_median_of_the_timed_calls(clock):
     calls = clock.subject("a", [1.0, 9.0, 2.0], sets=3)
     assert timing.median_ms(calls.fns, repeats=5, events=clock) == 2.0  # sets 0 1 2 0 1: 1 9 2 1 9
-    assert clock.count("a") == timing.WARMUP + 5
+    assert clock.count("a") == timing.WARMUP + 1 + 5
+
+
+def test_the_lead_call_of_a_batch_is_not_timed(clock):
+    calls = clock.subject("a", [1.0, 1.0, 100.0], sets=3)
+    marks = timing.record_calls(calls, 0, 2)  # lead on set 2, then sets 0 and 1
+    assert [s for _, s in clock.calls] == [2, 0, 1]
+    assert [clock.elapsed_ms(start, end) for start, end in marks] == [1.0, 1.0]
+    assert timing.record_calls(calls, 3, 3) == [] and len(clock.calls) == 3  # an empty batch runs nothing
 
 
 def test_median_ms_raises_what_a_call_raises(clock):
