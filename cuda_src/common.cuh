@@ -134,6 +134,25 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A 4 x 4 transpose across a quad: lane p holds w[i] = word i of row p before,
+// word p of row i after (two butterfly exchanges, 4 shuffles). In an mma
+// accumulator lane p holds columns 2p, 2p + 1 of each 8-column tile; given the
+// packed pairs of tiles 4g .. 4g + 3, lane q ends with the 8 columns of tile
+// 4g + q, to store as 16 contiguous bytes.
+__device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
+    const bool odd = lane & 1, high = lane & 2;
+    // Partner lane ^ 1: the off-diagonal words of each 2 x 2 block.
+    const u32 a = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+    const u32 b = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+    if (odd) w[0] = a, w[2] = b;
+    else w[1] = a, w[3] = b;
+    // Partner lane ^ 2: the off-diagonal 2 x 2 blocks.
+    const u32 x = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
+    const u32 y = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
+    if (high) w[0] = x, w[1] = y;
+    else w[2] = x, w[3] = y;
+}
+
 // threadIdx.x, read afresh: the compiler cannot hoist what is derived from it
 // out of a loop. For per-thread copy addresses that are cheap to recompute
 // but would otherwise stay live across a register-bound main loop (and spill).
