@@ -504,31 +504,13 @@ __global__ void __launch_bounds__(384, 1)
             stash_shared(drawn_tile, ticket + gridDim.x);
         }
         thread_arrive(empty_kv);
-        // 16 bytes a lane: quad_transpose gives lane q the 8 columns of tile 4g + q of its row. (With
-        // 4-byte stores, a quad's 16 bytes of a row, the epilogue held 8% of the consumers' warp
-        // samples, half of them waiting on the store queue: ncu, H100, 8 x 2k x 16 heads of 128.)
         u16* dk_head = dk + b * dk_sb + w.at.hk * dk_sh + seq.k0 * dk_sn;
         u16* dv_head = dv + b * dv_sb + w.at.hk * dv_sh + seq.k0 * dv_sn;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key_lane0 + 8 * r;
-#pragma unroll
-            for (int g = 0; g < NT_D / 4; ++g) {
-                u32 wk[4], wv[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = 4 * g + i;
-                    wk[i] = pack2<IS_BF16>(acc_dk[j * 4 + 2 * r] * scale, acc_dk[j * 4 + 2 * r + 1] * scale);
-                    wv[i] = pack2<IS_BF16>(acc_dv[j * 4 + 2 * r], acc_dv[j * 4 + 2 * r + 1]);
-                }
-                quad_transpose(wk, lane);
-                quad_transpose(wv, lane);
-                const int col = 8 * (4 * g + (lane & 3));
-                if (key < seq.nk && col < d) {
-                    *reinterpret_cast<uint4*>(dk_head + key * dk_sn + col) = make_uint4(wk[0], wk[1], wk[2], wk[3]);
-                    *reinterpret_cast<uint4*>(dv_head + key * dv_sn + col) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
-                }
-            }
+            store_acc_row<IS_BF16, NT_D>(acc_dk, r, scale, dk_head + key * dk_sn, key < seq.nk, d, lane);
+            store_acc_row<IS_BF16, NT_D>(acc_dv, r, 1.f, dv_head + key * dv_sn, key < seq.nk, d, lane);
         }
         if constexpr (!PERSISTENT) break;
     }
@@ -745,14 +727,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + (lane >> 2) + 8 * r;
-        if (row >= nq - m0) continue;
-#pragma unroll
-        for (int j = 0; j < NT_D; ++j) {
-            const int col = 8 * j + 2 * (lane & 3);
-            if (col < d)
-                *reinterpret_cast<u32*>(dq_tile + row * dq_sn + col) =
-                    pack2<IS_BF16>(acc_dq[j * 4 + 2 * r] * scale, acc_dq[j * 4 + 2 * r + 1] * scale);
-        }
+        store_acc_row<IS_BF16, NT_D>(acc_dq, r, scale, dq_tile + row * dq_sn, row < nq - m0, d, lane);
     }
 }
 

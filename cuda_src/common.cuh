@@ -153,6 +153,32 @@ __device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
     else w[2] = x, w[3] = y;
 }
 
+// Row r (0 or 1) of a thread's mma accumulator tile, NT 8-column tiles
+// (acc[j * 4 + 2 r + e] holds column 8 j + 2 (lane & 3) + e), times `scale`,
+// to the 16-bit row `dst` (16-byte aligned), 16 bytes a lane: quad_transpose
+// gives lane q the 8 columns of tile 4g + q. Columns from d on are not
+// written (d a multiple of 8), nor is a row that is not `valid`; every lane
+// takes part in the shuffles. (With 4-byte stores, a quad's 16 bytes of a
+// row, the Hopper dK/dV epilogue held 8% of the consumers' warp samples,
+// half of them waiting on the store queue: ncu, H100, 8 x 2k x 16 heads of 128.)
+template <bool BF16, int NT>
+__device__ __forceinline__ void store_acc_row(const float (&acc)[NT * 4], int r, float scale, u16* dst, bool valid,
+                                              int d, int lane) {
+    static_assert(NT % 4 == 0, "whole groups of four 8-column tiles");
+#pragma unroll
+    for (int g = 0; g < NT / 4; ++g) {
+        u32 w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j = 4 * g + i;
+            w[i] = pack2<BF16>(acc[j * 4 + 2 * r] * scale, acc[j * 4 + 2 * r + 1] * scale);
+        }
+        quad_transpose(w, lane);
+        const int col = 8 * (4 * g + (lane & 3));
+        if (valid && col < d) *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // threadIdx.x, read afresh: the compiler cannot hoist what is derived from it
 // out of a loop. For per-thread copy addresses that are cheap to recompute
 // but would otherwise stay live across a register-bound main loop (and spill).
