@@ -17,6 +17,7 @@ import ctypes
 import functools
 import struct
 import threading
+from typing import Callable
 
 import numpy
 
@@ -119,6 +120,17 @@ class _LaunchConfig(ctypes.Structure):
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def _retry_or_raise(err: int, relaunch: Callable[[], int], device_id: int, what: str) -> None:
+    """After a failed launch: on a thread with no current context (a framework's callback thread), make
+    the device's current and launch once more; raise if the launch still fails. `what`: the launch's
+    shape, for the message."""
+    if err == _CUDA_ERROR_INVALID_CONTEXT:
+        _make_current(device_id)
+        err = relaunch()
+    if err != 0:
+        raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} ({what})")
+
+
 class Kernel:
     """One compiled kernel (CuPy's function object) launched through the driver."""
 
@@ -135,12 +147,10 @@ class Kernel:
             stream = ctypes.c_void_p(stream)
         launch = _driver()[0]
         err = launch(self.handle, gx, gy, gz, block, 1, 1, self.smem_bytes, stream, args.address, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:
-            _make_current(self.device_id)
-            err = launch(self.handle, gx, gy, gz, block, 1, 1, self.smem_bytes, stream, args.address, None)
         if err != 0:
-            raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} "
-                               f"(grid {grid}, block {block}, {self.smem_bytes} bytes of shared memory)")
+            _retry_or_raise(err, lambda: launch(self.handle, gx, gy, gz, block, 1, 1, self.smem_bytes, stream,
+                                                args.address, None),
+                            self.device_id, f"grid {grid}, block {block}, {self.smem_bytes} bytes of shared memory")
 
 
 class LaunchAfterPrior:
@@ -163,12 +173,10 @@ class LaunchAfterPrior:
         config.stream = stream.value if isinstance(stream, ctypes.c_void_p) else stream
         launch_ex = _driver()[2]
         err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:
-            _make_current(self.kernel.device_id)
-            err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
         if err != 0:
-            raise RuntimeError(f"cuflash: kernel launch failed: {_error_text(err)} (grid {grid}, block {block}, "
-                               f"{self.kernel.smem_bytes} bytes of shared memory, after the prior kernel)")
+            _retry_or_raise(err, lambda: launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None),
+                            self.kernel.device_id, f"grid {grid}, block {block}, {self.kernel.smem_bytes} bytes "
+                                                   "of shared memory, after the prior kernel")
 
 
 _kernels: dict = {}

@@ -454,13 +454,12 @@ class BwdLaunch:
         dq_accum = delta + 4 * self.rows
         q, k, v, dout = (aligned_copy(x) if copy else x for x, copy in zip((q, k, v, dout), self.copies))
         options = _option_addresses(slopes, cu_seqlens)
-        ticket = stream_state(self.device_id, stream).bwd_ticket() if self.cfg.hopper else 0
-        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, options, ticket)
+        addresses = tuple(x.data.ptr for x in (q, k, v, dout, out, lse, dq, dk, dv)) + (lse2, options, stream)
         with self.lock:
             # A loop that reuses its buffers calls with the last call's
             # addresses: then the packed arguments stand as they are.
             if addresses != self.last_addresses:
-                self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum, ticket)
+                self._point(q, k, v, dout, out, lse, dq, dk, dv, lse2, delta, dq_accum, stream)
                 for args in (self.pre_args, self.dkdv_args, self.last_args):
                     _point_options(args, options)
                 self.last_addresses = addresses
@@ -468,7 +467,7 @@ class BwdLaunch:
                 kernel_.launch(grid, threads, args, stream)
 
     def _point(self, q, k, v, dout, out, lse, dq, dk, dv, lse2: int, delta: int, dq_accum: int,
-               ticket: int) -> None:
+               stream: int) -> None:
         """Write the call's tensor maps and addresses into the three kernels' packed arguments."""
         cfg = self.cfg
         pre = self.pre_args
@@ -483,8 +482,8 @@ class BwdLaunch:
         args.set_address(5, delta)
         args.set_address(6, dq_accum if self.atomic_dq else lse2)  # lse2: not read without atomics
         args[7], args[8] = dk, dv
-        if cfg.hopper:
-            args.set_address(9, ticket)
+        if cfg.hopper:  # the stream's tile ticket (one int that never grows)
+            args.set_address(9, stream_state(self.device_id, stream).bwd_ticket())
 
         args = self.last_args
         if self.atomic_dq:
