@@ -4,7 +4,7 @@
 
 Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
 fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
-(atomic and deterministic dQ), plan (a repeated forward, then a backward:
+(atomic and deterministic dQ; more key blocks than SMs), plan (a repeated forward, then a backward:
 the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
@@ -92,6 +92,9 @@ def bwd_sm90():
     for deterministic in (False, True):
         forward_and_backward(*qkv(2, 97, 130, 4, 2, 128), causal=True, deterministic=deterministic)
         forward_and_backward(*qkv(1, 17, 257, 2, 2, 64), causal=False, deterministic=deterministic)
+    # More key blocks than SMs: the persistent dK/dV kernel's CTAs take a second tile from the ticket.
+    forward_and_backward(*qkv(2, 17, 2048, 8, 8, 64), causal=False)
+    forward_and_backward(*qkv(8, 33, 2048, 4, 2, 128), causal=True)
 
 
 def plan():
