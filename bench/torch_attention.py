@@ -5,7 +5,7 @@
 Each row: batch x seqlen = 16k tokens, hidden 2048, fp16. A step is one
 compiled (fullgraph) attention call plus torch.autograd.grad for a fixed
 output gradient; the subjects are timed by cuflash.timing (CUDA events
-around each step on torch's stream, interleaved rounds, median of 20).
+around each step on torch's stream, interleaved rounds, median of 40).
 SDPA cuDNN runs eager and compiled: torch.compile adds about 0.4 ms of host
 time to a step (bench/PERFLOG.md), which the GPU waits for where a step is
 short. TFLOP/s count 3.5 forward passes, halved for causal.
@@ -24,7 +24,7 @@ from cuflash.bench.libs import TorchEvents
 from cuflash.bench.shapes import HIDDEN, TOKENS
 from cuflash.torch import flash_attn_func
 
-STEPS = 20  # timed steps per subject
+STEPS = 40  # timed steps per subject: 5 a round, so one slow moment of the host moves few of them
 
 
 def step_calls(fn, q, k, v, dout) -> timing.Calls:

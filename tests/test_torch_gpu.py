@@ -244,6 +244,17 @@ def test_bad_alibi_slopes_are_named():
             flash_attn_func(q, q, q, alibi_slopes=bad)
 
 
+def test_cpu_tensors_are_refused_by_name():
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
+
+    q = torch.zeros((2, 8, 4, 64), dtype=torch.float16)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor, got one on cpu"):
+        flash_attn_func(q, q, q)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        flash_attn_varlen_func(q.reshape(16, 4, 64), q.reshape(16, 4, 64), q.reshape(16, 4, 64), cu, cu, 8, 8)
+
+
 def test_flash_attn_func_e4m3(rng):
     """fp8 inputs (torch.float8_e4m3fn) with descales, eager and compiled: the bf16 output of
     cuflash.attention on the uint8 codes, bitwise; mixed dtypes, dropout and 16-bit descales are refused
