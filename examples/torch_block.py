@@ -3,23 +3,29 @@
 One pre-norm block (LayerNorm, QKV projection, causal attention, output projection, LayerNorm, GELU
 MLP), bf16, hidden 2048 in heads of --headdim, batch x seqlen = 16k tokens. Each variant is compiled
 with fullgraph=True (a graph break fails the compile), checked against the eager cuflash block
-(outputs and gradients), then timed: forward+backward ms per step between CUDA events, median of
---steps after warm-up, the SDPA variants pinned to their backend; the SDPA cuDNN block also eager.
+(outputs and gradients), then timed by cuflash.timing: forward+backward ms per step between CUDA
+events, the blocks in interleaved rounds (each one first, and after each other one, equally often),
+the median of --steps; the SDPA blocks pinned to their backend inside the block (a context around
+a compiled call does not reach its traced graph); the cuflash and SDPA cuDNN blocks also eager.
 
-    python examples/torch_block.py [--seqlen 2048] [--headdim 128] [--steps 30]
+    python examples/torch_block.py [--seqlen 2048] [--headdim 128] [--steps 40]
 """
 
 import argparse
-import contextlib
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuflash import timing
+from cuflash.bench.libs import TorchEvents
 from cuflash.torch import flash_attn_func
 
 HIDDEN, TOKENS = 2048, 16 * 1024
+
+
+# SDPA's backends by name; pinned inside the block, so that a compiled block traces the pinned one.
+BACKENDS = {"SDPA flash": SDPBackend.FLASH_ATTENTION, "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
 
 
 class Block(torch.nn.Module):
@@ -33,7 +39,9 @@ class Block(torch.nn.Module):
     def attend(self, q, k, v):  # (batch, seqlen, heads, headdim)
         if self.attention == "cuflash":
             return flash_attn_func(q, k, v, causal=True)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        with sdpa_kernel(BACKENDS[self.attention]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True)
         return out.transpose(1, 2)
 
     def forward(self, x):
@@ -49,26 +57,16 @@ def step(model, x):
     return out
 
 
-def time_steps(model, x, steps: int, backend=None) -> float:
-    context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
-    times = []
-    with context:
-        for i in range(steps + 3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(model, x)
-            end.record()
-            if i >= 3:
-                times.append((start, end))
-        torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
+def step_calls(model, x) -> timing.Calls:
+    """Forward+backward steps of `model` as a subject for cuflash.timing."""
+    return timing.Calls([lambda: step(model, x)], TorchEvents(torch))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--headdim", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(TOKENS // args.seqlen, args.seqlen, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -77,40 +75,42 @@ def main():
     eager_out = step(reference, x)
     eager_grads = [p.grad.clone() for p in reference.parameters()]
 
-    variants = {"cuflash": ("cuflash", None), "SDPA flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
-                "SDPA cuDNN": ("sdpa", SDPBackend.CUDNN_ATTENTION)}
-    results = {}
-    for name, (attention, backend) in variants.items():
-        model = Block(args.headdim, attention).cuda().bfloat16()
+    subjects, compiled = {}, {}
+    for name in ("cuflash", *BACKENDS):
+        model = Block(args.headdim, name).cuda().bfloat16()
         model.load_state_dict(reference.state_dict())
-        compiled = torch.compile(model, fullgraph=True)
-        try:
-            ms = time_steps(compiled, x, args.steps, backend)
-        except RuntimeError as exc:  # a backend that does not take this shape
-            print(f"{name:12s} skipped: {str(exc).splitlines()[0]}")
-            continue
-        for p in model.parameters():
-            p.grad = None
-        out = step(compiled, x) if backend is None else None
-        if out is not None:  # the compiled cuflash block against the eager one
-            worst = max([(out - eager_out).abs().max().item()] +
-                        [(p.grad - g).abs().max().item() for p, g in zip(model.parameters(), eager_grads)])
-            print(f"{name:12s} compiled (fullgraph) against eager: max abs difference {worst:.3e}")
-        results[name] = ms
-    # The same SDPA cuDNN block uncompiled: on torch 2.11 the compiled block ran at SDPA flash's
-    # speed whichever backend was pinned, and the eager cuDNN block faster than both.
-    model = Block(args.headdim, "sdpa").cuda().bfloat16()
-    model.load_state_dict(reference.state_dict())
-    try:
-        results["SDPA cuDNN eager"] = time_steps(model, x, args.steps, SDPBackend.CUDNN_ATTENTION)
-    except RuntimeError as exc:
-        print(f"SDPA cuDNN eager skipped: {str(exc).splitlines()[0]}")
+        compiled[name] = model, torch.compile(model, fullgraph=True)
+        subjects[name] = step_calls(compiled[name][1], x)
+    # The cuflash and SDPA cuDNN blocks uncompiled too: what torch.compile does to the rest of the block.
+    for name in ("cuflash", "SDPA cuDNN"):
+        model = Block(args.headdim, name).cuda().bfloat16()
+        model.load_state_dict(reference.state_dict())
+        subjects[name + " eager"] = step_calls(model, x)
+    times = timing.time_calls(subjects, repeats=args.steps)
+    results = {}
+    for name, t in times.items():
+        if "error" in t:  # a backend that does not take this shape
+            print(f"{name:16s} skipped: {t['error']}")
+        else:
+            results[name] = t["ms"]
+    model, compiled_block = compiled["cuflash"]  # the compiled cuflash block against the eager one
+    for p in model.parameters():
+        p.grad = None
+    out = step(compiled_block, x)
+    worst = max([(out - eager_out).abs().max().item()] +
+                [(p.grad - g).abs().max().item() for p, g in zip(model.parameters(), eager_grads)])
+    print(f"cuflash compiled (fullgraph) against eager: max abs difference {worst:.3e}")
     print(f"batch {TOKENS // args.seqlen} x seqlen {args.seqlen}, hidden {HIDDEN}, head dim {args.headdim}, bf16, "
           "causal; forward+backward ms per step (median):")
-    best_sdpa = min((ms for name, ms in results.items() if name.startswith("SDPA")), default=None)
     for name, ms in results.items():
-        ratio = f"   {best_sdpa / ms:.2f}x the fastest SDPA block" if best_sdpa else ""
-        print(f"{name:16s} {ms:8.3f} ms{ratio}")
+        print(f"{name:18s} {ms:8.3f} ms")
+    # Speed ratios: compiled against compiled, eager against eager, and against the fastest SDPA block.
+    best_sdpa = min((ms for name, ms in results.items() if name.startswith("SDPA")), default=None)
+    for ours, peer in (("cuflash", "SDPA cuDNN"), ("cuflash eager", "SDPA cuDNN eager")):
+        if ours in results and peer in results:
+            print(f"{ours} over {peer}: {results[peer] / results[ours]:.3f}x")
+    if best_sdpa and "cuflash" in results:
+        print(f"cuflash over the fastest SDPA block: {best_sdpa / results['cuflash']:.3f}x")
 
 
 if __name__ == "__main__":
