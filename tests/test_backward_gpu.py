@@ -306,6 +306,18 @@ def test_non_default_stream(rng):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.gpu
+def test_persistent_backward_calls_of_other_shapes(rng):
+    """The persistent Hopper dK/dV kernel's CTAs take tiles from a ticket that its last holder resets:
+    calls of other shapes (more tiles than SMs, GQA, causal or not) one after another on one stream
+    stay exact."""
+    for batch, nq, nk, nheads, nheads_kv, headdim, causal in (
+            (2, 33, 2048, 4, 2, 64, False), (3, 17, 2048, 8, 8, 128, True), (2, 33, 2048, 4, 2, 64, False),
+            (1, 97, 1000, 2, 1, 128, True)):
+        host, dev = make_inputs(rng, np.float16, batch, nq, nk, nheads, nheads_kv, headdim)
+        check(host, dev, causal=causal)
+
+
 # --- attention_vjp ----------------------------------------------------------
 
 
