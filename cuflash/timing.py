@@ -190,19 +190,20 @@ def median_ms(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int = WARM
 
 def round_orders(count: int) -> list[list[int]]:
     """A Williams design for `count` subjects: orders in which each subject holds each place, and directly
-    follows each other subject, equally often. count orders for an even count, 2 * count for an odd one."""
+    follows each other subject, equally often. count orders for an even count (or one subject), 2 * count
+    for an odd one."""
     first = [0]
     for j in range(1, count):  # 0, 1, n-1, 2, n-2, ...
         first.append((j + 1) // 2 if j % 2 else count - j // 2)
     orders = [[(s + r) % count for s in first] for r in range(count)]
-    if count % 2:
+    if count % 2 and count > 1:
         orders += [order[::-1] for order in orders]
     return orders
 
 
 def rounds_for(count: int, minimum: int = ROUNDS) -> int:
     """The fewest rounds, at least `minimum`, that complete round_orders(count) a whole number of times."""
-    length = len(round_orders(count)) if count > 1 else 1
+    length = max(len(round_orders(count)), 1)  # no subjects: no orders
     return -(-minimum // length) * length
 
 

@@ -85,6 +85,11 @@ def test_each_subject_holds_each_place_and_follows_each_other_equally_often(coun
     assert timing.rounds_for(count) % len(orders) == 0 and timing.rounds_for(count) >= timing.ROUNDS
 
 
+def test_one_subject_takes_the_minimum_rounds():
+    assert timing.round_orders(1) == [[0]]
+    assert timing.rounds_for(1) == timing.rounds_for(0) == timing.ROUNDS
+
+
 def test_a_subject_that_raises_is_reported_and_the_others_finish(clock):
     entries = {"a": clock.subject("a", 1.0), "bad": clock.subject("bad", 1.0, fail_at=5), "c": clock.subject("c", 1.0)}
     results = timing.time_calls(entries, repeats=10, rounds=5)
