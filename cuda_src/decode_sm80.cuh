@@ -281,19 +281,29 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     constexpr bool ROW_OWNER = THREADS % CHUNKS == 0;
     constexpr int ROW_STEP = ROW_OWNER ? THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
     constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+    // A paged cache (no leftpad, so 16-row groups are whole pages' parts) takes page runs where the
+    // shapes allow: each thread copies chunks c and c + HALF of RUN consecutive rows of one page,
+    // so one page id, one page division and one row address per cache serve 2 RUN copies (the
+    // per-row page arithmetic made the paged MQA tile issue-bound: bench/PERFLOG.md).
+    constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * THREADS);
+    constexpr bool PAGE_RUNS =
+        PAGED && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 && 16 % RUN == 0 && 2 * RUN * THREADS == BN * CHUNKS;
+    constexpr int PAGE_IDS = PAGE_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
         const int j = span.leftpad + blk * BN + r;
         return PAGED && j < span.cache_len ? page_of(a, b, j) : 0;
     };
-    int pages[OWNED_ROWS / GROUP];
+    int pages[PAGE_IDS];
     auto fetch_pages = [&](int blk) {
-        if constexpr (PAGED && ROW_OWNER) {
+        if constexpr (PAGE_RUNS) {
+            pages[0] = page_at(blk, tid / HALF * RUN);
+        } else if constexpr (PAGED && ROW_OWNER) {
 #pragma unroll
-            for (int g = 0; g < OWNED_ROWS / GROUP; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
+            for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
         }
     };
-    // The cached rows of this kv head: with owned rows, at this thread's chunk.
-    const int own_chunk_bytes = ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
+    // The cached rows of this kv head: with owned rows or page runs, at this thread's (first) chunk.
+    const int own_chunk_bytes = PAGE_RUNS ? 16 * (tid % HALF) : ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
     const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
     auto store_shared = [](u32 dst, uint4 val) {
@@ -309,7 +319,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             cp_async_16(v_dst, a.v_cache, false);
         } else if (j < span.cache_len) {
             const CachePos pos = cache_pos<PAGED>(a, span, j, page);
-            const int chunk_bytes = ROW_OWNER ? 0 : 16 * chunk;  // owned rows: in k_head and v_head
+            const int chunk_bytes = 16 * chunk - own_chunk_bytes;  // k_head and v_head point at the own chunk
             cp_async_16(k_dst, row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn) + chunk_bytes, true);
             cp_async_16(v_dst, row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn) + chunk_bytes, true);
         } else {
@@ -336,7 +346,32 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     auto load_block = [&](int blk, int stage) {
         const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
         const u32 v_base = smem_addr(smem_raw + T::OFF_V + stage * T::STAGE_BYTES);
-        if constexpr (ROW_OWNER) {
+        if constexpr (PAGE_RUNS) {
+            const int chunk = tid % HALF, r0 = tid / HALF * RUN, j0 = blk * BN + r0;
+            if (j0 + RUN <= span.cache_len) {  // every row of the run cached: in page pages[0]
+                const CachePos pos = cache_pos<PAGED>(a, span, j0, pages[0]);
+                const unsigned char* k_row = row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn);
+                const unsigned char* v_row = row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn);
+                const u32 k_step = T::CACHE_BYTES * (u32)a.kc_sn, v_step = T::CACHE_BYTES * (u32)a.vc_sn;
+#pragma unroll
+                for (int i = 0; i < RUN; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int off = ring_offset(r0 + i, chunk + h * HALF);
+                        const bool inside = T::CHUNK_ELEMS * (chunk + h * HALF) < a.d;  // zeros past a padded head dim
+                        cp_async_16(k_base + off, inside ? k_row + i * k_step + 16 * HALF * h : k_row, inside);
+                        cp_async_16(v_base + off, inside ? v_row + i * v_step + 16 * HALF * h : v_row, inside);
+                    }
+            } else {
+#pragma unroll
+                for (int i = 0; i < RUN; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int off = ring_offset(r0 + i, chunk + h * HALF);
+                        load_row_chunk(blk, r0 + i, chunk + h * HALF, k_base + off, v_base + off, pages[0]);
+                    }
+            }
+        } else if constexpr (ROW_OWNER) {
             const int chunk = tid % CHUNKS, r0 = tid / CHUNKS;
 #pragma unroll
             for (int it = 0; it < OWNED_ROWS; ++it) {
