@@ -139,6 +139,16 @@ def test_paged(page_size, dtype):
              seqlen_q=3, causal=True)
 
 
+# Paged copies go by runs of a 16-row group (decode_sm80.cuh): head dims whose chunks fit them (64,
+# 112 with its zero-filled columns, 128, 256) and those that keep one chunk a thread (80), on the 4-
+# and 8-warp tiles, with lengths that end inside a run.
+@pytest.mark.parametrize("headdim", [64, 80, 112, 128, 256])
+@pytest.mark.parametrize("group", [4, 16])
+def test_paged_head_dims(headdim, group):
+    run_case(np.random.default_rng(headdim * group), page_size=16, capacity=333, batch=3, n_new=2, seqlen_q=2,
+             causal=True, headdim=headdim, nheads=2 * group, nheads_kv=2)
+
+
 @pytest.mark.parametrize("rotary", ["full", "half"])
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("paged", [False, True])
