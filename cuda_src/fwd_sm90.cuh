@@ -157,6 +157,11 @@ __global__ void __launch_bounds__(384, 1)
                 qk_scale_log2 *= descale_qk;
         }
 
+        // Softcap on 16-bit inputs: tanh_scale in Q (scale_q_rows); bf16 without ALiBi: no running
+        // max (bounded_softmax_sm90), its scores bounded by the softcap.
+        constexpr bool SOFTCAP_IN_Q = Mods::SOFTCAP && !FP8;
+        constexpr bool NO_MAX = SOFTCAP_IN_Q && T::DTYPE == BF16 && !Mods::ALIBI;
+        if constexpr (SOFTCAP_IN_Q) scale_q_rows<BR, D, T::DTYPE == BF16>(sm.q(), c, tid % 128, mods.tanh_scale);
         SoftmaxAccumulators<D> acc;
         // The key loop (fwd_sm90_mainloop.cuh has its parts): blocks [0, n_blocks) of the segment,
         // block i (ring position kv_iter + i) holding keys from (hi - 1 - i) * BC, the producer's
@@ -188,7 +193,7 @@ __global__ void __launch_bounds__(384, 1)
 
 #pragma unroll
             for (int i = 0; i < NT_O * 4; ++i) acc.o[i] = 0.f;
-            acc.row_max[0] = acc.row_max[1] = neg_inf();
+            acc.row_max[0] = acc.row_max[1] = NO_MAX ? 0.f : neg_inf();
             acc.row_sum[0] = acc.row_sum[1] = 0.f;
             float alpha[2];
             AFragments<T::DTYPE, BC> p_frag;
@@ -218,8 +223,11 @@ __global__ void __launch_bounds__(384, 1)
             constexpr bool ROW_BIAS = Mods::ALIBI && D <= 128;
             auto softmax = [&](float (&acc_s)[NT_S * 4], int n0, const float (&row_bias)[2]) {
                 turns.begin_softmax();
-                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
-                                                                               alpha, qk_scale_log2, row_bias);
+                if constexpr (NO_MAX)
+                    bounded_softmax_sm90<NT_S, SUM_CHAINS>(acc_s, acc.row_sum, alpha, qk_scale_log2);
+                else
+                    online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
+                                                                                   alpha, qk_scale_log2, row_bias);
                 if constexpr (Mods::DROPOUT)
                     dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
                                                       tile.b * nheads + tile.h, row0, n0, lane);
@@ -240,9 +248,11 @@ __global__ void __launch_bounds__(384, 1)
                 after_s(0, st);
                 float row_bias[2] = {0.f, 0.f};
                 if (n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
-                    apply_score_mods<true, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
+                    apply_score_mods<true, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
+                                                                         row_bias);
                 else
-                    apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
+                    apply_score_mods<false, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
+                                                                          row_bias);
                 softmax(acc_s, (hi - 1) * BC, row_bias);
                 p_frag.pack(acc_s);
             }
@@ -267,8 +277,8 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 float row_bias[2] = {0.f, 0.f};
-                apply_score_mods<decltype(masked)::value, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane,
-                                                                          row_bias);
+                apply_score_mods<decltype(masked)::value, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(
+                    acc_s, mods, row0, (hi - 1 - i) * BC, lane, row_bias);
                 softmax(acc_s, (hi - 1 - i) * BC, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it

@@ -96,6 +96,25 @@ def test_forward_headdims(kernel, rng, dtype, headdim, name):
     check_forward(host, dev, materialise(name, rng, 2, 2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [30.0, 60.0, 61.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_saturated_softcap(kernel, rng, dtype, softcap, causal):
+    # Scores far past the softcap, each row's of one sign: the capped scores sit near +softcap or
+    # -softcap. The bf16 Hopper forward keeps no running max there (dispatch.SM90_BF16_SOFTCAP_LIMIT,
+    # 60; above it the sm_80 forward), so a row's exponentials are all near e^60 or all near e^-60.
+    batch, nq, nk, nheads, headdim = 2, 193, 301, 2, 128
+    direction = rng.standard_normal(headdim)
+    direction /= np.linalg.norm(direction)
+    sign = np.where(rng.random((batch, nq, nheads, 1)) < 0.5, -1.0, 1.0)
+    q = (80 * sign * direction + rng.standard_normal((batch, nq, nheads, headdim))).astype(dtype)
+    k = (40 * direction + rng.standard_normal((batch, nk, nheads, headdim))).astype(dtype)
+    v = randn(rng, (batch, nk, nheads, headdim), dtype)
+    host = (q, k, v)
+    options = dict(softcap=softcap, causal=causal)
+    check_forward(host, tuple(cupy.asarray(x) for x in host), (options, options))
+
+
 @pytest.mark.parametrize("nheads_kv", [2, 1])
 @pytest.mark.parametrize("nq,nk", [(97, 300), (300, 97)])
 @pytest.mark.parametrize("name", ["window", "window_causal"])
