@@ -80,14 +80,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 
     }
 }
 
-// One 16-bit value (fp16 or bf16 bits) -> float.
-__device__ __forceinline__ float half_to_float(u16 x, bool bf16) {
-    if (bf16) return __uint_as_float((u32)x << 16);
-    float y;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
-    return y;
-}
-
 // Two floats -> one register of two 16-bit values, `lo` in the low half.
 template <bool BF16>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {

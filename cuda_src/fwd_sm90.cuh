@@ -157,11 +157,9 @@ __global__ void __launch_bounds__(384, 1)
                 qk_scale_log2 *= descale_qk;
         }
 
-        // Softcap on 16-bit inputs: tanh_scale in Q (scale_q_rows); bf16 without ALiBi: no running
-        // max (bounded_softmax_sm90), its scores bounded by the softcap.
-        constexpr bool SOFTCAP_IN_Q = Mods::SOFTCAP && !FP8;
-        constexpr bool NO_MAX = SOFTCAP_IN_Q && T::DTYPE == BF16 && !Mods::ALIBI;
-        if constexpr (SOFTCAP_IN_Q) scale_q_rows<BR, D, T::DTYPE == BF16>(sm.q(), c, tid % 128, mods.tanh_scale);
+        // bf16 under softcap without ALiBi: the capped scores bound the exponentials, so no running
+        // max (bounded_softmax_sm90).
+        constexpr bool NO_MAX = Mods::SOFTCAP && T::DTYPE == BF16 && !Mods::ALIBI;
         SoftmaxAccumulators<D> acc;
         // The key loop (fwd_sm90_mainloop.cuh has its parts): blocks [0, n_blocks) of the segment,
         // block i (ring position kv_iter + i) holding keys from (hi - 1 - i) * BC, the producer's
@@ -248,11 +246,9 @@ __global__ void __launch_bounds__(384, 1)
                 after_s(0, st);
                 float row_bias[2] = {0.f, 0.f};
                 if (n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
-                    apply_score_mods<true, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
-                                                                         row_bias);
+                    apply_score_mods<true, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
                 else
-                    apply_score_mods<false, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
-                                                                          row_bias);
+                    apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
                 softmax(acc_s, (hi - 1) * BC, row_bias);
                 p_frag.pack(acc_s);
             }
@@ -277,8 +273,8 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 float row_bias[2] = {0.f, 0.f};
-                apply_score_mods<decltype(masked)::value, ROW_BIAS, SOFTCAP_IN_Q, NT_S>(
-                    acc_s, mods, row0, (hi - 1 - i) * BC, lane, row_bias);
+                apply_score_mods<decltype(masked)::value, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane,
+                                                                          row_bias);
                 softmax(acc_s, (hi - 1 - i) * BC, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it

@@ -37,9 +37,8 @@ namespace cuflash {
 // forward). Elsewhere row_bias stays as the caller set it (0) and each score
 // takes its |distance|.
 // ROW_BIAS: the kernel takes that form (fwd_sm90_kernel: ALiBi at head dims up
-// to 128; at 256 it made ptxas spill up to 180 bytes more). SCALED_Q: softcap's
-// tanh_scale is in Q (scale_q_rows).
-template <bool MASK, bool ROW_BIAS, bool SCALED_Q, int NT_S, class Mods>
+// to 128; at 256 it made ptxas spill up to 180 bytes more).
+template <bool MASK, bool ROW_BIAS, int NT_S, class Mods>
 __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const Mods& mods, int row0, int n0,
                                                  int lane, float (&row_bias)[2]) {
     if constexpr (MASK || Mods::ANY) {
@@ -56,7 +55,7 @@ __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int dr = 8 * (e >> 1), dc = j * 8 + (e & 1);
-                        float u = fmaf(signed_slope, (float)dc, mods.template transform<SCALED_Q>(acc_s[j * 4 + e]));
+                        float u = fmaf(signed_slope, (float)dc, mods.transform(acc_s[j * 4 + e]));
                         if (MASK && !mods.visible(row_lane + dr, col_lane + dc)) u = neg_inf();
                         acc_s[j * 4 + e] = u;
                     }
@@ -68,39 +67,10 @@ __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int dr = 8 * (e >> 1), dc = j * 8 + (e & 1);
-                acc_s[j * 4 + e] = mods.template score<MASK, SCALED_Q>(acc_s[j * 4 + e], row_lane + dr,
-                                                                       col_lane + dc, dist_lane + (float)(dr - dc));
+                acc_s[j * 4 + e] = mods.template score<MASK>(acc_s[j * 4 + e], row_lane + dr, col_lane + dc,
+                                                             dist_lane + (float)(dr - dc));
             }
     }
-}
-
-// Consumer c's 64 rows of the BR x D Q tile (16-bit, 128-byte-swizzled 64-column panels) times
-// `factor`, in place, by its 128 threads (ct: the thread's index among them); then visible to the
-// wgmma async proxy. Softcap's tanh takes s tanh_scale: with tanh_scale in Q, once per tile, the
-// softmax turn loses a multiply a score (bf16 and fp16 softcap forward +3-8%, H100), for one
-// more rounding of Q in its own type.
-template <int BR, int D, bool BF16>
-__device__ __forceinline__ void scale_q_rows(u32 q_tile, int c, int ct, float factor) {
-    static_assert(D % 64 == 0, "64-column panels");
-#pragma unroll
-    for (int panel = 0; panel < D / 64; ++panel)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {  // 64 rows x 128 bytes: four 16-byte chunks a thread
-            const u32 addr = q_tile + panel * BR * 128 + c * 64 * 128 + (v * 128 + ct) * 16;
-            u32 w[4];
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                         : "r"(addr));
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                w[e] = pack2<BF16>(half_to_float((u16)(w[e] & 0xffffu), BF16) * factor,
-                                   half_to_float((u16)(w[e] >> 16), BF16) * factor);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-                         "r"(w[3])
-                         : "memory");
-        }
-    fence_proxy_async();
-    named_bar_sync<128>(own_barrier(FWD_CONSUMER_SYNC, c));
 }
 
 // A consumer's position in the K/V ring (key blocks consumed) and the parity

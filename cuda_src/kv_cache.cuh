@@ -148,6 +148,12 @@ __device__ __forceinline__ const unsigned char* row_at(const unsigned char* head
     return head + ELEM_BYTES * (PAGED ? (u64)(u32)p.unit * (u32)sb + in_unit : in_unit);
 }
 
+__device__ __forceinline__ float half_to_float(u16 x, bool bf16) {
+    if (bf16) return __uint_as_float((u32)x << 16);
+    float y;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
+    return y;
+}
 template <bool BF16>
 __device__ __forceinline__ u16 float_to_half(float x) {
     const u32 two = pack2<BF16>(x, 0.f);

@@ -10,7 +10,7 @@ namespace cuflash {
 enum FwdNamedBarrier : int {
     // Ping-pong: consumer c may issue its GEMMs (256 threads: c syncs, the other arrives).
     FWD_GEMM_TURN = 1,
-    // Consumer c's own 128 threads: staged output tile, tail-split partials, softcap's scaled Q.
+    // Consumer c's own 128 threads: staged output tile, tail-split partials.
     FWD_CONSUMER_SYNC = 3,
     // Softmax turns: consumer c may compute its softmax step (256 threads).
     FWD_SOFTMAX_TURN = 5,

@@ -98,10 +98,9 @@ struct ScoreMods {
         if constexpr (ALIBI) alibi_slope = args.alibi_slopes[b * args.alibi_batch_stride + h] * args.alibi_unit;
     }
 
-    // Raw Q K^T -> the kernel's score units (before the mask). SCALED_Q: tanh_scale is in Q.
-    template <bool SCALED_Q = false>
+    // Raw Q K^T -> the kernel's score units (before the mask).
     __device__ __forceinline__ float transform(float s) const {
-        if constexpr (SOFTCAP) s = tanh_approx(SCALED_Q ? s : s * tanh_scale);
+        if constexpr (SOFTCAP) s = tanh_approx(s * tanh_scale);
         return s;
     }
     // ALiBi's bias at distance i + diag - j, a float: the kernels form it as a base per lane and
@@ -128,9 +127,9 @@ struct ScoreMods {
     }
     // The score of (row, col), at ALiBi distance `dist`, from raw Q K^T; -inf where masked (MASK: a
     // boundary block).
-    template <bool MASK, bool SCALED_Q = false>
+    template <bool MASK>
     __device__ __forceinline__ float score(float s, int row, int col, float dist) const {
-        s = bias(transform<SCALED_Q>(s), dist);
+        s = bias(transform(s), dist);
         if (MASK && !visible(row, col)) s = neg_inf();
         return s;
     }
