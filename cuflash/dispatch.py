@@ -160,9 +160,10 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
 
 # The Hopper forward keeps no running max for bf16 under softcap without ALiBi
 # (cuda_src/softmax_sm90.cuh bounded_softmax_sm90): its exponentials e^u, |u| <=
-# softcap, stay inside float32's and bf16's normal range, with room for a row's
-# sums and P V, up to this softcap. Above it the sm_80 forward takes such calls.
-SM90_BF16_SOFTCAP_LIMIT = 60.0
+# softcap, leave 37 nats of float32's and bf16's normal range on either side
+# (for small values and for a row's sums and P V) up to this softcap (Gemma 2's).
+# Above it the sm_80 forward takes such calls.
+SM90_BF16_SOFTCAP_LIMIT = 50.0
 
 
 def sm90_forward_headdim(problem: FwdProblem) -> int | None:
