@@ -157,9 +157,6 @@ __global__ void __launch_bounds__(384, 1)
                 qk_scale_log2 *= descale_qk;
         }
 
-        // bf16 under softcap without ALiBi: the capped scores bound the exponentials, so no running
-        // max (bounded_softmax_sm90).
-        constexpr bool NO_MAX = Mods::SOFTCAP && T::DTYPE == BF16 && !Mods::ALIBI;
         SoftmaxAccumulators<D> acc;
         // The key loop (fwd_sm90_mainloop.cuh has its parts): blocks [0, n_blocks) of the segment,
         // block i (ring position kv_iter + i) holding keys from (hi - 1 - i) * BC, the producer's
@@ -191,7 +188,7 @@ __global__ void __launch_bounds__(384, 1)
 
 #pragma unroll
             for (int i = 0; i < NT_O * 4; ++i) acc.o[i] = 0.f;
-            acc.row_max[0] = acc.row_max[1] = NO_MAX ? 0.f : neg_inf();
+            acc.row_max[0] = acc.row_max[1] = neg_inf();
             acc.row_sum[0] = acc.row_sum[1] = 0.f;
             float alpha[2];
             AFragments<T::DTYPE, BC> p_frag;
@@ -221,11 +218,8 @@ __global__ void __launch_bounds__(384, 1)
             constexpr bool ROW_BIAS = Mods::ALIBI && D <= 128;
             auto softmax = [&](float (&acc_s)[NT_S * 4], int n0, const float (&row_bias)[2]) {
                 turns.begin_softmax();
-                if constexpr (NO_MAX)
-                    bounded_softmax_sm90<NT_S, SUM_CHAINS>(acc_s, acc.row_sum, alpha, qk_scale_log2);
-                else
-                    online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
-                                                                                   alpha, qk_scale_log2, row_bias);
+                online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
+                                                                               alpha, qk_scale_log2, row_bias);
                 if constexpr (Mods::DROPOUT)
                     dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
                                                       tile.b * nheads + tile.h, row0, n0, lane);

@@ -23,29 +23,6 @@ namespace cuflash {
 template <bool FP8_P>
 constexpr float rescale_log2 = FP8_P ? 0.f : 8.f;
 
-// Row r (0, 1) of the thread's scores -> P = 2^(s c - offset) in place; returns their sum, taken
-// in SUM_CHAINS chains.
-template <int NT, int SUM_CHAINS>
-__device__ __forceinline__ float exp_row_sum(float (&s)[NT * 4], int r, float scale_log2, float offset) {
-    float sum[SUM_CHAINS];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        float pair = 0.f;
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-            const float p = exp2_approx(fmaf(s[j * 4 + 2 * r + cc], scale_log2, -offset));
-            s[j * 4 + 2 * r + cc] = p;
-            pair = cc == 0 ? p : pair + p;
-        }
-        sum[j % SUM_CHAINS] = j < SUM_CHAINS ? pair : sum[j % SUM_CHAINS] + pair;
-    }
-#pragma unroll
-    for (int w = SUM_CHAINS / 2; w > 0; w /= 2)
-#pragma unroll
-        for (int k = 0; k < w; ++k) sum[k] += sum[k + w];
-    return sum[0];
-}
-
 // The row max and the row sum are computed as MAX_CHAINS and SUM_CHAINS
 // interleaved chains joined by a tree (powers of two): one chain of NT
 // dependent instructions made each a latency stall between the S GEMM and
@@ -96,23 +73,23 @@ __device__ __forceinline__ void online_softmax_sm90(float (&s)[NT * 4], float (&
     for (int r = 0; r < 2; ++r) {
         const float offset =
             row_max[r] == neg_inf() ? 0.f : (ROW_BIAS ? row_max[r] - row_bias[r] : row_max[r]) * scale_log2;
-        row_sum[r] = row_sum[r] * alpha[r] + exp_row_sum<NT, SUM_CHAINS>(s, r, scale_log2, offset);
-    }
-}
-
-// The softmax step for scores bounded to [-1, 1] in the kernel's units (softcap's tanh; the exponent
-// factor c is softcap log2(e)): with the row max fixed at 0, P = e^(softcap u) lies in [e^-softcap,
-// e^softcap], so no running max is kept: no max a score, no rescaling (alpha = 1). Up to softcap 50
-// (cuflash/dispatch.py SM90_BF16_SOFTCAP_LIMIT) that leaves 37 nats of float32's (and bf16's) normal
-// range on either side: the products P v stay normal for |v| >= 1e-16, a row's sum and P V finite
-// while keys x max |v| < 6e16. fp16's P has no such range.
-template <int NT, int SUM_CHAINS>
-__device__ __forceinline__ void bounded_softmax_sm90(float (&s)[NT * 4], float (&row_sum)[2], float (&alpha)[2],
-                                                     float scale_log2) {
+        float sum[SUM_CHAINS];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        alpha[r] = 1.f;
-        row_sum[r] += exp_row_sum<NT, SUM_CHAINS>(s, r, scale_log2, 0.f);
+        for (int j = 0; j < NT; ++j) {
+            float pair = 0.f;
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const float p = exp2_approx(fmaf(s[j * 4 + 2 * r + cc], scale_log2, -offset));
+                s[j * 4 + 2 * r + cc] = p;
+                pair = cc == 0 ? p : pair + p;
+            }
+            sum[j % SUM_CHAINS] = j < SUM_CHAINS ? pair : sum[j % SUM_CHAINS] + pair;
+        }
+#pragma unroll
+        for (int w = SUM_CHAINS / 2; w > 0; w /= 2)
+#pragma unroll
+            for (int k = 0; k < w; ++k) sum[k] += sum[k + w];
+        row_sum[r] = row_sum[r] * alpha[r] + sum[0];
     }
 }
 

@@ -158,26 +158,6 @@ def sm90_headdim(kernel_headdim: int) -> int | None:
     return SM90_PADDED.get(kernel_headdim)
 
 
-# The Hopper forward keeps no running max for bf16 under softcap without ALiBi
-# (cuda_src/softmax_sm90.cuh bounded_softmax_sm90): its exponentials e^u, |u| <=
-# softcap, leave 37 nats of float32's and bf16's normal range on either side
-# (for small values and for a row's sums and P V) up to this softcap (Gemma 2's).
-# Above it the sm_80 forward takes such calls.
-SM90_BF16_SOFTCAP_LIMIT = 50.0
-
-
-def sm90_forward_headdim(problem: FwdProblem) -> int | None:
-    """The Hopper forward kernel head dim that serves a 16-bit problem, or None where the sm_80
-    forward takes it (another architecture, a head dim without a Hopper kernel, bf16 softcap above
-    SM90_BF16_SOFTCAP_LIMIT)."""
-    if problem.arch != 90:
-        return None
-    mods = problem.mods
-    if problem.dtype_name == "bfloat16" and mods.softcap > SM90_BF16_SOFTCAP_LIMIT and not mods.alibi:
-        return None
-    return sm90_headdim(problem.kernel_headdim)
-
-
 # fp8 (Hopper only): kernel head dim -> config; head dims up to 128 run on the
 # 128 kernel (zero-filled columns), larger ones on the 256 kernel. Measured on
 # an H100 (bench/PERFLOG.md v17, V transpose included, 8k-16k, same-run A/B
@@ -212,7 +192,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal)
-            if sm90_forward_headdim(problem) is not None else None)
+            if problem.arch == 90 else None)
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]

@@ -88,8 +88,8 @@ class FwdTuning(TunedFamily):
         fields = list(values)
         space = [FwdConfig(problem.kernel_headdim, **dict(zip(fields, combo)))
                  for combo in itertools.product(*values.values())]
-        sm90_d = dispatch.sm90_forward_headdim(problem)
-        if sm90_d is not None:
+        sm90_d = dispatch.sm90_headdim(problem.kernel_headdim)
+        if problem.arch == 90 and sm90_d is not None:
             values = QUICK_SPACE_SM90 if quick else SPACE_SM90
             space += [FwdSm90Config(sm90_d, **dict(zip(values, combo))).staged_if_fits()
                       for combo in itertools.product(*values.values())]
@@ -142,9 +142,9 @@ class FwdTuning(TunedFamily):
             except TypeError:  # another family's fields
                 continue
             if config_class is FwdSm90Config:
-                headdim = dispatch.sm90_forward_headdim(problem)
-                if headdim is None:
+                if problem.arch != 90:
                     return None
+                headdim = dispatch.sm90_headdim(problem.kernel_headdim)
             else:
                 headdim = problem.kernel_headdim
             return cfg if cfg.is_valid() and cfg.headdim == headdim else None

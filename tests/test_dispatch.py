@@ -1,13 +1,9 @@
 """Kernel choice without a GPU: family per architecture, shared-memory fallbacks."""
 
-import dataclasses
-
 import pytest
 
 from cuflash import dispatch
 from cuflash.config import KERNEL_HEADDIMS, SM90_SMEM_LIMIT, FwdConfig, FwdSm90Config, kernel_headdim
-from cuflash.score_mods import ScoreMods
-from cuflash.tune_fwd import FWD
 
 H200_SMEM = SM90_SMEM_LIMIT
 ADA_SMEM = 99 * 1024  # sm_86 / sm_89 opt-in shared memory per block
@@ -40,23 +36,6 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
 @pytest.mark.parametrize("headdim", [8, 32])
 def test_hopper_falls_back_where_no_sm90_kernel(headdim):
     assert isinstance(dispatch.heuristic_fwd_config(problem(headdim, arch=90)), FwdConfig)
-
-
-@pytest.mark.parametrize("dtype,softcap,alibi,hopper", [
-    ("bfloat16", dispatch.SM90_BF16_SOFTCAP_LIMIT, False, True),
-    ("bfloat16", dispatch.SM90_BF16_SOFTCAP_LIMIT + 0.5, False, False),
-    ("bfloat16", 100.0, True, True),
-    ("float16", 100.0, False, True),
-])
-def test_hopper_bf16_softcap_within_the_bounded_softmax(dtype, softcap, alibi, hopper):
-    # The Hopper forward keeps no running max for bf16 softcap without ALiBi (its exponentials must
-    # stay finite); above the limit such calls, the tuning cache's included, take the sm_80 kernel.
-    mods = ScoreMods(softcap=softcap, alibi=alibi)
-    prob = dispatch.FwdProblem(dtype, 128, False, 4096, 4096, 1, H200_SMEM, 90, mods)
-    assert isinstance(dispatch.heuristic_fwd_config(prob), FwdSm90Config) == hopper
-    cached = FWD.config_from_dict(dataclasses.asdict(dispatch.HEURISTIC_SM90[128]), prob)
-    assert (cached is not None) == hopper
-    assert any(isinstance(cfg, FwdSm90Config) for cfg in FWD.space(prob, quick=True)) == hopper
 
 
 @pytest.mark.parametrize("arch", [80, 86, 89, 100])

@@ -97,12 +97,11 @@ def test_forward_headdims(kernel, rng, dtype, headdim, name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("softcap", [30.0, 50.0, 51.0])
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_saturated_softcap(kernel, rng, dtype, softcap, causal):
     # Scores far past the softcap, each row's of one sign: the capped scores sit near +softcap or
-    # -softcap. The bf16 Hopper forward keeps no running max there (dispatch.SM90_BF16_SOFTCAP_LIMIT,
-    # 50; above it the sm_80 forward), so a row's exponentials are all near e^50 or all near e^-50.
+    # -softcap, every row's exponentials near one another.
     batch, nq, nk, nheads, headdim = 2, 193, 301, 2, 128
     direction = rng.standard_normal(headdim)
     direction /= np.linalg.norm(direction)
