@@ -120,6 +120,31 @@ def external_stream(ptr: int):
     return _external_stream(ptr, cupy().cuda.runtime.getDevice())
 
 
+class OnExternalStream:
+    """`with OnExternalStream(device, ptr):` `device` (a CuPy Device) current, and the stream at `ptr`
+    (external_stream, made on that device) CuPy's current stream; both restored on exit. The framework
+    bindings run their calls so (cuflash.torch on torch's stream, cuflash.jax_callbacks on XLA's). A
+    class rather than a generator context manager, which costs a generator and its wrapper a call."""
+
+    __slots__ = ("device", "ptr", "stream")
+
+    def __init__(self, device, ptr: int):
+        self.device, self.ptr = device, ptr
+
+    def __enter__(self):
+        self.device.__enter__()
+        try:
+            self.stream = external_stream(self.ptr)
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(ptr: int, device_id: int):
     stream = cupy().cuda.Stream

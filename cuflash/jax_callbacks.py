@@ -20,7 +20,7 @@ from . import forward as _forward
 from . import launch as _launch
 from . import score_mods as _score_mods
 from . import validate as _validate
-from .device import cupy, external_stream, memoised_external_array
+from .device import OnExternalStream, cupy, memoised_external_array
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -101,30 +101,11 @@ def batch_shape(x, rank: int = 4) -> tuple:
     return (math.prod(x.shape[:lead]), *x.shape[lead:])
 
 
-class on_xla_stream:
+def on_xla_stream(ctx, array) -> OnExternalStream:
     """`with on_xla_stream(ctx, array):` XLA's stream as CuPy's current one, with the device of
     `array` (a view of one of the callback's buffers) current: under shard_map over several GPUs,
-    the thread that runs a device's callback need not have that device current. A class rather
-    than a generator context manager, which costs a generator and its wrapper per callback."""
-
-    __slots__ = ("device", "xla_stream", "stream")
-
-    def __init__(self, ctx, array):
-        self.device, self.xla_stream = array.device, ctx.stream
-
-    def __enter__(self):
-        self.device.__enter__()
-        try:
-            # A CuPy stream belongs to the device current at its making: looked up with the buffer's.
-            self.stream = external_stream(self.xla_stream)
-            self.stream.__enter__()
-        except BaseException:
-            self.device.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
+    the thread that runs a device's callback need not have that device current."""
+    return OnExternalStream(array.device, ctx.stream)
 
 
 def operands(slopes) -> tuple:

@@ -25,7 +25,7 @@ from . import kv_cache as _kv_cache
 from . import validate as _validate
 from . import varlen as _varlen
 from .arrays import BF16
-from .device import cupy, external_stream, memoised_external_array
+from .device import OnExternalStream, cupy, memoised_external_array
 
 
 def _gpu_index(q: torch.Tensor) -> int:
@@ -39,31 +39,13 @@ def _gpu_index(q: torch.Tensor) -> int:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-class _OnTorchStream:
-    """`with _OnTorchStream(q):` CuPy's current device is q's GPU, and its current stream torch's
+def _on_torch_stream(q: torch.Tensor) -> OnExternalStream:
+    """`with _on_torch_stream(q):` CuPy's current device is q's GPU, and its current stream torch's
     current stream there, read through torch's raw getter, which torch's generated code calls (0.1 us a
     call against 3 for torch.cuda.current_stream, H100 host)."""
-
-    __slots__ = ("index", "device", "stream")
-
-    def __init__(self, q: torch.Tensor):
-        self.index = _gpu_index(q)
-
-    def __enter__(self):
-        self.device = cupy().cuda.Device(self.index)
-        self.device.__enter__()
-        try:
-            index = self.index
-            ptr = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
-            self.stream = external_stream(ptr)  # made (once) on the device just entered
-            self.stream.__enter__()
-        except BaseException:
-            self.device.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
+    index = _gpu_index(q)
+    ptr = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+    return OnExternalStream(cupy().cuda.Device(index), ptr)
 
 
 # The dtypes the custom ops hand to cuflash, as CuPy's: tensors, lse and offsets.
@@ -148,7 +130,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.
     out = torch.empty_like(q)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     draw = _dropout_draw(dropout_p)
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _forward.attention(_cp(q), _cp(k), _cp(v), out=_cp(out), lse=_cp(lse), alibi_slopes=_cp(alibi_slopes),
                            **_dropout(dropout_p, draw),
                            **_options(causal, softmax_scale, window_left, window_right, softcap))
@@ -169,7 +151,7 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dout = dout.contiguous()  # held here: the view of it does not keep it alive
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _backward.attention_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                      dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
                                      alibi_slopes=_cp(alibi_slopes), **_dropout(dropout_p, draw),
@@ -239,7 +221,7 @@ def _fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch
     out = q.new_empty(q.shape, dtype=torch.bfloat16)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     codes = [_cp(_codes(x)) for x in (q, k, v)]
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _forward.attention(*codes, out=_cp(out), lse=_cp(lse), q_descale=_cp(q_descale), k_descale=_cp(k_descale),
                            v_descale=_cp(v_descale), **_options(causal, softmax_scale, window_left, window_right,
                                                                 softcap))
@@ -264,7 +246,7 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     draw = _dropout_draw(dropout_p)
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _varlen.attention_varlen(_cp(q), _cp(k), _cp(v), _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q,
                                  max_seqlen_k, out=_cp(out), lse=_cp(lse), alibi_slopes=_cp(alibi_slopes),
                                  **_dropout(dropout_p, draw),
@@ -287,7 +269,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dout = dout.contiguous()  # held here: the view of it does not keep it alive
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _varlen.attention_varlen_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                           _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                                           dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
@@ -324,7 +306,7 @@ def _varlen_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _varlen.attention_varlen(_cp(q), _cp(k_cache), _cp(v_cache), _cp(cu_seqlens_q), _cp(cu_seqlens_k),
                                  max_seqlen_q, max_seqlen_k, out=_cp(out), lse=_cp(lse),
                                  block_table=_cp(block_table), alibi_slopes=_cp(alibi_slopes), dropout_p=dropout_p,
@@ -424,7 +406,7 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     k_codes, v_codes = _codes(k_cache), _codes(v_cache)
-    with _OnTorchStream(q):
+    with _on_torch_stream(q):
         _kv_cache.attention_with_kvcache(
             _cp(q), _cp(k_codes), _cp(v_codes), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
             cache_batch_idx=_cp(cache_batch_idx), cache_leftpad=_cp(cache_leftpad), block_table=_cp(block_table),
