@@ -1,18 +1,24 @@
 // Dropout's keep mask, a pure function of (seed, offset, b, h, i, j): every
-// kernel family, tiling and pass regenerates the same mask from Philox4x32-10
-// (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011), and
+// kernel family, tiling and pass regenerates the same mask from Philox4x32-7
+// (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011: seven
+// rounds, the fewest that pass BigCrush, and flash-attn's count), and
 // cuflash.reference.dropout_keep_mask computes it on the host.
 //
-// One Philox call gives eight 16-bit draws: those of a unit of rows {r, r + 8}
+// One Philox call gives eight 16-bit words, one per element: those of a unit of rows {r, r + 8}
 // x columns {c, c + 1, c + 8, c + 9} of head bh = b * nheads + h (r with bit 3
 // clear, c with bits 0 and 3 clear; a sequence's own positions under varlen).
-// The draw of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
+// The word of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
 // output for counter (r, c, bh, offset_lo) and key (seed_lo, seed_hi ^ offset_hi).
 // In an mma accumulator a thread holds exactly one unit of each 16 x 16 tile
-// (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}); in the dK/dV
+// (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}), and an output word's
+// two halves are the two columns that one 16-bit register of P holds; in the dK/dV
 // kernels, holding S^T, two lanes share two units (dropout_bits_t). Element (i, j) is
-// kept when its draw is below dropout_threshold = round((1 - p) 2^16), and
-// kept values are scaled by 1 / (1 - p). The seed and offset are the
+// kept when its draw, the low 14 bits of its half (DRAW_MASK2), is below dropout_threshold =
+// round((1 - p) 2^14): 14-bit values and thresholds up to 2^14 are non-negative finite fp16
+// bit patterns, which order as the integers do, so one fp16x2 compare (set.lt.u32.f16x2)
+// decides two elements and yields the 16-bit masks that clear dropped P (keep_halves); with
+// 16 bits the patterns past 0x7c00 are NaNs. The keep rate is within 2^-15 of 1 - p.
+// Kept values are scaled by 1 / (1 - p). The seed and offset are the
 // ScoreModArgs fields, or, in the kernels built with MOD_DROPOUT_STATE (the
 // STATE arguments below), four words in device memory at dropout_state, read
 // once per tile, so that a framework's random state or a CUDA graph replay can
@@ -24,9 +30,12 @@
 
 namespace cuflash {
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 key) {
+constexpr int PHILOX_ROUNDS = 7;
+constexpr u32 DRAW_MASK2 = 0x3fff3fffu;  // the draws (low 14 bits) of an output word's two halves
+
+__device__ __forceinline__ uint4 philox4x32_7(uint4 c, uint2 key) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < PHILOX_ROUNDS; ++round) {
         const u32 lo0 = c.x * 0xD2511F53u, hi0 = __umulhi(c.x, 0xD2511F53u);
         const u32 lo1 = c.z * 0xCD9E8D57u, hi1 = __umulhi(c.z, 0xCD9E8D57u);
         c = make_uint4(hi1 ^ c.y ^ key.x, lo1, hi0 ^ c.w ^ key.y, lo0);
@@ -39,6 +48,7 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 key) {
 // A call's Philox key, offset and keep threshold, read once per tile.
 struct DropoutKey {
     u32 seed_lo, key_hi, offset_lo, threshold;  // key_hi: seed_hi ^ offset_hi
+    __device__ __forceinline__ u32 threshold2() const { return threshold * 0x10001u; }  // in both halves
 };
 
 template <bool STATE>
@@ -53,13 +63,21 @@ __device__ __forceinline__ DropoutKey dropout_key(const ScoreModArgs& args) {
 
 // The draws of the unit at (r, c) of head bh.
 __device__ __forceinline__ uint4 dropout_unit(const DropoutKey& key, int bh, int r, int c) {
-    return philox4x32_10(make_uint4((u32)r, (u32)c, (u32)bh, key.offset_lo), make_uint2(key.seed_lo, key.key_hi));
+    return philox4x32_7(make_uint4((u32)r, (u32)c, (u32)bh, key.offset_lo), make_uint2(key.seed_lo, key.key_hi));
+}
+
+// 0xffff in each 16-bit half of `word` whose draw keeps its element, else 0 (threshold2: the
+// threshold in both halves; 14-bit values compared as fp16, see above).
+__device__ __forceinline__ u32 keep_halves(u32 word, u32 threshold2) {
+    u32 mask;
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(word & DRAW_MASK2), "r"(threshold2));
+    return mask;
 }
 
 // Whether the element with draw half `half` of word `word` (a compile-time constant) is kept.
 __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4& unit, int word, int half) {
     const u32 w = word == 0 ? unit.x : word == 1 ? unit.y : word == 2 ? unit.z : unit.w;
-    return ((w >> (16 * half)) & 0xffffu) < key.threshold;
+    return ((w >> (16 * half)) & (DRAW_MASK2 & 0xffffu)) < key.threshold;
 }
 
 // The keep bits of a thread's elements of an mma accumulator tile of NT n8 tiles: bit 4 j + e
@@ -110,15 +128,35 @@ __device__ __forceinline__ void apply_dropout(float (&x)[NT][4], const KeepBits<
         for (int e = 0; e < 4; ++e) x[j][e] = bits.test(4 * j + e) ? x[j][e] * kept : 0.f;
 }
 
-// Dropout on a warp's 16-row tile of S, each unit applied as it is drawn: the forwards' form
-// (drawing the bits first, as dropout_bits does, made ptxas spill up to 180 bytes more in the
-// Hopper forward at head dims 64 and 256).
+// Dropout on a warp's 16-row tile of S in fp32, each unit applied as it is drawn: dropped
+// elements become 0, kept ones x `kept` (the sm_80 backward's dP).
 template <bool STATE, int NT>
 __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModArgs& args, int bh, int row0, int col0,
-                                             int lane, float kept = 1.f) {
+                                             int lane, float kept) {
     for_each_keep<NT, STATE>(args, bh, row0, col0, lane, [&](int i, bool keep) {
         x[i / 4][i % 4] = keep ? x[i / 4][i % 4] * kept : 0.f;
     });
+}
+
+// Dropout on a warp's 16-row tile of P packed as the A fragments of k16 steps (acc_to_a,
+// AFragments; step kk holds columns col0 + 16 kk ..): dropped 16-bit values cleared, one AND
+// a register; the kept ones' 1 / (1 - p) is left to the output's row scale. Register 0, 1, 2, 3
+// of a step holds (row r, columns c, c + 1), (r + 8, c), (r, c + 8), (r + 8, c + 8): words 0, 2,
+// 1, 3 of its unit.
+template <bool STATE, int STEPS>
+__device__ __forceinline__ void dropout_packed(u32 (&p)[STEPS][4], const ScoreModArgs& args, int bh, int row0,
+                                               int col0, int lane) {
+    const DropoutKey key = dropout_key<STATE>(args);
+    const u32 threshold2 = key.threshold2();
+    const int r = row0 + (lane >> 2);
+#pragma unroll
+    for (int kk = 0; kk < STEPS; ++kk) {
+        const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * kk + 2 * (lane & 3));
+        p[kk][0] &= keep_halves(unit.x, threshold2);
+        p[kk][1] &= keep_halves(unit.z, threshold2);
+        p[kk][2] &= keep_halves(unit.y, threshold2);
+        p[kk][3] &= keep_halves(unit.w, threshold2);
+    }
 }
 
 // The keep bits of a warp's 16 keys x 8 NT queries of S^T in the mma accumulator layout: keys

@@ -200,11 +200,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             online_softmax_sm80(acc_s[mt], acc_o[mt], row_max[mt], row_sum[mt], scale_log2);
-            // Dropout after the row sums: the softmax normalises the undropped P.
-            if constexpr (decltype(mods)::DROPOUT)
-                dropout_tile<Mods::DROPOUT_STATE>(acc_s[mt], mod_args, b * nheads + h, m0 + warp_row0 + mt * 16, n0,
-                                                  lane);
             acc_to_a<BF16, T::NTILES_S>(p_frag[mt], acc_s[mt]);
+            // Dropout after the row sums (the softmax normalises the undropped P), on the packed P.
+            if constexpr (decltype(mods)::DROPOUT)
+                dropout_packed<Mods::DROPOUT_STATE>(p_frag[mt], mod_args, b * nheads + h, m0 + warp_row0 + mt * 16,
+                                                    n0, lane);
         }
 
         cp_async_wait<PIPE_WAIT>();  // V[t] landed

@@ -211,19 +211,21 @@ __global__ void __launch_bounds__(384, 1)
                 if (i == n_blocks - 1) thread_arrive(sm.empty_q());
             };
             const int row0 = m0 + warp_row0;
-            // Dropout after the row sums (the softmax normalises the undropped P): dropped P
-            // zeroed here, the kept ones' 1 / (1 - p) left to the epilogue's row scale (a multiply
-            // a score fewer in the softmax turn).
             // row_bias: ALiBi's row part of the block's scores where ROW_BIAS (apply_score_mods), else 0.
             constexpr bool ROW_BIAS = Mods::ALIBI && D <= 128;
-            auto softmax = [&](float (&acc_s)[NT_S * 4], int n0, const float (&row_bias)[2]) {
+            auto softmax = [&](float (&acc_s)[NT_S * 4], const float (&row_bias)[2]) {
                 turns.begin_softmax();
                 online_softmax_sm90<NT_S, MAX_CHAINS, SUM_CHAINS, FP8, ROW_BIAS>(acc_s, acc.row_max, acc.row_sum,
                                                                                alpha, qk_scale_log2, row_bias);
-                if constexpr (Mods::DROPOUT)
-                    dropout_tile<Mods::DROPOUT_STATE>(reinterpret_cast<float(&)[NT_S][4]>(acc_s), mod_args,
-                                                      tile.b * nheads + tile.h, row0, n0, lane);
                 turns.end_softmax();
+            };
+            // P as the A operand of P V. Dropout after the row sums (the softmax normalises the
+            // undropped P): dropped values cleared in the packed P, the kept ones' 1 / (1 - p) left to
+            // the epilogue's row scale.
+            auto pack_p = [&](const float (&acc_s)[NT_S * 4], int n0) {
+                p_frag.pack(acc_s);
+                if constexpr (Mods::DROPOUT)
+                    dropout_packed<Mods::DROPOUT_STATE>(p_frag.r, mod_args, tile.b * nheads + tile.h, row0, n0, lane);
             };
 
             // Key block 0: S_0 alone.
@@ -243,8 +245,8 @@ __global__ void __launch_bounds__(384, 1)
                     apply_score_mods<true, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
                 else
                     apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
-                softmax(acc_s, (hi - 1) * BC, row_bias);
-                p_frag.pack(acc_s);
+                softmax(acc_s, row_bias);
+                pack_p(acc_s, (hi - 1) * BC);
             }
 
             // Key block i: S_i and P_{i-1} V_{i-1} in one turn; the softmax of S_i
@@ -269,7 +271,7 @@ __global__ void __launch_bounds__(384, 1)
                 float row_bias[2] = {0.f, 0.f};
                 apply_score_mods<decltype(masked)::value, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane,
                                                                           row_bias);
-                softmax(acc_s, (hi - 1 - i) * BC, row_bias);
+                softmax(acc_s, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it
                 // (+3-5% at head dims 128 and 256, fp8 at 256 +5-9%; head dim 64,
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<0>();
                 warp_arrive(sm.empty_v(st_prev), lane);
                 rescale_o<NT_O>(acc.o, alpha);
-                p_frag.pack(acc_s);
+                pack_p(acc_s, (hi - 1 - i) * BC);
             };
             int i = 1;
             for (; i < n_masked; ++i) step(i, BoolConst<true>{});

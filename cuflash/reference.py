@@ -51,6 +51,8 @@ from typing import NamedTuple
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" NumPy dtype)
 import numpy as np
 
+from .score_mods import DROPOUT_DRAW_BITS, Dropout
+
 
 def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
     """Boolean (seqlen_q, seqlen_k) matrix, True where query i may see key j."""
@@ -643,14 +645,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+PHILOX_ROUNDS = 7  # cuda_src/dropout.cuh
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of uint32 arrays: counter (4, ...) and key (2, ...); returns (4, ...) uint32."""
+def philox4x32(counter, key, rounds=PHILOX_ROUNDS):
+    """Philox4x32 of uint32 arrays with `rounds` rounds: counter (4, ...) and key (2, ...); returns
+    (4, ...) uint32."""
     c = [np.asarray(x, np.uint64) for x in counter]
     k = [np.asarray(x, np.uint64) for x in key]
     mask = np.uint64(0xFFFFFFFF)
-    for _ in range(10):
+    for _ in range(rounds):
         p0 = c[0] * np.uint64(_PHILOX_M[0])
         p1 = c[2] * np.uint64(_PHILOX_M[1])
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k[0], p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k[1], p0 & mask]
@@ -660,14 +664,15 @@ def philox4x32_10(counter, key):
 
 def dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
     """The keep mask the kernels draw for dropout_p with (seed, offset): bool (batch, nheads, seqlen_q,
-    seqlen_k), element (b, h, i, j) kept when its 16-bit Philox draw is below round((1 - p) 2^16)
+    seqlen_k), element (b, h, i, j) kept when its Philox4x32-7 draw (the low DROPOUT_DRAW_BITS bits of
+    a 16-bit half of an output word) is below Dropout.threshold, round((1 - p) 2^DROPOUT_DRAW_BITS)
     (cuda_src/dropout.cuh: the unit of rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9})."""
     b, h, i, j = np.meshgrid(np.arange(batch), np.arange(nheads), np.arange(seqlen_q), np.arange(seqlen_k),
                              indexing="ij")
     counter = (i & ~8, j & ~9, b * nheads + h, np.full(i.shape, offset & 0xFFFFFFFF))
     key = (np.full(i.shape, seed & 0xFFFFFFFF), np.full(i.shape, (seed >> 32) ^ (offset >> 32)))
-    words = philox4x32_10(counter, key)
+    words = philox4x32(counter, key)
     word = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
     picked = np.take_along_axis(words, word[None].astype(np.int64), axis=0)[0]
-    draws = (picked >> (16 * (j & 1)).astype(np.uint32)) & 0xFFFF
-    return draws < round((1.0 - float(dropout_p)) * (1 << 16))
+    draws = (picked >> (16 * (j & 1)).astype(np.uint32)) & ((1 << DROPOUT_DRAW_BITS) - 1)
+    return draws < Dropout(float(dropout_p), seed, offset).threshold

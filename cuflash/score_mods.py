@@ -62,16 +62,18 @@ class Dropout:
 
     @property
     def threshold(self) -> int:
-        """Draws (16 bits) below this are kept."""
+        """Draws (DROPOUT_DRAW_BITS bits) below this are kept."""
         return round((1.0 - self.p) * (1 << DROPOUT_DRAW_BITS))
 
 
 # A seed and offset held on the device: seed low, seed high, offset low, offset high (uint32).
 DROPOUT_STATE_WORDS = 4
 
-# Bits of each element's uniform draw (eight draws per Philox call; 8 bits would leave the keep rate
-# up to 1/512 off 1 - p, beyond 4 sigma of a million elements).
-DROPOUT_DRAW_BITS = 16
+# Bits of each element's uniform draw, the low bits of a 16-bit half of a Philox output word (eight
+# draws per call). 14: two draws compare as fp16 values at once (cuda_src/dropout.cuh), and the
+# keep rate stays within 2^-15 of 1 - p, inside 4 sigma up to about 10^9 elements at p = 0.1
+# (8 bits, as flash-attn draws, would leave it up to 1/512 off, beyond 4 sigma of a million).
+DROPOUT_DRAW_BITS = 14
 
 
 @dataclasses.dataclass(frozen=True)

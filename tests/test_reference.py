@@ -19,8 +19,11 @@ from cuflash.reference import (
     attention_varlen_backward_naive_lowp,
     attention_varlen_naive_lowp,
     causal_mask,
+    dropout_keep_mask,
+    philox4x32,
     visible_mask,
 )
+from cuflash.score_mods import DROPOUT_DRAW_BITS
 
 
 def sees(row, col, nq, nk, causal, window_size):
@@ -637,6 +640,48 @@ def test_dropout_bad_arguments(fn):
     for p in (1.0, -0.1, float("nan")):
         with pytest.raises(ValueError, match="dropout_p"):
             call(dropout_mask=np.ones((1, 2, 3, 4), bool), dropout_p=p)
+
+
+
+# Random123's published known-answer vectors for Philox4x32 (counter, key, output; 7 and 10 rounds).
+PHILOX_KAT = {
+    7: [((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A))],
+    10: [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+         ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+         ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+          (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))],
+}
+
+
+@pytest.mark.parametrize("rounds", sorted(PHILOX_KAT))
+def test_philox_known_answers(rounds):
+    for counter, key, expected in PHILOX_KAT[rounds]:
+        out = philox4x32([np.uint32(x) for x in counter], [np.uint32(x) for x in key], rounds)
+        assert [int(x) for x in out] == list(expected)
+
+
+def test_draws_compare_as_fp16_like_integers():
+    """The kernels decide two elements at once with an fp16x2 compare of the 14-bit draws against the
+    threshold (cuda_src/dropout.cuh, keep_halves): it must agree with the integer compare for every
+    draw and every threshold from 0 to 2^14."""
+    draws = np.arange(1 << DROPOUT_DRAW_BITS, dtype=np.uint16)
+    as_fp16 = draws.view(np.float16)
+    for threshold in (0, 1, 2, 1023, 1024, 1025, 14746, (1 << DROPOUT_DRAW_BITS) - 1, 1 << DROPOUT_DRAW_BITS):
+        fp16_threshold = np.array([threshold], np.uint16).view(np.float16)[0]
+        np.testing.assert_array_equal(as_fp16 < fp16_threshold, draws < threshold)
+
+
+def test_keep_rate_is_one_minus_p():
+    """Over 4.3 million elements the keep mask's rate is within 4 sigma of 1 - p, for p near 0, 0.1,
+    0.5 and near 1, and each offset gives another mask."""
+    for p in (0.01, 0.1, 0.5, 0.97):
+        mask = dropout_keep_mask(11, 5, 2, 4, 512, 1056, p)
+        sigma = math.sqrt(p * (1 - p) / mask.size)
+        assert abs(mask.mean() - (1 - p)) < 4 * sigma
+    assert (dropout_keep_mask(11, 5, 1, 1, 64, 64, 0.5) != dropout_keep_mask(11, 6, 1, 1, 64, 64, 0.5)).any()
 
 
 # --- Variable-length batches --------------------------------------------------
