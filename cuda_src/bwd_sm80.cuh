@@ -334,15 +334,15 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 
             // P^T rounded to 16 bits: the A operand of dV += P^T dO, and the P of
             // dS below (as in the naive computation in the input dtype); the
-            // fp32 scores die here. Dropout: dV += (P o M / (1 - p))^T dO, and
-            // dS = P o (dP o M / (1 - p) - delta) with the keep mask M.
+            // fp32 scores die here. Dropout: dV += (P o M)^T dO (its 1 / (1 - p) left to
+            // the epilogue), and dS = P o (dP o M / (1 - p) - delta) with the keep mask M.
             u32 p_frag[KS_C][4];
             acc_to_a<BF16, NT_C>(p_frag, acc_s);
             KeepBits<NT_C> kept{};
             if constexpr (Mods::DROPOUT) {
                 kept = dropout_bits_t<NT_C, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, mc, n0 + warp_key0,
                                                                  lane);
-                apply_dropout(acc_s, kept, mod_args.dropout_scale);
+                apply_dropout(acc_s, kept, 1.f);
                 u32 dropped_frag[KS_C][4];
                 acc_to_a<BF16, NT_C>(dropped_frag, acc_s);
                 gemm_rs_nn<BF16, KS_C, NT_D>(acc_dv, dropped_frag, do_smem, q_bt_off, qc);
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     __syncthreads();  // every warp is done with K and V: their tiles take dK and dV
 
     acc_to_smem<BF16, BC, D>(sK, acc_dk, warp_key0, scale, lane);
-    acc_to_smem<BF16, BC, D>(sV, acc_dv, warp_key0, 1.f, lane);
+    acc_to_smem<BF16, BC, D>(sV, acc_dv, warp_key0, Mods::DROPOUT ? mod_args.dropout_scale : 1.f, lane);
     __syncthreads();
     store_tile<BC, D, THREADS>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sn, sK, dk_sn, nk - n0, d, tid);
     store_tile<BC, D, THREADS>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sn, sV, dv_sn, nk - n0, d, tid);

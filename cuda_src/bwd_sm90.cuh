@@ -437,8 +437,8 @@ __global__ void __launch_bounds__(384, 1)
                     }
                 }
             }
-            if constexpr (Mods::DROPOUT)
-                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, mod_args.dropout_scale);
+            if constexpr (Mods::DROPOUT)  // (P o M)^T: dV's 1 / (1 - p) is left to its epilogue
+                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, 1.f);
             AFragments<DTYPE, BM> p_frag, ds_frag;
             p_frag.pack(acc_s);
             ds_frag.pack(acc_dp);
@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int r = 0; r < 2; ++r) {
             const int key = key_lane0 + 8 * r;
             store_acc_row<IS_BF16, NT_D>(acc_dk, r, scale, dk_head + key * dk_sn, key < seq.nk, d, lane);
-            store_acc_row<IS_BF16, NT_D>(acc_dv, r, 1.f, dv_head + key * dv_sn, key < seq.nk, d, lane);
+            store_acc_row<IS_BF16, NT_D>(acc_dv, r, Mods::DROPOUT ? mod_args.dropout_scale : 1.f,
+                                         dv_head + key * dv_sn, key < seq.nk, d, lane);
         }
         if constexpr (!PERSISTENT) break;
     }

@@ -109,13 +109,34 @@ __device__ __forceinline__ void for_each_keep(const ScoreModArgs& args, int bh, 
     }
 }
 
-// The keep bits of a warp's 16-row tile of S.
+// keep_halves of a unit's four words, each reduced to bit 0 (the low half's keep) and bit 16 (the high
+// half's): word w's at bits 2 w and 2 w + 16 (one fp16x2 compare per two draws; dropout_bits,
+// dropout_bits_t).
+__device__ __forceinline__ u32 unit_keep_pairs(const uint4& unit, u32 threshold2) {
+    const u32 words[4] = {unit.x, unit.y, unit.z, unit.w};
+    u32 pairs = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) pairs |= (keep_halves(words[w], threshold2) & 0x00010001u) << (2 * w);
+    return pairs;
+}
+
+// The keep bits of a warp's 16-row tile of S: for n8 tile 2 jj + t, element e (row half e / 2,
+// column e % 2) has word 2 (e / 2) + t's half e % 2, from unit_keep_pairs' bits 2 (2 (e / 2) + t) and + 16.
 template <int NT, bool STATE>
 __device__ __forceinline__ KeepBits<NT> dropout_bits(const ScoreModArgs& args, int bh, int row0, int col0, int lane) {
+    static_assert(NT % 2 == 0, "units span two n8 tiles");
+    const DropoutKey key = dropout_key<STATE>(args);
+    const u32 threshold2 = key.threshold2();
+    const int r = row0 + (lane >> 2);
     KeepBits<NT> bits{};
-    for_each_keep<NT, STATE>(args, bh, row0, col0, lane, [&](int i, bool keep) {
-        if (keep) bits.set(i);
-    });
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+        const u32 pairs = unit_keep_pairs(dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3)), threshold2);
+        const u32 folded = (pairs | (pairs >> 15)) & 0xffu;  // word w's low and high halves at bits 2 w, 2 w + 1
+        // tile t's nibble: words t, then 2 + t (words 1 and 2 swap places)
+        const u32 byte = (folded & 0xc3u) | ((folded & 0x0cu) << 2) | ((folded & 0x30u) >> 2);
+        bits.words[jj / 4] |= byte << (8 * (jj % 4));
+    }
     return bits;
 }
 
@@ -170,22 +191,17 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits_t(const ScoreModArgs& args,
                                                        int lane) {
     static_assert(NT % 2 == 0, "units span two n8 tiles");
     const DropoutKey key = dropout_key<STATE>(args);
+    const u32 threshold2 = key.threshold2();
     const int c = key0 + ((lane >> 2) & ~1), half = (lane >> 2) & 1;
     KeepBits<NT> bits{};
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
         // this lane's unit: query q0 + half (and + 8), keys c, c + 1, c + 8, c + 9
-        const uint4 unit = dropout_unit(key, bh, query0 + 16 * jj + 2 * (lane & 3) + half, c);
-        // bit 4 t + 2 e1 of `own` / `partner`: the element of query + 8 t and key + 8 e1 in this
-        // lane's / the partner's half (key c + half / c + 1 - half)
-        u32 own = 0, partner = 0;
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) {
-                own |= (u32)dropout_keeps(key, unit, 2 * t + e1, half) << (4 * t + 2 * e1);
-                partner |= (u32)dropout_keeps(key, unit, 2 * t + e1, half ^ 1) << (4 * t + 2 * e1);
-            }
+        const u32 pairs = unit_keep_pairs(dropout_unit(key, bh, query0 + 16 * jj + 2 * (lane & 3) + half, c),
+                                          threshold2);
+        // bit 4 t + 2 e1 (= 2 w for word w = 2 t + e1) of `own` / `partner`: the element of query + 8 t
+        // and key + 8 e1 in this lane's / the partner's half (key c + half / c + 1 - half)
+        const u32 own = (pairs >> (16 * half)) & 0x55u, partner = (pairs >> (16 * (half ^ 1))) & 0x55u;
         const u32 from_partner = __shfl_xor_sync(0xffffffffu, partner, 4);  // query q0 + (half ^ 1)'s unit
         // element e = 2 e1 + e0 of n8 tile 2 jj + t: query offset e0 comes from unit half == e0
         const u32 byte = (own << half) | (from_partner << (half ^ 1));
