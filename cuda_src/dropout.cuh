@@ -159,25 +159,46 @@ __device__ __forceinline__ void dropout_tile(float (&x)[NT][4], const ScoreModAr
     });
 }
 
-// Dropout on a warp's 16-row tile of P packed as the A fragments of k16 steps (acc_to_a,
-// AFragments; step kk holds columns col0 + 16 kk ..): dropped 16-bit values cleared, one AND
-// a register; the kept ones' 1 / (1 - p) is left to the output's row scale. Register 0, 1, 2, 3
-// of a step holds (row r, columns c, c + 1), (r + 8, c), (r, c + 8), (r + 8, c + 8): words 0, 2,
-// 1, 3 of its unit.
+// The keep masks of a warp's 16-row tile of P packed as the A fragments of k16 steps (acc_to_a,
+// AFragments; step kk holds columns col0 + 16 kk ..): register i of step kk is 0xffff in each
+// 16-bit half whose element is kept. Register 0, 1, 2, 3 of a step holds (row r, columns c, c + 1),
+// (r + 8, c), (r, c + 8), (r + 8, c + 8): words 0, 2, 1, 3 of its unit.
+template <int STEPS>
+struct PackedKeepMasks {
+    u32 m[STEPS][4];
+    // Dropped 16-bit values of steps p[0 .. STEPS) cleared, one AND a register; the kept ones'
+    // 1 / (1 - p) is left to the output's row scale.
+    __device__ __forceinline__ void apply(u32 (*p)[4]) const {
+#pragma unroll
+        for (int kk = 0; kk < STEPS; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p[kk][i] &= m[kk][i];
+    }
+};
+
 template <bool STATE, int STEPS>
-__device__ __forceinline__ void dropout_packed(u32 (&p)[STEPS][4], const ScoreModArgs& args, int bh, int row0,
-                                               int col0, int lane) {
+__device__ __forceinline__ PackedKeepMasks<STEPS> dropout_masks(const ScoreModArgs& args, int bh, int row0, int col0,
+                                                                int lane) {
     const DropoutKey key = dropout_key<STATE>(args);
     const u32 threshold2 = key.threshold2();
     const int r = row0 + (lane >> 2);
+    PackedKeepMasks<STEPS> masks;
 #pragma unroll
     for (int kk = 0; kk < STEPS; ++kk) {
         const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * kk + 2 * (lane & 3));
-        p[kk][0] &= keep_halves(unit.x, threshold2);
-        p[kk][1] &= keep_halves(unit.z, threshold2);
-        p[kk][2] &= keep_halves(unit.y, threshold2);
-        p[kk][3] &= keep_halves(unit.w, threshold2);
+        masks.m[kk][0] = keep_halves(unit.x, threshold2);
+        masks.m[kk][1] = keep_halves(unit.z, threshold2);
+        masks.m[kk][2] = keep_halves(unit.y, threshold2);
+        masks.m[kk][3] = keep_halves(unit.w, threshold2);
     }
+    return masks;
+}
+
+// Dropout on a warp's 16-row tile of P packed as A fragments, each unit drawn where it is applied.
+template <bool STATE, int STEPS>
+__device__ __forceinline__ void dropout_packed(u32 (&p)[STEPS][4], const ScoreModArgs& args, int bh, int row0,
+                                               int col0, int lane) {
+    dropout_masks<STATE, STEPS>(args, bh, row0, col0, lane).apply(p);
 }
 
 // The keep bits of a warp's 16 keys x 8 NT queries of S^T in the mma accumulator layout: keys

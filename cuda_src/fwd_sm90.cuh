@@ -219,13 +219,25 @@ __global__ void __launch_bounds__(384, 1)
                                                                                alpha, qk_scale_log2, row_bias);
                 turns.end_softmax();
             };
-            // P as the A operand of P V. Dropout after the row sums (the softmax normalises the
-            // undropped P): dropped values cleared in the packed P, the kept ones' 1 / (1 - p) left to
-            // the epilogue's row scale.
-            auto pack_p = [&](const float (&acc_s)[NT_S * 4], int n0) {
-                p_frag.pack(acc_s);
+            // Dropout after the row sums (the softmax normalises the undropped P): keep masks clear
+            // dropped values in the packed P, the kept ones' 1 / (1 - p) left to the epilogue's row
+            // scale. The masks of a block's first EARLY steps are drawn while its S GEMM runs, the
+            // others as P is packed.
+            constexpr int STEPS = AFragments<T::DTYPE, BC>::STEPS, EARLY = STEPS / 4;
+            using KeepMasks = PackedKeepMasks<Mods::DROPOUT ? EARLY : 1>;
+            const int bh = tile.b * nheads + tile.h;
+            auto draw_masks = [&](KeepMasks& masks, int n0) {
                 if constexpr (Mods::DROPOUT)
-                    dropout_packed<Mods::DROPOUT_STATE>(p_frag.r, mod_args, tile.b * nheads + tile.h, row0, n0, lane);
+                    masks = dropout_masks<Mods::DROPOUT_STATE, EARLY>(mod_args, bh, row0, n0, lane);
+            };
+            // P as the A operand of P V.
+            auto pack_p = [&](const float (&acc_s)[NT_S * 4], const KeepMasks& masks, int n0) {
+                p_frag.pack(acc_s);
+                if constexpr (Mods::DROPOUT) {
+                    masks.apply(p_frag.r);
+                    dropout_masks<Mods::DROPOUT_STATE, STEPS - EARLY>(mod_args, bh, row0, n0 + 16 * EARLY, lane)
+                        .apply(p_frag.r + EARLY);
+                }
             };
 
             // Key block 0: S_0 alone.
@@ -238,6 +250,8 @@ __global__ void __launch_bounds__(384, 1)
                 issue_s(acc_s, st);
                 wgmma_commit();
                 turns.end_gemms();
+                KeepMasks masks;
+                draw_masks(masks, (hi - 1) * BC);
                 wgmma_wait<0>();
                 after_s(0, st);
                 float row_bias[2] = {0.f, 0.f};
@@ -246,7 +260,7 @@ __global__ void __launch_bounds__(384, 1)
                 else
                     apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
                 softmax(acc_s, row_bias);
-                pack_p(acc_s, (hi - 1) * BC);
+                pack_p(acc_s, masks, (hi - 1) * BC);
             }
 
             // Key block i: S_i and P_{i-1} V_{i-1} in one turn; the softmax of S_i
@@ -266,6 +280,8 @@ __global__ void __launch_bounds__(384, 1)
                 issue_pv(st_prev);
                 wgmma_commit();
                 turns.end_gemms();
+                KeepMasks masks;
+                draw_masks(masks, (hi - 1 - i) * BC);
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 float row_bias[2] = {0.f, 0.f};
@@ -280,7 +296,7 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<0>();
                 warp_arrive(sm.empty_v(st_prev), lane);
                 rescale_o<NT_O>(acc.o, alpha);
-                pack_p(acc_s, (hi - 1 - i) * BC);
+                pack_p(acc_s, masks, (hi - 1 - i) * BC);
             };
             int i = 1;
             for (; i < n_masked; ++i) step(i, BoolConst<true>{});
