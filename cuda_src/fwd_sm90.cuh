@@ -235,8 +235,9 @@ __global__ void __launch_bounds__(384, 1)
                 p_frag.pack(acc_s);
                 if constexpr (Mods::DROPOUT) {
                     masks.apply(p_frag.r);
-                    dropout_masks<Mods::DROPOUT_STATE, STEPS - EARLY>(mod_args, bh, row0, n0 + 16 * EARLY, lane)
-                        .apply(p_frag.r + EARLY);
+                    if constexpr (EARLY < STEPS)
+                        dropout_masks<Mods::DROPOUT_STATE, STEPS - EARLY>(mod_args, bh, row0, n0 + 16 * EARLY, lane)
+                            .apply(p_frag.r + EARLY);
                 }
             };
 

@@ -127,14 +127,26 @@ HEURISTIC_SM90 = {
 SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 2048})}
 
 
+# With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
+# (128 keys, no ping-pong). Forward with dropout 0.1 over the plain forward's time, same process,
+# H100, fp16, 16k tokens, hidden 2048 (bench/PERFLOG.md, "Dropout: the head-dim-64 tile"): 1.41-1.52
+# at 2k and 8k, both masks, against 1.42-1.59 on the table's 192-key ping-pong tiles. Head dim 128:
+# the table's tiles; without ping-pong within -2% to +0.3% of them.
+SM90_DROPOUT = {64: SM90_SHORT_KEYS[64][0]}
+
+
 def sm90_table_configs() -> list[FwdSm90Config]:
     """Every 16-bit Hopper config the tables choose (for the compile and SASS checks)."""
-    return list(HEURISTIC_SM90.values()) + [cfg for cfg, _ in SM90_SHORT_KEYS.values()]
+    configs = list(HEURISTIC_SM90.values()) + [cfg for cfg, _ in SM90_SHORT_KEYS.values()]
+    return configs + [cfg for cfg in SM90_DROPOUT.values() if cfg not in configs]
 
 
-def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool) -> FwdSm90Config | None:
-    """The Hopper table's config for a kernel head dim, key length and mask, if it has one."""
+def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool,
+                          dropout: bool = False) -> FwdSm90Config | None:
+    """The Hopper table's config for a kernel head dim, key length, mask and dropout, if it has one."""
     headdim = sm90_headdim(kernel_headdim)
+    if dropout and headdim in SM90_DROPOUT:
+        return SM90_DROPOUT[headdim]
     short = SM90_SHORT_KEYS.get(headdim)
     if short is not None and seqlen_k <= short[1][causal]:
         return short[0]
@@ -191,7 +203,8 @@ def small_fwd_configs(kd: int) -> tuple[FwdConfig, ...]:
 def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
-    sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal)
+    sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal,
+                                  problem.mods.dropout is not None)
             if problem.arch == 90 else None)
     if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
         return sm90

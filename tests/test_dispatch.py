@@ -1,9 +1,12 @@
 """Kernel choice without a GPU: family per architecture, shared-memory fallbacks."""
 
+import dataclasses
+
 import pytest
 
 from cuflash import dispatch
 from cuflash.config import KERNEL_HEADDIMS, SM90_SMEM_LIMIT, FwdConfig, FwdSm90Config, kernel_headdim
+from cuflash.score_mods import Dropout, ScoreMods
 
 H200_SMEM = SM90_SMEM_LIMIT
 ADA_SMEM = 99 * 1024  # sm_86 / sm_89 opt-in shared memory per block
@@ -31,6 +34,17 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
     assert (dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=longest + 1, causal=causal))
             == dispatch.HEURISTIC_SM90[64])
     assert dispatch.heuristic_fwd_config(problem(128, arch=90, seqlen=512, causal=causal)) == dispatch.HEURISTIC_SM90[128]
+
+
+@pytest.mark.parametrize("seqlen", [512, 2048, 16384])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_dropout_tiles(seqlen, causal):
+    # With dropout, head dim 64 takes the dropout table's tiles at every length; head dim 128 its own.
+    dropout = ScoreMods(dropout=Dropout(0.1, 1, 0))
+    for headdim, expected in ((64, dispatch.SM90_DROPOUT[64]), (128, dispatch.HEURISTIC_SM90[128])):
+        with_dropout = dataclasses.replace(problem(headdim, arch=90, seqlen=seqlen, causal=causal), mods=dropout)
+        assert dispatch.heuristic_fwd_config(with_dropout) == expected
+    assert dispatch.SM90_DROPOUT[64] in dispatch.sm90_table_configs()
 
 
 @pytest.mark.parametrize("headdim", [8, 32])
