@@ -4,10 +4,10 @@
 // rounds, the fewest that pass BigCrush, and flash-attn's count), and
 // cuflash.reference.dropout_keep_mask computes it on the host.
 //
-// One Philox call gives eight 16-bit words, one per element: those of a unit of rows {r, r + 8}
+// One Philox call gives eight 16-bit halves, one per element: those of a unit of rows {r, r + 8}
 // x columns {c, c + 1, c + 8, c + 9} of head bh = b * nheads + h (r with bit 3
 // clear, c with bits 0 and 3 clear; a sequence's own positions under varlen).
-// The word of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
+// The half of (r + 8 a, c + b0 + 8 b1) is half b0 of word 2 a + b1 of the
 // output for counter (r, c, bh, offset_lo) and key (seed_lo, seed_hi ^ offset_hi).
 // In an mma accumulator a thread holds exactly one unit of each 16 x 16 tile
 // (rows lane / 4 and + 8, columns 2 (lane % 4) + {0, 1, 8, 9}), and an output word's
@@ -86,7 +86,6 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4
 template <int NT>
 struct KeepBits {  // KeepBits<NT>{}: none kept
     u32 words[(4 * NT + 31) / 32];
-    __device__ __forceinline__ void set(int i) { words[i / 32] |= 1u << (i % 32); }
     __device__ __forceinline__ bool test(int i) const { return (words[i / 32] >> (i % 32)) & 1; }
 };
 

@@ -222,7 +222,9 @@ __global__ void __launch_bounds__(384, 1)
             // Dropout after the row sums (the softmax normalises the undropped P): keep masks clear
             // dropped values in the packed P, the kept ones' 1 / (1 - p) left to the epilogue's row
             // scale. The masks of a block's first EARLY steps are drawn while its S GEMM runs, the
-            // others as P is packed.
+            // others as P is packed: a quarter early took head dim 128 causal from 1.72 to 1.50x the
+            // plain forward at 8k, others within 2%; half or all of them spilled and ran slower
+            // (same-process A/B, bench/PERFLOG.md, "Dropout: seven Philox rounds").
             constexpr int STEPS = AFragments<T::DTYPE, BC>::STEPS, EARLY = STEPS / 4;
             using KeepMasks = PackedKeepMasks<Mods::DROPOUT ? EARLY : 1>;
             const int bh = tile.b * nheads + tile.h;
