@@ -45,7 +45,7 @@ struct ScoreModArgs {
     int num_seqs;                   // varlen: sequences in the batch
     unsigned dropout_seed_lo, dropout_seed_hi;      // dropout (dropout.cuh): the Philox key
     unsigned dropout_offset_lo, dropout_offset_hi;  // and the stream's offset
-    unsigned dropout_threshold;                     // keep a draw below this (of 2^16)
+    unsigned dropout_threshold;                     // keep a draw below this (of 2^14: dropout.cuh)
     float dropout_scale;                            // 1 / (1 - p)
     const unsigned* dropout_state;                  // MOD_DROPOUT_STATE: seed lo, hi, offset lo, hi
 };
