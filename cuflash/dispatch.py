@@ -129,9 +129,9 @@ SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024,
 
 # With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
 # (128 keys, no ping-pong). Forward with dropout 0.1 over the plain forward's time, same process,
-# H100, fp16, 16k tokens, hidden 2048 (bench/PERFLOG.md, "Dropout: the head-dim-64 tile"): 1.41-1.52
+# H100, fp16, 16k tokens, hidden 2048 (bench/PERFLOG.md, "Dropout: the head-dim-64 tile"): 1.42-1.52
 # at 2k and 8k, both masks, against 1.42-1.59 on the table's 192-key ping-pong tiles. Head dim 128:
-# the table's tiles; without ping-pong within -2% to +0.3% of them.
+# the table's tiles (without ping-pong -6% to +3% of them in two runs, no sign that held).
 SM90_DROPOUT = {64: SM90_SHORT_KEYS[64][0]}
 
 
