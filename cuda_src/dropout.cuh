@@ -74,12 +74,6 @@ __device__ __forceinline__ u32 keep_halves(u32 word, u32 threshold2) {
     return mask;
 }
 
-// Whether the element with draw half `half` of word `word` (a compile-time constant) is kept.
-__device__ __forceinline__ bool dropout_keeps(const DropoutKey& key, const uint4& unit, int word, int half) {
-    const u32 w = word == 0 ? unit.x : word == 1 ? unit.y : word == 2 ? unit.z : unit.w;
-    return ((w >> (16 * half)) & (DRAW_MASK2 & 0xffffu)) < key.threshold;
-}
-
 // The keep bits of a thread's elements of an mma accumulator tile of NT n8 tiles: bit 4 j + e
 // (of word (4 j + e) / 32) for element e of n8 tile j. Drawn before the scores they mask are in,
 // so that the Philox rounds overlap the GEMM that computes them.
@@ -88,25 +82,6 @@ struct KeepBits {  // KeepBits<NT>{}: none kept
     u32 words[(4 * NT + 31) / 32];
     __device__ __forceinline__ bool test(int i) const { return (words[i / 32] >> (i % 32)) & 1; }
 };
-
-// Each keep decision of a warp's 16-row tile of S (rows are queries), tile row0 and first column
-// col0 (multiples of 16), as its unit is drawn: visit(i, keep) for element i = 4 j + e of n8 tile j.
-// In S's accumulator layout a thread holds exactly one unit of each 16 x 16 tile.
-template <int NT, bool STATE, class Visit>
-__device__ __forceinline__ void for_each_keep(const ScoreModArgs& args, int bh, int row0, int col0, int lane,
-                                              Visit&& visit) {
-    static_assert(NT % 2 == 0, "units span two n8 tiles");
-    const DropoutKey key = dropout_key<STATE>(args);
-    const int r = row0 + (lane >> 2);
-#pragma unroll
-    for (int jj = 0; jj < NT / 2; ++jj) {
-        const uint4 unit = dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3));
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) visit(4 * (2 * jj + t) + e, dropout_keeps(key, unit, 2 * (e >> 1) + t, e & 1));
-    }
-}
 
 // keep_halves of a unit's four words, each reduced to bit 0 (the low half's keep) and bit 16 (the high
 // half's): word w's at bits 2 w and 2 w + 16 (one fp16x2 compare per two draws; dropout_bits,
@@ -117,6 +92,28 @@ __device__ __forceinline__ u32 unit_keep_pairs(const uint4& unit, u32 threshold2
 #pragma unroll
     for (int w = 0; w < 4; ++w) pairs |= (keep_halves(words[w], threshold2) & 0x00010001u) << (2 * w);
     return pairs;
+}
+
+// Each keep decision of a warp's 16-row tile of S (rows are queries), tile row0 and first column
+// col0 (multiples of 16), as its unit is drawn: visit(i, keep) for element i = 4 j + e of n8 tile j.
+// In S's accumulator layout a thread holds exactly one unit of each 16 x 16 tile; element e of n8
+// tile 2 jj + t has word 2 (e / 2) + t's half e % 2 (unit_keep_pairs' bit 2 (2 (e / 2) + t) + 16 (e % 2)).
+template <int NT, bool STATE, class Visit>
+__device__ __forceinline__ void for_each_keep(const ScoreModArgs& args, int bh, int row0, int col0, int lane,
+                                              Visit&& visit) {
+    static_assert(NT % 2 == 0, "units span two n8 tiles");
+    const DropoutKey key = dropout_key<STATE>(args);
+    const u32 threshold2 = key.threshold2();
+    const int r = row0 + (lane >> 2);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+        const u32 pairs = unit_keep_pairs(dropout_unit(key, bh, r, col0 + 16 * jj + 2 * (lane & 3)), threshold2);
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                visit(4 * (2 * jj + t) + e, ((pairs >> (2 * (2 * (e >> 1) + t) + 16 * (e & 1))) & 1u) != 0);
+    }
 }
 
 // The keep bits of a warp's 16-row tile of S: for n8 tile 2 jj + t, element e (row half e / 2,

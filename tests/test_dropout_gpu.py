@@ -18,6 +18,7 @@ CASES = {
     "window_softcap": dict(batch=2, nq=17, nk=300, nheads=2, nheads_kv=1, headdim=96, window_size=(40, 8),
                            softcap=5.0),
     "one_row": dict(batch=3, nq=1, nk=1025, nheads=2, nheads_kv=2, headdim=128),
+    "sm80_headdim_32": dict(batch=2, nq=65, nk=130, nheads=4, nheads_kv=2, headdim=32, causal=True),
 }
 
 
