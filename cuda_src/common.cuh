@@ -92,6 +92,20 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// One register of two 16-bit values -> two floats (low half first).
+template <bool BF16>
+__device__ __forceinline__ float2 unpack2(u32 x) {
+    if constexpr (BF16) {
+        return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+    } else {
+        float lo, hi;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }\n"
+            : "=f"(lo), "=f"(hi)
+            : "r"(x));
+        return make_float2(lo, hi);
+    }
+}
+
 // ---------------------------------------------------------------- launch order
 // Programmatic dependent launch (sm_90; no-ops before): a kernel the host
 // launches with programmatic stream serialization may start while the

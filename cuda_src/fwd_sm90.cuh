@@ -48,7 +48,10 @@ __global__ void __launch_bounds__(384, 1)
                     float scale_log2, const ScoreModArgs mod_args) {
     // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
     // kept it live across the key loop and, at head dim 256, in local memory.
-    using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O>;
+    // ALiBi's column part from the tensor cores at head dim 128 (without softcap, whose tanh comes
+    // before the bias): see apply_score_mods.
+    constexpr bool ALIBI_GEMM = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && D == 128 && DTYPE != E4M3;
+    using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O, ALIBI_GEMM>;
     constexpr int BR = T::BR;
     constexpr bool FP8 = DTYPE == E4M3;
     constexpr bool BF16_OUT = DTYPE != F16;  // fp8 attention writes bf16
@@ -83,6 +86,13 @@ __global__ void __launch_bounds__(384, 1)
             mbar_init(sm.empty_v(s), 4 * T::CONSUMERS);
         }
         fence_barrier_init();
+    }
+    if (ALIBI_GEMM && tid < BC) {  // key kc's row of the column GEMM's B: (kc, kc, 0, ..., 0) in fp16
+        const u32 kc2 = pack2<false>((float)tid, (float)tid);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(sm.alibi_b() + 16 * tid), "r"(kc2), "r"(0u),
+                     "r"(0u), "r"(0u)
+                     : "memory");
+        fence_proxy_async();
     }
     __syncthreads();
 
@@ -148,6 +158,13 @@ __global__ void __launch_bounds__(384, 1)
         }
         float qk_scale_log2 = scale_log2;
         mods.set_head(mod_args, tile.b, tile.h);
+        // ALIBI_GEMM: the slope split into two fp16 values (hi, lo), the lanes' A-fragment word of
+        // the column GEMM (k 0 and 1 of each row: lanes 4r; zero elsewhere).
+        u32 alibi_a = 0;
+        if constexpr (ALIBI_GEMM) {
+            const float hi = unpack2<false>(pack2<false>(mods.alibi_slope, 0.f)).x;
+            alibi_a = (lane & 3) == 0 ? pack2<false>(hi, mods.alibi_slope - hi) : 0u;
+        }
         if constexpr (FP8) {  // the descales scale the raw scores: under softcap, inside the tanh
             const int kv_index = tile.b * nheads_kv + hk;
             const float descale_qk = descale_q[kv_index] * descale_k[kv_index];
@@ -193,11 +210,27 @@ __global__ void __launch_bounds__(384, 1)
             float alpha[2];
             AFragments<T::DTYPE, BC> p_frag;
 
-            // S = Q K^T (raw scores; the scale is applied inside the exponent)
-            auto issue_s = [&](float (&acc_s)[NT_S * 4], int st) {
+            // S = Q K^T (raw scores; the scale is applied inside the exponent). ALIBI_GEMM: plus ALiBi's
+            // column part g slope (j - n0) of the block from n0, one more k step (A: the slope's hi
+            // and lo parts in k 0 and 1 of every row, from registers; B: (j - n0) twice, from shared
+            // memory; the descriptor's leading offset 0 reads the same B for k 8-15, where A is 0).
+            // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both.
+            const u64 alibi_b_desc = smem_desc(sm.alibi_b(), 0, 128);
+            // g = -1 where the consumer's last row has i + diag <= n0 (then every score of the block has
+            // j >= i + diag), as a mask (-1, else 0) formed without branches: with the A word chosen
+            // on a branch ptxas serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.
+            auto below_mask = [&](int n0) {
+                return CAUSAL || !ALIBI_GEMM ? 0 : (m0 + 64 * c + 63 + mods.diag - n0 - 1) >> 31;
+            };
+            auto alibi_word = [&](int mask) { return alibi_a ^ ((u32)mask & 0x80008000u); };
+            auto issue_s = [&](float (&acc_s)[NT_S * 4], int st, u32 alibi_w) {
 #pragma unroll
                 for (int ks = 0; ks < T::KSTEPS_QK; ++ks)
                     Wgmma<BC, T::DTYPE>::ss(acc_s, q_desc(ks), k_desc(sm.k(st), ks), ks > 0);
+                if constexpr (ALIBI_GEMM) {
+                    const unsigned a[4] = {alibi_w, alibi_w, 0u, 0u};
+                    Wgmma<BC, F16>::template rs<false>(acc_s, a, alibi_b_desc);
+                }
             };
             // O += P V
             auto issue_pv = [&](int st) {
@@ -247,10 +280,12 @@ __global__ void __launch_bounds__(384, 1)
             {
                 const int st = kv_iter % STAGES, parity = (kv_iter / STAGES) & 1;
                 float acc_s[NT_S * 4];
+                const int mask = below_mask((hi - 1) * BC), g = 2 * mask + 1;
+                const u32 alibi_w = alibi_word(mask);
                 mbar_wait(sm.full_k(st), parity);
                 turns.begin_gemms();
                 wgmma_fence();
-                issue_s(acc_s, st);
+                issue_s(acc_s, st, alibi_w);
                 wgmma_commit();
                 turns.end_gemms();
                 KeepMasks masks;
@@ -258,10 +293,13 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<0>();
                 after_s(0, st);
                 float row_bias[2] = {0.f, 0.f};
-                if (n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
-                    apply_score_mods<true, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
+                // (ALIBI_GEMM: the masked form always; choosing on a branch serialised the wgmmas, C7520.)
+                if (ALIBI_GEMM || n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
+                    apply_score_mods<true, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
+                                                                       row_bias, g);
                 else
-                    apply_score_mods<false, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane, row_bias);
+                    apply_score_mods<false, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
+                                                                        row_bias, g);
                 softmax(acc_s, row_bias);
                 pack_p(acc_s, masks, (hi - 1) * BC);
             }
@@ -274,11 +312,13 @@ __global__ void __launch_bounds__(384, 1)
                 const int st = it % STAGES, parity = (it / STAGES) & 1;
                 const int st_prev = (it - 1) % STAGES, parity_prev = ((it - 1) / STAGES) & 1;
                 float acc_s[NT_S * 4];
+                const int mask = below_mask((hi - 1 - i) * BC), g = 2 * mask + 1;
+                const u32 alibi_w = alibi_word(mask);
                 mbar_wait(sm.full_k(st), parity);
                 mbar_wait(sm.full_v(st_prev), parity_prev);
                 turns.begin_gemms();
                 wgmma_fence();
-                issue_s(acc_s, st);
+                issue_s(acc_s, st, alibi_w);
                 wgmma_commit();
                 issue_pv(st_prev);
                 wgmma_commit();
@@ -288,8 +328,8 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 float row_bias[2] = {0.f, 0.f};
-                apply_score_mods<decltype(masked)::value, ROW_BIAS, NT_S>(acc_s, mods, row0, (hi - 1 - i) * BC, lane,
-                                                                          row_bias);
+                apply_score_mods<decltype(masked)::value, ROW_BIAS, ALIBI_GEMM, NT_S>(
+                    acc_s, mods, row0, (hi - 1 - i) * BC, lane, row_bias, g);
                 softmax(acc_s, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it

@@ -7,10 +7,10 @@
 
 namespace cuflash {
 
-template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_>
+template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_, bool ALIBI_GEMM_>
 struct FwdSm90Traits {
     static constexpr int D = D_, BC = BC_, STAGES = STAGES_, DTYPE = DTYPE_;
-    static constexpr bool STAGE_O = STAGE_O_;
+    static constexpr bool STAGE_O = STAGE_O_, ALIBI_GEMM = ALIBI_GEMM_;
     static constexpr int ELEM = DTYPE == E4M3 ? 1 : 2;  // bytes per input element
     static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -32,6 +32,8 @@ struct FwdSm90Traits {
     // tile's coordinates, kv head, index, segment slot and length across the
     // key loop (TileWords, fwd_sm90_epilogue.cuh).
     static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 32 * 4 * CONSUMERS;
+    // ALIBI_GEMM (fwd_sm90.cuh): the B operand of ALiBi's column GEMM, 16 bytes a key of the block.
+    static constexpr int ALIBI_B_BYTES = ALIBI_GEMM ? BC * 16 : 0;
 
     // Shared memory, in this order from the 1024-byte-aligned base.
     static constexpr int OFF_Q = 0;
@@ -43,7 +45,8 @@ struct FwdSm90Traits {
     static constexpr int OFF_NEXT = OFF_SEGMENT + SEGMENT_BYTES;
     static constexpr int OFF_SINK = OFF_NEXT + NEXT_BYTES;
     static constexpr int OFF_TILE_WORDS = OFF_SINK + SINK_BYTES;
-    static constexpr int SMEM_BYTES = OFF_TILE_WORDS + TILE_WORDS_BYTES;
+    static constexpr int OFF_ALIBI_B = OFF_TILE_WORDS + TILE_WORDS_BYTES;
+    static constexpr int SMEM_BYTES = OFF_ALIBI_B + ALIBI_B_BYTES;
 
     // Register split (setmaxnreg, SM90_ENTRY_REGS): 240 per consumer thread
     // only where the consumers need it (head dim 256: O alone is 128
@@ -61,7 +64,8 @@ struct FwdSm90Traits {
     static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
     static_assert(OFF_K % 1024 == 0 && OFF_V % 1024 == 0 && OFF_O % 1024 == 0 && KV_BYTES % 1024 == 0,
                   "tiles start on 1024-byte swizzle atoms");
-    static_assert(OFF_BARS % 8 == 0 && OFF_SEGMENT % 16 == 0, "mbarriers 8-byte, segment 16-byte aligned");
+    static_assert(OFF_BARS % 8 == 0 && OFF_SEGMENT % 16 == 0 && OFF_ALIBI_B % 16 == 0,
+                  "mbarriers 8-byte, segment and ALiBi's B operand 16-byte aligned");
     static_assert(PRODUCER_REGS >= 24 && PRODUCER_REGS % 8 == 0, "setmaxnreg takes multiples of 8");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
@@ -101,6 +105,7 @@ struct FwdSm90Smem {
     __device__ __forceinline__ u32 tile_words(int cw) const {
         return segment_words() + (T::OFF_TILE_WORDS - T::OFF_SEGMENT) + 32 * cw;
     }
+    __device__ __forceinline__ u32 alibi_b() const { return segment_words() + (T::OFF_ALIBI_B - T::OFF_SEGMENT); }
 };
 
 }  // namespace cuflash

@@ -130,6 +130,7 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
 
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_WGMMA_SERIALIZED = "(C7520)"
 
 
 @dataclasses.dataclass
@@ -147,6 +148,11 @@ class CompileReport:
     @property
     def spills(self) -> int:
         return self.spill_stores + self.spill_loads
+
+    @property
+    def serialized_wgmma(self) -> bool:
+        """ptxas serialised the kernel's wgmmas (its warning C7520): each then waits for the one before."""
+        return _PTXAS_WGMMA_SERIALIZED in self.log
 
 
 def compile_report(family: str, name_expression: str, arch: str, keep_cubin: bool = False) -> CompileReport:

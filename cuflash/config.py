@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .compile import cpp_int_constant
+from .score_mods import MOD_ALIBI, MOD_SOFTCAP
 
 # Head dims the kernels are instantiated for; a user head dim d (multiple of 8)
 # runs on the smallest of these >= d with the extra columns zero-filled.
@@ -171,25 +172,32 @@ class FwdSm90Config:
     # The wgmma n values FwdSm90Traits accepts (cuda_src/wgmma.cuh).
     BLOCK_N = (64, 80, 128, 176, 192)
 
-    def smem_layout(self, dtype_name: str = "float16") -> dict[str, int]:
+    def alibi_gemm(self, dtype_name: str, mods: int) -> bool:
+        """Whether the kernel adds ALiBi's column part in its S GEMM (fwd_sm90_kernel's ALIBI_GEMM)."""
+        return (self.headdim == 128 and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
+                and not mods & MOD_SOFTCAP)
+
+    def smem_layout(self, dtype_name: str = "float16", mods: int = 0) -> dict[str, int]:
         """FwdSm90Traits (cuda_src/fwd_sm90_traits.cuh): the Q tile, STAGES K and V tiles, the staged
         output tile (16-bit), the mbarriers (full/empty of Q, and of K and V per stage), the segment in
         flight and the producer's next one (16 bytes each), a word per consumer thread, 32 bytes per
-        consumer warp."""
+        consumer warp, 16 bytes per key of ALiBi's column GEMM where the kernel has it."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
         consumer_threads = self.threads - 128
         kv = self.stages * self.block_n * self.headdim * elem
         return _layout(("Q", self.block_m * self.headdim * elem), ("K", kv), ("V", kv),
                        ("O", self.block_m * self.headdim * 2 if self.stage_o else 0),
                        ("BARS", 8 * (2 + 4 * self.stages)), ("SEGMENT", 16), ("NEXT", 16),
-                       ("SINK", 4 * consumer_threads), ("TILE_WORDS", 32 * (consumer_threads // 32)))
+                       ("SINK", 4 * consumer_threads), ("TILE_WORDS", 32 * (consumer_threads // 32)),
+                       ("ALIBI_B", 16 * self.block_n if self.alibi_gemm(dtype_name, mods) else 0))
 
-    def smem_bytes(self, dtype_name: str = "float16") -> int:
-        return self.smem_layout(dtype_name)["SMEM_BYTES"]
+    def smem_bytes(self, dtype_name: str = "float16", mods: int = 0) -> int:
+        return self.smem_layout(dtype_name, mods)["SMEM_BYTES"]
 
-    def traits(self, dtype_name: str) -> str:
-        """The C++ traits type of this config's kernel for `dtype_name`."""
-        args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(self.stage_o)]
+    def traits(self, dtype_name: str, mods: int = 0) -> str:
+        """The C++ traits type of this config's kernel for `dtype_name` and score options `mods`."""
+        args = [self.headdim, self.block_n, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(self.stage_o),
+                _cpp_bool(self.alibi_gemm(dtype_name, mods))]
         return "cuflash::FwdSm90Traits<" + ", ".join(str(a) for a in args) + ">"
 
     def supports(self, dtype_name: str) -> bool:

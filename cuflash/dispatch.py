@@ -206,7 +206,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal,
                                   problem.mods.dropout is not None)
             if problem.arch == 90 else None)
-    if sm90 is not None and sm90.smem_bytes() <= problem.max_smem:
+    if sm90 is not None and sm90.smem_bytes(problem.dtype_name, problem.mods.bits) <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
     # The fast d128 tiles spill with the score options (up to 424 bytes, window); the general ones do not.

@@ -212,7 +212,7 @@ class FwdSm90Launch:
         self.copies = tuple(not tma.usable(x) for x in (q, k, v))
         mods = problem.mods
         even_n = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0 and mods.varlen is None
-        smem = cfg.smem_bytes(problem.dtype_name)
+        smem = cfg.smem_bytes(problem.dtype_name, mods.bits)
         self.kernel = kernel(cfg.family, cfg.name_expression(problem.dtype_name, problem.causal, even_n,
                                                              mods=mods.bits), smem, device_id)
         self.device_id = device_id

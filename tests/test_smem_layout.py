@@ -7,7 +7,7 @@ import re
 import pytest
 
 from cuflash import compile as cf_compile
-from cuflash.cli.check import shipped_specialisations
+from cuflash.cli.check import score_mods_of, shipped_specialisations
 from cuflash.config import FP8_DTYPE_NAME, SM90_DTYPES, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig, FwdSm90Config
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
@@ -38,8 +38,8 @@ def _traits_and_layout(cfg, name: str):
         return cfg.traits(dtype), cfg.smem_layout()
     if kernel == "fwd_sm90_kernel":
         assert isinstance(cfg, FwdSm90Config)
-        dtype = _DTYPE_OF_SM90[args[3]]
-        return cfg.traits(dtype), cfg.smem_layout(dtype)
+        dtype, mods = _DTYPE_OF_SM90[args[3]], score_mods_of(name)
+        return cfg.traits(dtype, mods), cfg.smem_layout(dtype, mods)
     if kernel in ("bwd_dkdv_kernel", "bwd_sm90_kernel"):
         assert isinstance(cfg, BwdConfig)
         atomic_dq = args[-2] == "true"  # before MODS

@@ -1,10 +1,11 @@
 """`python -m cuflash check`: compile every shipped kernel specialisation with
 NVRTC (no GPU needed) and report registers, shared memory and spills.
 
-Exits non-zero on any compile error, or on any spill in a kernel of a fast
-path: the forward kernels at head dims 64 and 128, the Hopper forward at 256
-too, the Hopper backward, the sm_80 backward built for sm_80, and the
-decoding kernel at head dims 64 and 128. Other spills are reported.
+Exits non-zero on any compile error, or on any spill or any wgmma that ptxas
+serialised (its warning C7520) in a kernel of a fast path: the forward kernels
+at head dims 64 and 128, the Hopper forward at 256 too, the Hopper backward,
+the sm_80 backward built for sm_80, and the decoding kernel at head dims 64 and
+128. Other spills are reported.
 
 Each specialisation compiles for the targets dispatch's tables run it on: the
 sm_80 forward and backward tiles of a head dim that a Hopper kernel serves
@@ -116,12 +117,12 @@ def shipped_specialisations():
     for cfg, dtype_name in sm90:
         for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
             for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
-                add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name))
+                add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name, mods))
         varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS
         cases = list(itertools.product((False, True), varlen_variants))
         cases += [] if dtype_name == FP8_DTYPE_NAME else list(DROPOUT_CASES)
         for causal, mods in cases:
-            add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name))
+            add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name, mods))
     _add_score_option_variants(add)
     _add_decode_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
@@ -247,6 +248,8 @@ def main(argv=None) -> int:
             failures.append(f"compile error: {report.name} ({report.arch})\n{report.log}")
         elif report.spills and fast:
             failures.append(f"spills on a fast path: {report.name} ({report.arch}): {report.spills} bytes")
+        elif report.serialized_wgmma and fast:
+            failures.append(f"wgmmas serialised by ptxas (C7520) on a fast path: {report.name} ({report.arch})")
         elif any(k in report.name for k in SM90_KERNELS) and report.registers != SM90_ENTRY_REGISTERS:
             failures.append(f"{report.name}: {report.registers} registers at entry, the register split assumes "
                             f"{SM90_ENTRY_REGISTERS}")
