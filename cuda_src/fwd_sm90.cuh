@@ -50,8 +50,13 @@ __global__ void __launch_bounds__(384, 1)
     // kept it live across the key loop and, at head dim 256, in local memory.
     // ALiBi's column part from the tensor cores at head dim 128 (without softcap, whose tanh comes
     // before the bias): see apply_score_mods.
-    constexpr bool ALIBI_GEMM = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && D == 128 && DTYPE != E4M3;
-    using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O, ALIBI_GEMM>;
+    // Without a causal mask, only without a window: the key blocks then come from the diagonal
+    // outwards (KeyOrder), so that those that hold a tile's diagonal are known.
+    // ALIBI_B: the shared memory has the GEMM's B operand (config.py: FwdSm90Config.alibi_gemm).
+    constexpr bool ALIBI_B = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && D == 128 && DTYPE != E4M3;
+    constexpr bool ALIBI_GEMM = ALIBI_B && (CAUSAL || !(MODS & MOD_WINDOW));
+    constexpr bool FROM_DIAGONAL = ALIBI_GEMM && !CAUSAL;
+    using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O, ALIBI_B, FROM_DIAGONAL>;
     constexpr int BR = T::BR;
     constexpr bool FP8 = DTYPE == E4M3;
     constexpr bool BF16_OUT = DTYPE != F16;  // fp8 attention writes bf16
@@ -65,8 +70,9 @@ __global__ void __launch_bounds__(384, 1)
     // The last wave split along the keys (tail_split.cuh): not under a causal
     // mask or a window, whose tiles differ in length, nor at head dim 256, whose
     // consumers spill with the split's epilogue (the host passes tail_items = 0 there).
-    // Nor for a packed batch (varlen), whose tiles differ in length too.
-    constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && !Mods::VARLEN && D < 256;
+    // Nor for a packed batch (varlen), whose tiles differ in length too. Nor with ALiBi's column
+    // GEMM (ALIBI_B): there, with segments from shared memory, ptxas serialised the wgmmas (C7520).
+    constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && !Mods::VARLEN && D < 256 && !ALIBI_B;
     constexpr bool SOFTMAX_TURNS = FP8_128 && !CAUSAL && !PINGPONG;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -176,13 +182,14 @@ __global__ void __launch_bounds__(384, 1)
 
         SoftmaxAccumulators<D> acc;
         // The key loop (fwd_sm90_mainloop.cuh has its parts): blocks [0, n_blocks) of the segment,
-        // block i (ring position kv_iter + i) holding keys from (hi - 1 - i) * BC, the producer's
-        // descending order, the first n_masked masked. The last S GEMM releases the Q tile (empty_q)
+        // block i (ring position kv_iter + i) holding keys from order.block(i) * BC, the producer's
+        // order (KeyOrder), the first n_masked masked. The last S GEMM releases the Q tile (empty_q)
         // for the producer's next segment. It is written out here rather than called: as a function
         // of its own, the compiler ordered its locals otherwise and scheduled the fp8 softmax turns
         // 4-5% slower (same-run A/B, H100, head dim 128, non-causal).
         {
             const int m0 = tile.m0;
+            const KeyOrder<FROM_DIAGONAL> order(lo, hi, n_masked, m0 + mods.diag, m0 + mods.diag + BR - 1, BC);
 
             constexpr int NT_S = BC / 8, NT_O = D / 8;
 
@@ -280,7 +287,7 @@ __global__ void __launch_bounds__(384, 1)
             {
                 const int st = kv_iter % STAGES, parity = (kv_iter / STAGES) & 1;
                 float acc_s[NT_S * 4];
-                const int mask = below_mask((hi - 1) * BC), g = 2 * mask + 1;
+                const int mask = below_mask(order.block(0) * BC), g = 2 * mask + 1;
                 const u32 alibi_w = alibi_word(mask);
                 mbar_wait(sm.full_k(st), parity);
                 turns.begin_gemms();
@@ -289,30 +296,31 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_commit();
                 turns.end_gemms();
                 KeepMasks masks;
-                draw_masks(masks, (hi - 1) * BC);
+                draw_masks(masks, order.block(0) * BC);
                 wgmma_wait<0>();
                 after_s(0, st);
                 float row_bias[2] = {0.f, 0.f};
                 // (ALIBI_GEMM: the masked form always; choosing on a branch serialised the wgmmas, C7520.)
                 if (ALIBI_GEMM || n_masked > 0 || (Mods::WINDOW && n_whole_end <= 0))
-                    apply_score_mods<true, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
-                                                                       row_bias, g);
+                    apply_score_mods<true, false, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, order.block(0) * BC,
+                                                                              lane, row_bias, g);
                 else
-                    apply_score_mods<false, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, (hi - 1) * BC, lane,
-                                                                        row_bias, g);
+                    apply_score_mods<false, false, ROW_BIAS, ALIBI_GEMM, NT_S>(acc_s, mods, row0, order.block(0) * BC,
+                                                                               lane, row_bias, g);
                 softmax(acc_s, row_bias);
-                pack_p(acc_s, masks, (hi - 1) * BC);
+                pack_p(acc_s, masks, order.block(0) * BC);
             }
 
             // Key block i: S_i and P_{i-1} V_{i-1} in one turn; the softmax of S_i
             // runs during P V. (Issuing P V only once S_i is in measured up to 4%
             // slower for fp8 at head dim 128, and 12-19% for 16-bit types.)
-            auto step = [&](int i, auto masked) {
+            // band: a block that holds the tile's diagonal (FROM_DIAGONAL), each score its own bias.
+            auto step = [&](int i, auto masked, auto band) {
                 const int it = kv_iter + i;
                 const int st = it % STAGES, parity = (it / STAGES) & 1;
                 const int st_prev = (it - 1) % STAGES, parity_prev = ((it - 1) / STAGES) & 1;
                 float acc_s[NT_S * 4];
-                const int mask = below_mask((hi - 1 - i) * BC), g = 2 * mask + 1;
+                const int mask = below_mask(order.block(i) * BC), g = 2 * mask + 1;
                 const u32 alibi_w = alibi_word(mask);
                 mbar_wait(sm.full_k(st), parity);
                 mbar_wait(sm.full_v(st_prev), parity_prev);
@@ -324,12 +332,12 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_commit();
                 turns.end_gemms();
                 KeepMasks masks;
-                draw_masks(masks, (hi - 1 - i) * BC);
+                draw_masks(masks, order.block(i) * BC);
                 wgmma_wait<1>();  // S_i is in; P V still runs
                 after_s(i, st);
                 float row_bias[2] = {0.f, 0.f};
-                apply_score_mods<decltype(masked)::value, ROW_BIAS, ALIBI_GEMM, NT_S>(
-                    acc_s, mods, row0, (hi - 1 - i) * BC, lane, row_bias, g);
+                apply_score_mods<decltype(masked)::value, decltype(band)::value, ROW_BIAS, ALIBI_GEMM, NT_S>(
+                    acc_s, mods, row0, order.block(i) * BC, lane, row_bias, g);
                 softmax(acc_s, row_bias);
                 // The row sums depend on every exponential: without this, ptxas
                 // hoists the wait above the softmax and P V no longer hides it
@@ -339,13 +347,15 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_wait<0>();
                 warp_arrive(sm.empty_v(st_prev), lane);
                 rescale_o<NT_O>(acc.o, alpha);
-                pack_p(acc_s, masks, (hi - 1 - i) * BC);
+                pack_p(acc_s, masks, order.block(i) * BC);
             };
             int i = 1;
-            for (; i < n_masked; ++i) step(i, BoolConst<true>{});
-            for (; i < (Mods::WINDOW ? n_whole_end : n_blocks); ++i) step(i, BoolConst<false>{});
+            for (; i < n_masked; ++i) step(i, BoolConst<true>{}, BoolConst<false>{});
+            if constexpr (FROM_DIAGONAL)
+                for (; i < n_masked + order.n_band; ++i) step(i, BoolConst<false>{}, BoolConst<true>{});
+            for (; i < (Mods::WINDOW ? n_whole_end : n_blocks); ++i) step(i, BoolConst<false>{}, BoolConst<false>{});
             if constexpr (Mods::WINDOW)
-                for (; i < n_blocks; ++i) step(i, BoolConst<true>{});
+                for (; i < n_blocks; ++i) step(i, BoolConst<true>{}, BoolConst<false>{});
 
             // Last P V.
             {

@@ -38,34 +38,26 @@ namespace cuflash {
 // takes its |distance|.
 // ROW_BIAS: the kernel takes that form (fwd_sm90_kernel: ALiBi at head dims up
 // to 128; at 256 it made ptxas spill up to 180 bytes more).
-// ALIBI_GEMM: the S GEMM has already added g slope (j - n0) to every score
-// (fwd_sm90_kernel, its sign g the same for the consumer's 64 rows): the row
-// part is then taken from n0, and only a warp whose own side differs from g
-// (near the diagonal, without the causal mask) corrects its scores, one FMA
-// each.
-template <bool MASK, bool ROW_BIAS, bool ALIBI_GEMM, int NT_S, class Mods>
+// ALIBI_GEMM: the S GEMM has already added g slope (j - n0) to every score,
+// g the sign of i + diag - j on the consumer's 64 rows (+1 where they take
+// both; fwd_sm90_kernel). A block on one side of every row of the tile (not
+// BAND, and not MASK unless the causal mask puts every visible score on one
+// side) keeps it and takes the row part from n0; a masked block without the
+// causal mask, or one that holds the tile's diagonal (BAND: KeyOrder's band),
+// takes it out again and each score its own |distance|. Which form a block
+// takes is a compile-time choice: accumulators written on a runtime branch
+// made ptxas serialise the wgmmas (C7520).
+template <bool MASK, bool BAND, bool ROW_BIAS, bool ALIBI_GEMM, int NT_S, class Mods>
 __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const Mods& mods, int row0, int n0,
                                                  int lane, float (&row_bias)[2], int g) {
     if constexpr (MASK || Mods::ANY) {
         const int row_lane = row0 + (lane >> 2), col_lane = n0 + 2 * (lane & 3);
         const float dist_lane = mods.distance(row_lane, col_lane);
         if constexpr (ALIBI_GEMM) {
-            const int side = mods.side(row0, 16, n0, NT_S * 8);
-            const float dist_n0 = mods.distance(row_lane, n0);
-            // The column part to add to the GEMM's: (s - g) slope (j - n0) for the warp's side s (0:
-            // every score takes its |distance| below, after the GEMM's part is taken out).
-            const float fix = (float)(side - g) * mods.alibi_slope;
-            const float kc_lane = (float)(2 * (lane & 3));
-            if (side != g) {
+            if constexpr (!BAND && (!MASK || Mods::ONE_SIDED)) {
+                const float dist_n0 = mods.distance(row_lane, n0);
 #pragma unroll
-                for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        acc_s[j * 4 + e] = fmaf(fix, kc_lane + (float)(j * 8 + (e & 1)), acc_s[j * 4 + e]);
-            }
-            if (side != 0) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) row_bias[r] = -(float)side * mods.alibi_slope * (dist_n0 + (float)(8 * r));
+                for (int r = 0; r < 2; ++r) row_bias[r] = -(float)g * mods.alibi_slope * (dist_n0 + (float)(8 * r));
                 if constexpr (MASK) {
 #pragma unroll
                     for (int j = 0; j < NT_S; ++j)
@@ -77,6 +69,12 @@ __device__ __forceinline__ void apply_score_mods(float (&acc_s)[NT_S * 4], const
                 }
                 return;
             }
+            const float gemm_slope = (float)g * mods.alibi_slope, kc_lane = (float)(2 * (lane & 3));
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[j * 4 + e] = fmaf(-gemm_slope, kc_lane + (float)(j * 8 + (e & 1)), acc_s[j * 4 + e]);
         } else if constexpr (ROW_BIAS) {
             const int side = mods.side(row0, 16, n0, NT_S * 8);
             if (side != 0) {

@@ -85,9 +85,16 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
                             sm.full_q());
             // Varlen fp8: the sequence's keys in Vt start at a multiple of VT_KEY_PAD (fp8_prep.cuh).
             const int vt_shift = (T::DTYPE == E4M3 && Mods::VARLEN) ? vt_key0(seq.k0, tile.b) - seq.k0 : 0;
-            // Key blocks descending, so that the masked ones come first.
-            for (int n = seg.hi - 1; n >= seg.lo; --n, ++kv_iter) {
-                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = seq.k0 + n * BC;
+            // The key blocks' order (the consumers form the same): the masked ones (a partial last block
+            // where it lies in the segment) first.
+            int n_masked = 0;
+            if constexpr (T::FROM_DIAGONAL)
+                n_masked = max(0, seg.hi - max(seg.lo, tile_mods.template key_blocks<BC>(tile.m0, BR).full_end));
+            const int first_key = tile.m0 + tile_mods.diag;
+            const KeyOrder<T::FROM_DIAGONAL> order(seg.lo, seg.hi, n_masked, first_key, first_key + BR - 1, BC);
+            for (int n = seg.hi - 1, i = 0; n >= seg.lo; --n, ++i, ++kv_iter) {
+                const int block = T::FROM_DIAGONAL ? order.block(i) : n;
+                const int st = kv_iter % STAGES, use = kv_iter / STAGES, n0 = seq.k0 + block * BC;
                 const u32 k_tile = sm.k(st), v_tile = sm.v(st);
                 if (use > 0) mbar_wait(sm.empty_k(st), (use - 1) & 1);
                 mbar_arrive_expect_tx(sm.full_k(st), T::KV_BYTES);

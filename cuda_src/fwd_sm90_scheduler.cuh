@@ -31,6 +31,33 @@ __device__ __forceinline__ Tile tile_at(int t, int m_blocks, int nheads) {
     return Tile{m * BR, hb % nheads, hb / nheads};
 }
 
+// The order in which a segment's key blocks [lo, hi) are visited: step i takes block(i). Descending,
+// so that the masked blocks, the top n_masked, come first. FROM_DIAGONAL (ALiBi's column GEMM
+// without a causal mask: fwd_sm90_kernel): the masked blocks (a partial last one), then from the
+// block d that holds the tile's last row's diagonal key (`last_key`: i + diag of that row) down to
+// lo, then up from d + 1. The first n_band of those hold the tile's diagonal (from `first_key`, the
+// first row's): the rest lie on one side of every row's. Each side thus comes nearest block first,
+// so a row's biased max is met early: descending, right of the diagonal every block raised it (by
+// slope BC log2(e), above rescale_log2 for most heads' slopes) and O was rescaled at every step.
+// d is formed without branches (max before the division): a branch here left the column GEMM's A
+// word in a divergent path for ptxas, which then serialised the wgmmas (C7520).
+template <bool FROM_DIAGONAL>
+struct KeyOrder {
+    int lo, hi, n_masked, d, n_band;
+    __device__ __forceinline__ KeyOrder(int lo_, int hi_, int n_masked_, int first_key, int last_key, int bc)
+        : lo(lo_), hi(hi_), n_masked(n_masked_), d(0), n_band(0) {
+        if (FROM_DIAGONAL) {
+            d = min(hi - n_masked - 1, max(lo, max(last_key, 0) / bc));
+            n_band = min(d - max(lo, min(d, max(first_key, 0) / bc)) + 1, hi - lo - n_masked);
+        }
+    }
+    __device__ __forceinline__ int block(int i) const {
+        if (!FROM_DIAGONAL || i < n_masked) return hi - 1 - i;
+        const int j = i - n_masked;  // past the masked blocks: d down to lo, then lo + j up from d + 1
+        return j <= d - lo ? d - j : lo + j;
+    }
+};
+
 // Tile t of tile_at's order for a tile: its inverse.
 template <int BR, bool CAUSAL>
 __device__ __forceinline__ int tile_index(const Tile& tile, int m_blocks, int nheads) {

@@ -7,10 +7,11 @@
 
 namespace cuflash {
 
-template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_, bool ALIBI_GEMM_>
+template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_, bool ALIBI_GEMM_, bool FROM_DIAGONAL_ = false>
 struct FwdSm90Traits {
     static constexpr int D = D_, BC = BC_, STAGES = STAGES_, DTYPE = DTYPE_;
     static constexpr bool STAGE_O = STAGE_O_, ALIBI_GEMM = ALIBI_GEMM_;
+    static constexpr bool FROM_DIAGONAL = FROM_DIAGONAL_;  // the key blocks' order (KeyOrder)
     static constexpr int ELEM = DTYPE == E4M3 ? 1 : 2;  // bytes per input element
     static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);

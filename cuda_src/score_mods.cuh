@@ -73,6 +73,7 @@ struct ScoreMods {
     static constexpr bool DROPOUT = MODS & MOD_DROPOUT;
     static constexpr bool DROPOUT_STATE = MODS & MOD_DROPOUT_STATE;
     static constexpr bool RIGHT_BOUND = CAUSAL || WINDOW;
+    static constexpr bool ONE_SIDED = CAUSAL;  // every visible score has i + diag - j >= 0
 
     int nq, nk, diag;
     int left, right;    // window bounds (right = 0 under causal)
