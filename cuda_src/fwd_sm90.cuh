@@ -98,6 +98,8 @@ __global__ void __launch_bounds__(384, 1)
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(sm.alibi_b() + 16 * tid), "r"(kc2), "r"(0u),
                      "r"(0u), "r"(0u)
                      : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sm.alibi_b() + 16 * (BC + tid)), "r"(0u)
+                     : "memory");
         fence_proxy_async();
     }
     __syncthreads();
@@ -219,10 +221,11 @@ __global__ void __launch_bounds__(384, 1)
 
             // S = Q K^T (raw scores; the scale is applied inside the exponent). ALIBI_GEMM: plus ALiBi's
             // column part g slope (j - n0) of the block from n0, one more k step (A: the slope's hi
-            // and lo parts in k 0 and 1 of every row, from registers; B: (j - n0) twice, from shared
-            // memory; the descriptor's leading offset 0 reads the same B for k 8-15, where A is 0).
+            // and lo parts in k 0 and 1 of every row, from registers; B: (j - n0) twice in k 0 and 1,
+            // then zeros, from shared memory without swizzle: 8-key core matrices 128 bytes apart, k
+            // 8-15 BC * 16 bytes on).
             // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both.
-            const u64 alibi_b_desc = smem_desc(sm.alibi_b(), 0, 128);
+            const u64 alibi_b_desc = smem_desc(sm.alibi_b(), BC * 16, 128);
             // g = -1 where the consumer's last row has i + diag <= n0 (then every score of the block has
             // j >= i + diag), as a mask (-1, else 0) formed without branches: with the A word chosen
             // on a branch ptxas serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.

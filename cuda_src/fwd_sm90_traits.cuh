@@ -33,8 +33,8 @@ struct FwdSm90Traits {
     // tile's coordinates, kv head, index, segment slot and length across the
     // key loop (TileWords, fwd_sm90_epilogue.cuh).
     static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 32 * 4 * CONSUMERS;
-    // ALIBI_GEMM (fwd_sm90.cuh): the B operand of ALiBi's column GEMM, 16 bytes a key of the block.
-    static constexpr int ALIBI_B_BYTES = ALIBI_GEMM ? BC * 16 : 0;
+    // ALIBI_GEMM (fwd_sm90.cuh): the B operand of ALiBi's column GEMM, a k16 x BC tile (k 0-7, then k 8-15).
+    static constexpr int ALIBI_B_BYTES = ALIBI_GEMM ? BC * 32 : 0;
 
     // Shared memory, in this order from the 1024-byte-aligned base.
     static constexpr int OFF_Q = 0;

@@ -181,7 +181,7 @@ class FwdSm90Config:
         """FwdSm90Traits (cuda_src/fwd_sm90_traits.cuh): the Q tile, STAGES K and V tiles, the staged
         output tile (16-bit), the mbarriers (full/empty of Q, and of K and V per stage), the segment in
         flight and the producer's next one (16 bytes each), a word per consumer thread, 32 bytes per
-        consumer warp, 16 bytes per key of ALiBi's column GEMM where the kernel has it."""
+        consumer warp, 32 bytes per key of ALiBi's column GEMM where the kernel has it."""
         elem = 1 if dtype_name == FP8_DTYPE_NAME else 2
         consumer_threads = self.threads - 128
         kv = self.stages * self.block_n * self.headdim * elem
@@ -189,7 +189,7 @@ class FwdSm90Config:
                        ("O", self.block_m * self.headdim * 2 if self.stage_o else 0),
                        ("BARS", 8 * (2 + 4 * self.stages)), ("SEGMENT", 16), ("NEXT", 16),
                        ("SINK", 4 * consumer_threads), ("TILE_WORDS", 32 * (consumer_threads // 32)),
-                       ("ALIBI_B", 16 * self.block_n if self.alibi_gemm(dtype_name, mods) else 0))
+                       ("ALIBI_B", 32 * self.block_n if self.alibi_gemm(dtype_name, mods) else 0))
 
     def smem_bytes(self, dtype_name: str = "float16", mods: int = 0) -> int:
         return self.smem_layout(dtype_name, mods)["SMEM_BYTES"]
