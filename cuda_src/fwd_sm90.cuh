@@ -48,11 +48,11 @@ __global__ void __launch_bounds__(384, 1)
                     float scale_log2, const ScoreModArgs mod_args) {
     // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
     // kept it live across the key loop and, at head dim 256, in local memory.
-    // ALiBi's column part from the tensor cores at head dim 128 (without softcap, whose tanh comes
-    // before the bias): see apply_score_mods.
-    // Without a causal mask, only without a window: the key blocks then come from the diagonal
-    // outwards (KeyOrder), so that those that hold a tile's diagonal are known.
-    // ALIBI_B: the shared memory has the GEMM's B operand (config.py: FwdSm90Config.alibi_gemm).
+    // ALiBi's column part from the tensor cores (apply_score_mods), at head dim 128 without softcap
+    // (whose tanh comes before the bias). ALIBI_B: shared memory holds that GEMM's B operand
+    // (config.py: FwdSm90Config.alibi_gemm). ALIBI_GEMM: the kernel uses it; without the causal
+    // mask it takes the key blocks from the diagonal outwards (FROM_DIAGONAL, KeyOrder), so that
+    // the blocks that hold a tile's diagonal are known, and so no window.
     constexpr bool ALIBI_B = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && D == 128 && DTYPE != E4M3;
     constexpr bool ALIBI_GEMM = ALIBI_B && (CAUSAL || !(MODS & MOD_WINDOW));
     constexpr bool FROM_DIAGONAL = ALIBI_GEMM && !CAUSAL;
@@ -224,11 +224,11 @@ __global__ void __launch_bounds__(384, 1)
             // and lo parts in k 0 and 1 of every row, from registers; B: (j - n0) twice in k 0 and 1,
             // then zeros, from shared memory without swizzle: 8-key core matrices 128 bytes apart, k
             // 8-15 BC * 16 bytes on).
-            // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both.
             const u64 alibi_b_desc = smem_desc(sm.alibi_b(), BC * 16, 128);
-            // g = -1 where the consumer's last row has i + diag <= n0 (then every score of the block has
-            // j >= i + diag), as a mask (-1, else 0) formed without branches: with the A word chosen
-            // on a branch ptxas serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.
+            // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both: -1 where
+            // the consumer's last row has i + diag <= n0 (every score of the block then has j >=
+            // i + diag). As a mask (-1, else 0) formed without branches: with the A word chosen on a
+            // branch ptxas serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.
             auto below_mask = [&](int n0) {
                 return CAUSAL || !ALIBI_GEMM ? 0 : (m0 + 64 * c + 63 + mods.diag - n0 - 1) >> 31;
             };
