@@ -7,10 +7,10 @@
 
 namespace cuflash {
 
-template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_, bool ALIBI_GEMM_, bool FROM_DIAGONAL_ = false>
+template <int D_, int BC_, int STAGES_, int DTYPE_, bool STAGE_O_, bool ALIBI_B_, bool FROM_DIAGONAL_ = false>
 struct FwdSm90Traits {
     static constexpr int D = D_, BC = BC_, STAGES = STAGES_, DTYPE = DTYPE_;
-    static constexpr bool STAGE_O = STAGE_O_, ALIBI_GEMM = ALIBI_GEMM_;
+    static constexpr bool STAGE_O = STAGE_O_, ALIBI_B = ALIBI_B_;
     static constexpr bool FROM_DIAGONAL = FROM_DIAGONAL_;  // the key blocks' order (KeyOrder)
     static constexpr int ELEM = DTYPE == E4M3 ? 1 : 2;  // bytes per input element
     static constexpr int CONSUMERS = 2;
@@ -33,8 +33,8 @@ struct FwdSm90Traits {
     // tile's coordinates, kv head, index, segment slot and length across the
     // key loop (TileWords, fwd_sm90_epilogue.cuh).
     static constexpr int SINK_BYTES = 4 * 128 * CONSUMERS, TILE_WORDS_BYTES = 32 * 4 * CONSUMERS;
-    // ALIBI_GEMM (fwd_sm90.cuh): the B operand of ALiBi's column GEMM, a k16 x BC tile (k 0-7, then k 8-15).
-    static constexpr int ALIBI_B_BYTES = ALIBI_GEMM ? BC * 32 : 0;
+    // ALIBI_B (fwd_sm90.cuh): the B operand of ALiBi's column GEMM, a k16 x BC tile (k 0-7, then k 8-15).
+    static constexpr int ALIBI_B_BYTES = ALIBI_B ? BC * 32 : 0;
 
     // Shared memory, in this order from the 1024-byte-aligned base.
     static constexpr int OFF_Q = 0;

@@ -173,7 +173,9 @@ class FwdSm90Config:
     BLOCK_N = (64, 80, 128, 176, 192)
 
     def alibi_gemm(self, dtype_name: str, mods: int) -> bool:
-        """Whether the kernel adds ALiBi's column part in its S GEMM (fwd_sm90_kernel's ALIBI_GEMM)."""
+        """Whether the kernel's shared memory holds the B operand of ALiBi's column GEMM (fwd_sm90_kernel's
+        ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask),
+        and so has no tail split."""
         return (self.headdim == 128 and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
                 and not mods & MOD_SOFTCAP)
 
