@@ -37,6 +37,13 @@ def test_compile_report_flags_errors():
     assert not report.ok and "head dim" in report.log
 
 
+def test_compile_report_reads_serialised_wgmmas():
+    warning = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+               "due to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'")
+    assert cf_compile.CompileReport("k", "sm_90a", ok=True, log=warning).serialized_wgmma
+    assert not cf_compile.CompileReport("k", "sm_90a", ok=True, log="ptxas info    : Used 168 registers").serialized_wgmma
+
+
 def test_source_is_self_contained():
     source = cf_compile.kernel_source("fwd_sm80")
     assert '#include "' not in source
