@@ -225,13 +225,10 @@ __global__ void __launch_bounds__(384, 1)
             // then zeros, from shared memory without swizzle: 8-key core matrices 128 bytes apart, k
             // 8-15 BC * 16 bytes on).
             const u64 alibi_b_desc = smem_desc(sm.alibi_b(), BC * 16, 128);
-            // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both: -1 where
-            // the consumer's last row has i + diag <= n0 (every score of the block then has j >=
-            // i + diag). As a mask (-1, else 0) formed without branches: with the A word chosen on a
-            // branch ptxas serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.
-            auto below_mask = [&](int n0) {
-                return CAUSAL || !ALIBI_GEMM ? 0 : (m0 + 64 * c + 63 + mods.diag - n0 - 1) >> 31;
-            };
+            // g: the sign of i + diag - j on the consumer's 64 rows, +1 where they take both, from a
+            // mask (-1, else 0) formed without branches: with the A word chosen on a branch ptxas
+            // serialised the wgmmas (C7520) and the non-causal kernel ran 1.4x slower.
+            auto below_mask = [&](int n0) { return ALIBI_GEMM ? mods.below_mask(m0 + 64 * c, 64, n0) : 0; };
             auto alibi_word = [&](int mask) { return alibi_a ^ ((u32)mask & 0x80008000u); };
             auto issue_s = [&](float (&acc_s)[NT_S * 4], int st, u32 alibi_w) {
 #pragma unroll

@@ -120,6 +120,12 @@ struct ScoreMods {
         if (m0 + diag - (n0 + cols - 1) >= 0) return 1;
         return m0 + rows - 1 + diag - n0 <= 0 ? -1 : 0;
     }
+    // side() < 0 as a mask (-1, else 0) formed without branches, for keys from n0 (at least two):
+    // the Hopper forward's ALiBi column GEMM chooses its sign by it (fwd_sm90_kernel).
+    __device__ __forceinline__ int below_mask(int m0, int rows, int n0) const {
+        if constexpr (CAUSAL) return 0;
+        return (m0 + rows - 1 + diag - n0 - 1) >> 31;
+    }
     __device__ __forceinline__ bool visible(int row, int col) const {
         bool keep = EVEN_N || col < nk;
         if constexpr (RIGHT_BOUND) keep = keep && col <= row + diag + right;

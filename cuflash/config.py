@@ -88,7 +88,9 @@ class FwdConfig:
         """FwdTraits: the Q tile (reused for the output), STAGES K tiles, STAGES V tiles (16-bit)."""
         return _q_and_kv_ring_layout(self.block_m, self.block_n, self.stages, self.headdim)
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, dtype_name: str = "float16", mods: int = 0) -> int:
+        """The layout's size, the same for every dtype and score option (the arguments are
+        FwdSm90Config.smem_bytes's, so that a caller of either takes one form)."""
         return self.smem_layout()["SMEM_BYTES"]
 
     def traits(self, dtype_name: str) -> str:

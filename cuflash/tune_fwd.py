@@ -115,8 +115,7 @@ class FwdTuning(TunedFamily):
 
     def kernels(self, cfg: FwdConfig, problem: dispatch.FwdProblem) -> list[KernelSpec]:
         names = self.kernel_names(cfg, problem)
-        smem = (cfg.smem_bytes(problem.dtype_name, problem.mods.bits) if isinstance(cfg, FwdSm90Config)
-                else cfg.smem_bytes())
+        smem = cfg.smem_bytes(problem.dtype_name, problem.mods.bits)
         return [KernelSpec(cfg.family, name, smem, cfg.threads, runs=i == 0) for i, name in enumerate(names)]
 
     def make_inputs(self, problem: dispatch.FwdProblem, shape: CallShape, seed: int) -> FwdInputs:
