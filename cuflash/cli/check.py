@@ -56,13 +56,22 @@ FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 # option (the one template's two extremes; each variant compiled costs CI seconds).
 DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI),
                  (True, MOD_DROPOUT | MOD_DROPOUT_STATE))
+# Score options multiply the count of specialisations (CI compiles each). Every variant above
+# compiles at the fast-path head dims; at the others only the extremes do (every option at once,
+# packed or not, and dropout's two), whose code holds every other variant's: there a variant
+# could only fail to compile on its tile's shape, which the extremes share.
+MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
 DECODE_ROWS = (1, 32, 64)
-# Head dims whose decoding kernels compile with every score option (the others: plain and causal,
-# the options' code being the same template at every head dim): CI's compile time stays in bounds.
+# Head dims whose decoding kernels compile with score options (the others: plain and causal, the
+# options' code being the same template at every head dim): CI's compile time stays in bounds.
+# Every option variant at the fast-path head dims, every option at once at the others.
 DECODE_MODS_HEADDIMS = (64, 128, 256)
+# (dtype, paged, causal) of the plain decoding kernels outside the fast-path head dims: the flags'
+# two extremes, which hold each flag's code (at the fast-path head dims: every combination).
+DECODE_FLAG_EXTREMES = (("bfloat16", True, True), ("float16", False, False))
 # Head dims of the decoding kernels over an fp8 (e4m3) cache, which compile for sm_90 alone (the
 # e4m3 conversions need sm_89): every tile, both q dtypes, contiguous and paged, causal or not; the
 # score options with bf16 and a paged cache at DECODE_FP8_MODS_HEADDIM (the options' code is the
@@ -116,14 +125,15 @@ def shipped_specialisations():
         for causal, even_n in itertools.product((False, True), (True, False)):
             add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
     for cfg, dtype_name in sm90:
-        for causal, (_, even_n) in itertools.product((False, True), MODS_LENGTHS):
-            for mods in FP8_MODS_VARIANTS if dtype_name == FP8_DTYPE_NAME else MODS_VARIANTS:
-                add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name, mods))
-        varlen_variants = FP8_VARLEN_VARIANTS if dtype_name == FP8_DTYPE_NAME else VARLEN_VARIANTS
-        cases = list(itertools.product((False, True), varlen_variants))
-        cases += [] if dtype_name == FP8_DTYPE_NAME else list(DROPOUT_CASES)
-        for causal, mods in cases:
-            add(cfg, cfg.name_expression(dtype_name, causal, False, mods=mods), cfg.smem_bytes(dtype_name, mods))
+        if dtype_name == FP8_DTYPE_NAME:
+            cases = [(causal, even_n, mods) for causal, (_, even_n), mods
+                     in itertools.product((False, True), MODS_LENGTHS, FP8_MODS_VARIANTS)]
+            cases += [(causal, False, mods) for causal, mods in itertools.product((False, True), FP8_VARLEN_VARIANTS)]
+        else:
+            cases = [(causal, even_n, mods) for causal, case_dtype_name, even_n, mods
+                     in score_option_cases(cfg.headdim) if case_dtype_name == dtype_name]
+        for causal, even_n, mods in cases:
+            add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name, mods))
     _add_score_option_variants(add)
     _add_decode_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
@@ -139,38 +149,55 @@ def shipped_specialisations():
     return list(specs.values())
 
 
+def score_option_cases(headdim: int) -> list[tuple[bool, str, bool, int]]:
+    """(causal, dtype name, even_n, MODS) of the 16-bit score-option specialisations compiled at a
+    head dim: every variant at the fast-path head dims, the extremes elsewhere (MODS_EXTREMES)."""
+    if headdim in FAST_PATH_HEADDIMS:
+        variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
+        variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
+        dropout = DROPOUT_CASES
+    else:
+        variants = [(("bfloat16", False), mods) for mods in MODS_EXTREMES]
+        dropout = DROPOUT_CASES[1:]
+    cases = [(causal, dtype_name, even_n, mods)
+             for causal, ((dtype_name, even_n), mods) in itertools.product((False, True), variants)]
+    return cases + [(causal, "float16", False, mods) for causal, mods in dropout]
+
+
 def _add_score_option_variants(add) -> None:
     """The 16-bit kernels dispatch runs with score options (varlen's and dropout among them): the
     general sm_80 forward tiles, the backward tables (sm_80 and Hopper)."""
-    variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
-    variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
-    cases = [(causal, *variant) for causal, variant in itertools.product((False, True), variants)]
-    cases += [(causal, ("float16", False), mods) for causal, mods in DROPOUT_CASES]
-    for (_, general), (causal, (dtype_name, even_n), mods) in itertools.product(HEURISTIC_FWD.values(), cases):
-        add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
-    for cfg, (causal, (dtype_name, even_n), mods) in itertools.product(HEURISTIC_BWD.values(), cases):
-        add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
-        add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
-    for (cfg, deterministic), (causal, (dtype_name, even_n), mods) in itertools.product(hopper_bwd_plans(), cases):
-        add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
-            cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
-        if deterministic:
-            add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes(),
-                family=cfg.kernel_family)
+    for _, general in HEURISTIC_FWD.values():
+        for causal, dtype_name, even_n, mods in score_option_cases(general.headdim):
+            add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
+    for cfg in HEURISTIC_BWD.values():
+        for causal, dtype_name, even_n, mods in score_option_cases(cfg.headdim):
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
+            add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
+    for cfg, deterministic in hopper_bwd_plans():
+        for causal, dtype_name, even_n, mods in score_option_cases(cfg.headdim):
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
+                cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
+            if deterministic:
+                add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes(),
+                    family=cfg.kernel_family)
 
 
 def _add_decode_variants(add) -> None:
-    """The decoding kernel at every head dim and row tile, both dtypes, contiguous and paged caches,
-    causal or not; with score options for one dtype and the paged cache (DECODE_MODS_HEADDIMS); over
-    an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
+    """The decoding kernel at every head dim and row tile: at the fast-path head dims in both dtypes,
+    contiguous and paged caches, causal or not, elsewhere the flags' extremes; with score options for
+    one dtype and the paged cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS);
+    the combine kernels."""
     for kd, rows, fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS, (False, True)):
         if fp8 and kd not in DECODE_FP8_HEADDIMS:
             continue
         cfg = decode_config(kd, rows, SM90_SMEM_LIMIT, fp8)
-        for dtype_name, paged, causal in itertools.product(DTYPE_NAMES, (False, True), (False, True)):
+        full = kd in FAST_PATH_HEADDIMS
+        flags = itertools.product(DTYPE_NAMES, (False, True), (False, True)) if full else DECODE_FLAG_EXTREMES
+        for dtype_name, paged, causal in flags:
             add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
         if kd in DECODE_MODS_HEADDIMS and (not fp8 or kd == DECODE_FP8_MODS_HEADDIM):
-            for causal, mods in itertools.product((False, True), MODS_VARIANTS):
+            for causal, mods in itertools.product((False, True), MODS_VARIANTS if full else MODS_EXTREMES[:1]):
                 add(cfg, cfg.name_expression("bfloat16", True, causal, mods), cfg.smem_bytes())
     for out_dtype_name in COMBINE_OUT:
         add(cfg, combine_name(out_dtype_name), 0, family="combine")
