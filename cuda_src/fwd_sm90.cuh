@@ -48,12 +48,13 @@ __global__ void __launch_bounds__(384, 1)
                     float scale_log2, const ScoreModArgs mod_args) {
     // nheads_kv (= nheads / group) comes from the host: computed here, ptxas
     // kept it live across the key loop and, at head dim 256, in local memory.
-    // ALiBi's column part from the tensor cores (apply_score_mods), at head dim 128 without softcap
+    // ALiBi's column part from the tensor cores (apply_score_mods), at head dims 64 and 128 without softcap
     // (whose tanh comes before the bias). ALIBI_B: shared memory holds that GEMM's B operand
     // (config.py: FwdSm90Config.alibi_gemm). ALIBI_GEMM: the kernel uses it; without the causal
     // mask it takes the key blocks from the diagonal outwards (FROM_DIAGONAL, KeyOrder), so that
     // the blocks that hold a tile's diagonal are known, and so no window.
-    constexpr bool ALIBI_B = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && D == 128 && DTYPE != E4M3;
+    constexpr bool ALIBI_B = (MODS & MOD_ALIBI) && !(MODS & MOD_SOFTCAP) && (D == 64 || D == 128) &&
+                             DTYPE != E4M3;
     constexpr bool ALIBI_GEMM = ALIBI_B && (CAUSAL || !(MODS & MOD_WINDOW));
     constexpr bool FROM_DIAGONAL = ALIBI_GEMM && !CAUSAL;
     using T = FwdSm90Traits<D, BC, STAGES, DTYPE, STAGE_O, ALIBI_B, FROM_DIAGONAL>;

@@ -178,7 +178,7 @@ class FwdSm90Config:
         """Whether the kernel's shared memory holds the B operand of ALiBi's column GEMM (fwd_sm90_kernel's
         ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask),
         and so has no tail split."""
-        return (self.headdim == 128 and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
+        return (self.headdim in (64, 128) and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
                 and not mods & MOD_SOFTCAP)
 
     def smem_layout(self, dtype_name: str = "float16", mods: int = 0) -> dict[str, int]:
