@@ -8,6 +8,9 @@ the Hopper forward at 256 too, the Hopper backward, the sm_80 backward built
 for sm_80, and the decoding kernel at head dims 64 and 128. Other spills are
 reported.
 
+Template flags that only add code (score options, dtype, a paged cache) compile in full at the
+fast-path head dims and as their extremes elsewhere (score_option_cases, DECODE_FLAGS).
+
 Each specialisation compiles for the targets dispatch's tables run it on: the
 sm_80 forward and backward tiles of a head dim that a Hopper kernel serves
 (`hopper_replaces`) compile for sm_80 alone. (The autotuner may still try
@@ -61,6 +64,7 @@ DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WIN
 # packed or not, and dropout's two), whose code holds every other variant's: there a variant
 # could only fail to compile on its tile's shape, which the extremes share.
 MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
+FP8_MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
@@ -69,8 +73,12 @@ DECODE_ROWS = (1, 32, 64)
 # options' code being the same template at every head dim): CI's compile time stays in bounds.
 # Every option variant at the fast-path head dims, every option at once at the others.
 DECODE_MODS_HEADDIMS = (64, 128, 256)
-# (dtype, paged, causal) of the plain decoding kernels outside the fast-path head dims: the flags'
-# two extremes, which hold each flag's code (at the fast-path head dims: every combination).
+# (dtype, paged, causal) of the plain decoding kernels (CI's compile time stays in bounds: the
+# kernel at head dims 64 and 128 takes 2-3.5 s a compile). At the fast-path head dims each dtype
+# with one cache layout (the dtype changes conversions only, not what paging adds), causal or
+# not; elsewhere the flags' two extremes, which hold each flag's code.
+DECODE_FLAGS = tuple((dtype_name, paged, causal) for (dtype_name, paged), causal
+                     in itertools.product((("bfloat16", True), ("float16", False)), (False, True)))
 DECODE_FLAG_EXTREMES = (("bfloat16", True, True), ("float16", False, False))
 # Head dims of the decoding kernels over an fp8 (e4m3) cache, which compile for sm_90 alone (the
 # e4m3 conversions need sm_89): every tile, both q dtypes, contiguous and paged, causal or not; the
@@ -125,10 +133,12 @@ def shipped_specialisations():
         for causal, even_n in itertools.product((False, True), (True, False)):
             add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
     for cfg, dtype_name in sm90:
-        if dtype_name == FP8_DTYPE_NAME:
+        if dtype_name == FP8_DTYPE_NAME and cfg.headdim in FAST_PATH_HEADDIMS:
             cases = [(causal, even_n, mods) for causal, (_, even_n), mods
                      in itertools.product((False, True), MODS_LENGTHS, FP8_MODS_VARIANTS)]
             cases += [(causal, False, mods) for causal, mods in itertools.product((False, True), FP8_VARLEN_VARIANTS)]
+        elif dtype_name == FP8_DTYPE_NAME:
+            cases = [(causal, False, mods) for causal, mods in itertools.product((False, True), FP8_MODS_EXTREMES)]
         else:
             cases = [(causal, even_n, mods) for causal, case_dtype_name, even_n, mods
                      in score_option_cases(cfg.headdim) if case_dtype_name == dtype_name]
@@ -184,16 +194,15 @@ def _add_score_option_variants(add) -> None:
 
 
 def _add_decode_variants(add) -> None:
-    """The decoding kernel at every head dim and row tile: at the fast-path head dims in both dtypes,
-    contiguous and paged caches, causal or not, elsewhere the flags' extremes; with score options for
-    one dtype and the paged cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS);
-    the combine kernels."""
+    """The decoding kernel at every head dim and row tile, with the flags of DECODE_FLAGS at the
+    fast-path head dims and their extremes elsewhere; with score options for one dtype and the paged
+    cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
     for kd, rows, fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS, (False, True)):
         if fp8 and kd not in DECODE_FP8_HEADDIMS:
             continue
         cfg = decode_config(kd, rows, SM90_SMEM_LIMIT, fp8)
         full = kd in FAST_PATH_HEADDIMS
-        flags = itertools.product(DTYPE_NAMES, (False, True), (False, True)) if full else DECODE_FLAG_EXTREMES
+        flags = DECODE_FLAGS if full else DECODE_FLAG_EXTREMES
         for dtype_name, paged, causal in flags:
             add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
         if kd in DECODE_MODS_HEADDIMS and (not fp8 or kd == DECODE_FP8_MODS_HEADDIM):
