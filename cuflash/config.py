@@ -176,8 +176,8 @@ class FwdSm90Config:
 
     def alibi_gemm(self, dtype_name: str, mods: int) -> bool:
         """Whether the kernel's shared memory holds the B operand of ALiBi's column GEMM (fwd_sm90_kernel's
-        ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask),
-        and so has no tail split."""
+        ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask;
+        at head dim 128 such a kernel has no tail split)."""
         return (self.headdim in (64, 128) and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
                 and not mods & MOD_SOFTCAP)
 

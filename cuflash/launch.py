@@ -224,7 +224,8 @@ class FwdSm90Launch:
             split = tail_split.TailSplit(nheads * (mods.varlen.total_q // cfg.block_m + batch), 0)
         ctas = sm_count(device_id) if cfg.persistent else split.full_tiles
         if (cfg.persistent and not problem.causal and mods.window is None and mods.varlen is None
-                and cfg.headdim < 256 and not cfg.alibi_gemm(problem.dtype_name, mods.bits)):  # TAIL_SPLIT
+                and cfg.headdim < 256
+                and not (cfg.headdim == 128 and cfg.alibi_gemm(problem.dtype_name, mods.bits))):  # TAIL_SPLIT
             split = tail_split.plan(num_tiles, ctas, -(-seqlen_k // cfg.block_n))
         self.grid = (min(split.full_tiles + split.items, ctas), 1, 1)
         self.split_tiles = split.split_tiles(num_tiles) if split.items else 0

@@ -13,6 +13,7 @@ import cuflash
 from cuflash import device, dispatch, launch, reference, tail_split
 from cuflash import compile as cf_compile
 from cuflash.config import FwdSm90Config
+from cuflash.score_mods import MOD_ALIBI, ScoreMods
 from tests.numerics import ATOL, assert_close_2x, randn
 
 pytestmark = pytest.mark.gpu
@@ -184,20 +185,10 @@ def _split_of(cfg, ctas, batch, nq, nheads, nk):
     return tail_split.plan(num_tiles, ctas, -(-nk // cfg.block_n))
 
 
-@pytest.mark.hopper
-@pytest.mark.parametrize("cfg,dtype,headdim", [(dispatch.HEURISTIC_SM90[64], "float16", 64),
-                                               (dispatch.SM90_SHORT_KEYS[64][0], "bfloat16", 64),
-                                               (dispatch.HEURISTIC_SM90[128], "bfloat16", 128),
-                                               (FwdSm90Config(128, 176, 2, stage_o=False), "float16", 128),
-                                               (FwdSm90Config(128, 128, 2, pingpong=False), "float16", 96)],
-                         ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else str(x))
-@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (5, 256, 2304), (11, 1000, 3000), (None, 129, 1500)])
-def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
-    """The last wave split along the keys: runs of key blocks over one or two
-    tiles (lengths that are and are not multiples of the tiles), partial
-    outputs combined by the last run of each tile half, on 5 or
-    11 CTAs or the device's own count, into a strided output; twice, so that the
-    second launch finds the counters reset by the first."""
+def _check_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng, alibi=False):
+    """The split's output and lse against the reference, on `ctas` CTAs (None: the device's own
+    count, about 1.5 waves of tiles), into a strided output; twice, so that the second launch finds
+    the counters reset by the first. alibi: random slopes of shape (nheads,)."""
     monkeypatch.setattr(tail_split, "SEGMENT_COST", 0)  # split these short key sequences too
     if ctas is None:
         ctas = device.sm_count(cupy.cuda.Device().id)
@@ -210,17 +201,48 @@ def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
     assert split.items > 0, "the shape must exercise the split"
     np_dtype = np.dtype(dtype)
     values = [randn(rng, (batch, n, h, headdim), np_dtype) for n, h in ((nq, nheads), (nk, nheads_kv), (nk, nheads_kv))]
-    ref, ref_lse = reference.attention(*values, return_lse=True)
-    naive = reference.attention_naive_lowp(*values, dtype=np_dtype)
-    problem = dispatch.FwdProblem(dtype, headdim, False, nq, nk, 2, arch=90)
+    slopes = rng.uniform(0.01, 1.0, nheads).astype(np.float32) if alibi else None
+    ref, ref_lse = reference.attention(*values, alibi_slopes=slopes, return_lse=True)
+    naive = reference.attention_naive_lowp(*values, alibi_slopes=slopes, dtype=np_dtype)
+    problem = dispatch.FwdProblem(dtype, headdim, False, nq, nk, 2, arch=90, mods=ScoreMods(alibi=alibi))
     for _ in range(2):
         padded = cupy.full((batch, nq, nheads, headdim + 8), np.nan, dtype=np_dtype)
         out = padded[..., :headdim]
         lse = cupy.full((batch, nheads, nq), np.nan, dtype=cupy.float32)
-        launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim))
+        launch.launch_fwd(cfg, problem, *(cupy.asarray(x) for x in values), out, lse, 1 / math.sqrt(headdim),
+                          slopes=None if slopes is None else cupy.asarray(slopes))
         assert_close_2x(out.get().astype(np.float64), ref, naive, ATOL[np_dtype])
         assert np.all(np.isnan(padded[..., headdim:].get()))
         np.testing.assert_allclose(lse.get(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg,dtype,headdim", [(dispatch.HEURISTIC_SM90[64], "float16", 64),
+                                               (dispatch.SM90_SHORT_KEYS[64][0], "bfloat16", 64),
+                                               (dispatch.HEURISTIC_SM90[128], "bfloat16", 128),
+                                               (FwdSm90Config(128, 176, 2, stage_o=False), "float16", 128),
+                                               (FwdSm90Config(128, 128, 2, pingpong=False), "float16", 96)],
+                         ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else str(x))
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (5, 256, 2304), (11, 1000, 3000), (None, 129, 1500)])
+def test_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
+    """The last wave split along the keys: runs of key blocks over one or two
+    tiles (lengths that are and are not multiples of the tiles), partial
+    outputs combined by the last run of each tile half, on 5 or
+    11 CTAs or the device's own count."""
+    _check_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg,dtype,headdim", [(dispatch.HEURISTIC_SM90[64], "bfloat16", 64),
+                                               (dispatch.SM90_SHORT_KEYS[64][0], "float16", 64)],
+                         ids=lambda x: x.short_name() if isinstance(x, FwdSm90Config) else str(x))
+@pytest.mark.parametrize("ctas,nq,nk", [(5, 300, 2049), (11, 1000, 3000), (None, 129, 1500)])
+def test_tail_split_alibi(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng):
+    """The split under ALiBi's column GEMM (head dim 64; at 128 those kernels do not split): a
+    segment takes its own key blocks from the tile's diagonal outwards (KeyOrder), so segments lie
+    left of, right of and across the diagonals (nq != nk moves them off the tiles' corners)."""
+    assert cfg.alibi_gemm(dtype, MOD_ALIBI)
+    _check_tail_split(monkeypatch, cfg, dtype, headdim, ctas, nq, nk, rng, alibi=True)
 
 
 @pytest.mark.hopper
