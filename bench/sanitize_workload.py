@@ -77,6 +77,9 @@ def fwd_sm90():
     saved, tail_split.SEGMENT_COST = tail_split.SEGMENT_COST, 0  # split these short key sequences too
     try:
         forward_and_backward(*qkv(1, 300, 2049, 2 * 50, 50, 128), causal=False, backward=False)
+        # ALiBi's column GEMM at head dim 64 splits too: segments take their blocks from the diagonal.
+        slopes = cupy.linspace(0.05, 1.0, 2 * 50, dtype=cupy.float32)
+        forward_and_backward(*qkv(1, 300, 2049, 2 * 50, 50, 64), causal=False, backward=False, alibi_slopes=slopes)
     finally:
         tail_split.SEGMENT_COST = saved
 
