@@ -81,7 +81,7 @@ DECODE_FLAGS = tuple((dtype_name, paged, causal) for (dtype_name, paged), causal
                      in itertools.product((("bfloat16", True), ("float16", False)), (False, True)))
 DECODE_FLAG_EXTREMES = (("bfloat16", True, True), ("float16", False, False))
 # Head dims of the decoding kernels over an fp8 (e4m3) cache, which compile for sm_90 alone (the
-# e4m3 conversions need sm_89): every tile, both q dtypes, contiguous and paged, causal or not; the
+# e4m3 conversions need sm_89): every tile with the flags of DECODE_FLAGS; the
 # score options with bf16 and a paged cache at DECODE_FP8_MODS_HEADDIM (the options' code is the
 # 16-bit kernels' template; CI's compile time stays in bounds).
 DECODE_FP8_HEADDIMS = (64, 128)
