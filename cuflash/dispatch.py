@@ -126,6 +126,13 @@ HEURISTIC_SM90 = {
 # and equal causal.
 SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 2048})}
 
+# With ALiBi, kernel head dim -> the longest seqlen_k (either mask) on the short-key tiles: the
+# 192-key tiles' diagonal blocks (each score its own distance) and partial last block weigh more
+# there. Same process, forced configs, H100, 16k tokens, fp16 and bf16 (bench/PERFLOG.md, "ALiBi at
+# head dim 64: the short-key tiles"), short over table time: 0.85-0.88 at 1k, 0.93-0.94 at 2k,
+# 0.97-0.99 at 4k, 0.99-1.03 at 8k.
+SM90_SHORT_KEYS_ALIBI = {64: 4096}
+
 
 # With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
 # (128 keys, no ping-pong). Forward with dropout 0.1 over the plain forward's time, same process,
@@ -142,14 +149,15 @@ def sm90_table_configs() -> list[FwdSm90Config]:
 
 
 def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool,
-                          dropout: bool = False) -> FwdSm90Config | None:
-    """The Hopper table's config for a kernel head dim, key length, mask and dropout, if it has one."""
+                          dropout: bool = False, alibi: bool = False) -> FwdSm90Config | None:
+    """The Hopper table's config for a kernel head dim, key length, mask, dropout and ALiBi, if it has one."""
     headdim = sm90_headdim(kernel_headdim)
     if dropout and headdim in SM90_DROPOUT:
         return SM90_DROPOUT[headdim]
-    short = SM90_SHORT_KEYS.get(headdim)
-    if short is not None and seqlen_k <= short[1][causal]:
-        return short[0]
+    if headdim in SM90_SHORT_KEYS:
+        short, longest = SM90_SHORT_KEYS[headdim]
+        if seqlen_k <= max(longest[causal], SM90_SHORT_KEYS_ALIBI.get(headdim, 0) if alibi else 0):
+            return short
     return HEURISTIC_SM90.get(headdim)
 
 
@@ -204,7 +212,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
     if problem.dtype_name == FP8_DTYPE_NAME:
         return fp8_config(problem)
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal,
-                                  problem.mods.dropout is not None)
+                                  problem.mods.dropout is not None, problem.mods.alibi)
             if problem.arch == 90 else None)
     if sm90 is not None and sm90.smem_bytes(problem.dtype_name, problem.mods.bits) <= problem.max_smem:
         return sm90

@@ -36,6 +36,20 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
     assert dispatch.heuristic_fwd_config(problem(128, arch=90, seqlen=512, causal=causal)) == dispatch.HEURISTIC_SM90[128]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_alibi_short_keys_at_headdim_64(causal):
+    # With ALiBi, head dim 64 keeps the short-key tiles up to 4k keys under either mask; head dim 128
+    # its table's tiles.
+    alibi = ScoreMods(alibi=True)
+    longest = dispatch.SM90_SHORT_KEYS_ALIBI[64]
+    short = dispatch.SM90_SHORT_KEYS[64][0]
+    for seqlen, expected in ((longest, short), (longest + 1, dispatch.HEURISTIC_SM90[64])):
+        with_alibi = dataclasses.replace(problem(64, arch=90, seqlen=seqlen, causal=causal), mods=alibi)
+        assert dispatch.heuristic_fwd_config(with_alibi) == expected
+    at_128 = dataclasses.replace(problem(128, arch=90, seqlen=1024, causal=causal), mods=alibi)
+    assert dispatch.heuristic_fwd_config(at_128) == dispatch.HEURISTIC_SM90[128]
+
+
 @pytest.mark.parametrize("seqlen", [512, 2048, 16384])
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_dropout_tiles(seqlen, causal):
