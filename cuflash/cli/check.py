@@ -48,7 +48,8 @@ SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64
               "decode_sm80": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 # Score options compiled for every table config, in two length variants (dtype and head-dim
-# evenness do not change what the options add). fp8 takes no ALiBi.
+# evenness do not change what the options add: score_option_cases compiles the second for ALiBi
+# and all options at once only). fp8 takes no ALiBi.
 MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 FP8_MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_WINDOW | MOD_SOFTCAP)
 MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
@@ -163,7 +164,10 @@ def score_option_cases(headdim: int) -> list[tuple[bool, str, bool, int]]:
     """(causal, dtype name, even_n, MODS) of the 16-bit score-option specialisations compiled at a
     head dim: every variant at the fast-path head dims, the extremes elsewhere (MODS_EXTREMES)."""
     if headdim in FAST_PATH_HEADDIMS:
-        variants = [(length, mods) for length in MODS_LENGTHS for mods in MODS_VARIANTS]
+        # Each option alone in the first length variant; in both, all of them at once and ALiBi alone
+        # (the Hopper forward's column GEMM, an fp16 k step beside either input dtype's).
+        variants = [(MODS_LENGTHS[0], mods) for mods in MODS_VARIANTS]
+        variants += [(length, mods) for length in MODS_LENGTHS[1:] for mods in (MOD_ALIBI, MODS_VARIANTS[-1])]
         variants += [(("bfloat16", False), mods) for mods in VARLEN_VARIANTS]
         dropout = DROPOUT_CASES
     else:
