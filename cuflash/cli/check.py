@@ -162,7 +162,8 @@ def shipped_specialisations():
 
 def score_option_cases(headdim: int) -> list[tuple[bool, str, bool, int]]:
     """(causal, dtype name, even_n, MODS) of the 16-bit score-option specialisations compiled at a
-    head dim: every variant at the fast-path head dims, the extremes elsewhere (MODS_EXTREMES)."""
+    head dim: at the fast-path head dims each option, packed batches and dropout's variants, at the
+    others the extremes (MODS_EXTREMES)."""
     if headdim in FAST_PATH_HEADDIMS:
         # Each option alone in the first length variant; in both, all of them at once and ALiBi alone
         # (the Hopper forward's column GEMM, an fp16 k step beside either input dtype's).
