@@ -123,12 +123,15 @@ HEURISTIC_SM90 = {
 # output staged. Kernel times against the table's config (ncu at locked
 # clocks, H100): at 1k 6% shorter non-causal and 11% shorter causal; at 2k
 # 5% longer non-causal and 3.5% shorter causal; at 4k 7% longer non-causal
-# and equal causal.
-SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 2048})}
+# and equal causal. Causal calls timed at the GPU's own clocks (same process,
+# forced configs, H100, fp16 and bf16, 16k and 64k tokens; bench/PERFLOG.md,
+# "The short-key tiles for causal calls"): short over table time 0.93 at 2k,
+# 0.95 at 3k, 0.96-0.97 at 4k, 0.97-0.98 at 6k, 0.99-1.00 at 8k.
+SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 6144})}
 
-# With ALiBi, kernel head dim -> the longest seqlen_k (either mask) on the short-key tiles: the
-# 192-key tiles' diagonal blocks (each score its own distance) and partial last block weigh more
-# there. Same process, forced configs, H100, 16k tokens, fp16 and bf16 (bench/PERFLOG.md, "ALiBi at
+# With ALiBi, kernel head dim -> the longest seqlen_k (either mask; the plain limit where that is
+# longer) on the short-key tiles: the 192-key tiles' diagonal blocks (each score its own distance)
+# and partial last block weigh more there. Same process, forced configs, H100, 16k tokens, fp16 and bf16 (bench/PERFLOG.md, "ALiBi at
 # head dim 64: the short-key tiles"), short over table time: 0.85-0.88 at 1k, 0.93-0.94 at 2k,
 # 0.97-0.99 at 4k, 0.99-1.03 at 8k.
 SM90_SHORT_KEYS_ALIBI = {64: 4096}

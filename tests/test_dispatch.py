@@ -24,9 +24,9 @@ def test_hopper_takes_the_sm90_kernel(headdim):
 
 
 @pytest.mark.parametrize("headdim", [64, 48])
-@pytest.mark.parametrize("causal,longest", [(False, 1024), (True, 2048)])
+@pytest.mark.parametrize("causal,longest", [(False, 1024), (True, 6144)])
 def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
-    # Up to 1k keys (2k under the causal mask), head dims served by the 64
+    # Up to 1k keys (6k under the causal mask), head dims served by the 64
     # kernel take its short-key tiles.
     short, limits = dispatch.SM90_SHORT_KEYS[64]
     assert limits[causal] == longest
@@ -38,10 +38,10 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_alibi_short_keys_at_headdim_64(causal):
-    # With ALiBi, head dim 64 keeps the short-key tiles up to 4k keys under either mask; head dim 128
-    # its table's tiles.
+    # With ALiBi, head dim 64 keeps the short-key tiles up to 4k keys (or the plain limit, if longer);
+    # head dim 128 its table's tiles.
     alibi = ScoreMods(alibi=True)
-    longest = dispatch.SM90_SHORT_KEYS_ALIBI[64]
+    longest = max(dispatch.SM90_SHORT_KEYS_ALIBI[64], dispatch.SM90_SHORT_KEYS[64][1][causal])
     short = dispatch.SM90_SHORT_KEYS[64][0]
     for seqlen, expected in ((longest, short), (longest + 1, dispatch.HEURISTIC_SM90[64])):
         with_alibi = dataclasses.replace(problem(64, arch=90, seqlen=seqlen, causal=causal), mods=alibi)
