@@ -131,9 +131,9 @@ SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024,
 
 # With ALiBi, kernel head dim -> the longest seqlen_k (either mask; the plain limit where that is
 # longer) on the short-key tiles: the 192-key tiles' diagonal blocks (each score its own distance)
-# and partial last block weigh more there. Same process, forced configs, H100, 16k tokens, fp16 and bf16 (bench/PERFLOG.md, "ALiBi at
-# head dim 64: the short-key tiles"), short over table time: 0.85-0.88 at 1k, 0.93-0.94 at 2k,
-# 0.97-0.99 at 4k, 0.99-1.03 at 8k.
+# and partial last block weigh more there. Same process, forced configs, H100, 16k tokens, fp16
+# and bf16 (bench/PERFLOG.md, "ALiBi at head dim 64: the short-key tiles"), short over table time:
+# 0.85-0.88 at 1k, 0.93-0.94 at 2k, 0.97-0.99 at 4k, 0.99-1.03 at 8k.
 SM90_SHORT_KEYS_ALIBI = {64: 4096}
 
 
