@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(384, 1)
     // Nor for a packed batch (varlen), whose tiles differ in length too. Nor with ALiBi's column
     // GEMM at head dim 128, where each segment's own diagonal blocks cost more than the split gave
     // (same-process A/B, H100, 16k tokens: 2k 3-5% slower, 8k within 2%; head dim 64: 8k 3-5%
-    // faster, 2k even).
+    // faster, 2k even). The host mirrors this (config.py: FwdSm90Config.tail_split).
     constexpr bool TAIL_SPLIT = !CAUSAL && !Mods::WINDOW && !Mods::VARLEN && D < 256 && !(ALIBI_B && D == 128);
     constexpr bool SOFTMAX_TURNS = FP8_128 && !CAUSAL && !PINGPONG;
 

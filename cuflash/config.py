@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .compile import cpp_int_constant
-from .score_mods import MOD_ALIBI, MOD_SOFTCAP
+from .score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 # Head dims the kernels are instantiated for; a user head dim d (multiple of 8)
 # runs on the smallest of these >= d with the extra columns zero-filled.
@@ -176,10 +176,16 @@ class FwdSm90Config:
 
     def alibi_gemm(self, dtype_name: str, mods: int) -> bool:
         """Whether the kernel's shared memory holds the B operand of ALiBi's column GEMM (fwd_sm90_kernel's
-        ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask;
-        at head dim 128 such a kernel has no tail split)."""
+        ALIBI_B: it adds ALiBi's column part in its S GEMM unless a window comes without the causal mask)."""
         return (self.headdim in (64, 128) and dtype_name != FP8_DTYPE_NAME and bool(mods & MOD_ALIBI)
                 and not mods & MOD_SOFTCAP)
+
+    def tail_split(self, dtype_name: str, causal: bool, mods: int) -> bool:
+        """Whether the kernel splits its last wave along the keys (fwd_sm90_kernel's TAIL_SPLIT, which
+        this mirrors): persistent, equal-length tiles (no causal mask, window or packed batch), head dims
+        below 256, and not ALiBi's column GEMM at head dim 128."""
+        return (self.persistent and not causal and not mods & (MOD_WINDOW | MOD_VARLEN) and self.headdim < 256
+                and not (self.headdim == 128 and self.alibi_gemm(dtype_name, mods)))
 
     def smem_layout(self, dtype_name: str = "float16", mods: int = 0) -> dict[str, int]:
         """FwdSm90Traits (cuda_src/fwd_sm90_traits.cuh): the Q tile, STAGES K and V tiles, the staged

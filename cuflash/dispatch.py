@@ -118,23 +118,22 @@ HEURISTIC_SM90 = {
     256: FwdSm90Config(256, 80, 2, stage_o=False),
 }
 
-# Short key sequences: kernel head dim -> (config, longest seqlen_k without
-# and with the causal mask). Head dim 64: 128-key tiles without ping-pong,
+# Short key sequences: kernel head dim -> (config, longest seqlen_k by
+# (causal, ALiBi)). Head dim 64: 128-key tiles without ping-pong,
 # output staged. Kernel times against the table's config (ncu at locked
 # clocks, H100): at 1k 6% shorter non-causal and 11% shorter causal; at 2k
 # 5% longer non-causal and 3.5% shorter causal; at 4k 7% longer non-causal
 # and equal causal. Causal calls timed at the GPU's own clocks (same process,
 # forced configs, H100, fp16 and bf16, 16k and 64k tokens; bench/PERFLOG.md,
 # "The short-key tiles for causal calls"): short over table time 0.93 at 2k,
-# 0.95 at 3k, 0.96-0.97 at 4k, 0.97-0.98 at 6k, 0.99-1.00 at 8k.
-SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False), {False: 1024, True: 6144})}
-
-# With ALiBi, kernel head dim -> the longest seqlen_k (either mask; the plain limit where that is
-# longer) on the short-key tiles: the 192-key tiles' diagonal blocks (each score its own distance)
-# and partial last block weigh more there. Same process, forced configs, H100, 16k tokens, fp16
-# and bf16 (bench/PERFLOG.md, "ALiBi at head dim 64: the short-key tiles"), short over table time:
-# 0.85-0.88 at 1k, 0.93-0.94 at 2k, 0.97-0.99 at 4k, 0.99-1.03 at 8k.
-SM90_SHORT_KEYS_ALIBI = {64: 4096}
+# 0.95 at 3k, 0.96-0.97 at 4k, 0.97-0.98 at 6k, 0.99-1.00 at 8k. With ALiBi
+# the 192-key tiles' diagonal blocks (each score its own distance) and partial
+# last block weigh more: short over table time (same process, forced configs,
+# H100, 16k tokens, fp16 and bf16; bench/PERFLOG.md, "ALiBi at head dim 64:
+# the short-key tiles") 0.85-0.88 at 1k, 0.93-0.94 at 2k, 0.97-0.99 at 4k,
+# 0.99-1.03 at 8k.
+SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False),
+                        {(False, False): 1024, (True, False): 6144, (False, True): 4096, (True, True): 6144})}
 
 
 # With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
@@ -159,7 +158,7 @@ def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool,
         return SM90_DROPOUT[headdim]
     if headdim in SM90_SHORT_KEYS:
         short, longest = SM90_SHORT_KEYS[headdim]
-        if seqlen_k <= max(longest[causal], SM90_SHORT_KEYS_ALIBI.get(headdim, 0) if alibi else 0):
+        if seqlen_k <= longest[causal, alibi]:
             return short
     return HEURISTIC_SM90.get(headdim)
 

@@ -223,9 +223,7 @@ class FwdSm90Launch:
             # cuda_src/fwd_sm90_scheduler.cuh); num_tiles stays the bound of the tile indices.
             split = tail_split.TailSplit(nheads * (mods.varlen.total_q // cfg.block_m + batch), 0)
         ctas = sm_count(device_id) if cfg.persistent else split.full_tiles
-        if (cfg.persistent and not problem.causal and mods.window is None and mods.varlen is None
-                and cfg.headdim < 256
-                and not (cfg.headdim == 128 and cfg.alibi_gemm(problem.dtype_name, mods.bits))):  # TAIL_SPLIT
+        if cfg.tail_split(problem.dtype_name, problem.causal, mods.bits):
             split = tail_split.plan(num_tiles, ctas, -(-seqlen_k // cfg.block_n))
         self.grid = (min(split.full_tiles + split.items, ctas), 1, 1)
         self.split_tiles = split.split_tiles(num_tiles) if split.items else 0

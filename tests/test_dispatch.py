@@ -29,7 +29,7 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
     # Up to 1k keys (6k under the causal mask), head dims served by the 64
     # kernel take its short-key tiles.
     short, limits = dispatch.SM90_SHORT_KEYS[64]
-    assert limits[causal] == longest
+    assert limits[causal, False] == longest
     assert dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=longest, causal=causal)) == short
     assert (dispatch.heuristic_fwd_config(problem(headdim, arch=90, seqlen=longest + 1, causal=causal))
             == dispatch.HEURISTIC_SM90[64])
@@ -38,11 +38,12 @@ def test_hopper_short_keys_at_headdim_64(headdim, causal, longest):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_alibi_short_keys_at_headdim_64(causal):
-    # With ALiBi, head dim 64 keeps the short-key tiles up to 4k keys (or the plain limit, if longer);
+    # With ALiBi, head dim 64 keeps the short-key tiles up to 4k keys (6k under the causal mask, as plain);
     # head dim 128 its table's tiles.
     alibi = ScoreMods(alibi=True)
-    longest = max(dispatch.SM90_SHORT_KEYS_ALIBI[64], dispatch.SM90_SHORT_KEYS[64][1][causal])
-    short = dispatch.SM90_SHORT_KEYS[64][0]
+    short, limits = dispatch.SM90_SHORT_KEYS[64]
+    longest = limits[causal, True]
+    assert longest == (6144 if causal else 4096)
     for seqlen, expected in ((longest, short), (longest + 1, dispatch.HEURISTIC_SM90[64])):
         with_alibi = dataclasses.replace(problem(64, arch=90, seqlen=seqlen, causal=causal), mods=alibi)
         assert dispatch.heuristic_fwd_config(with_alibi) == expected

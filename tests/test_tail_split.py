@@ -6,6 +6,8 @@ of at most two segments, with distinct workspace slots."""
 import pytest
 
 from cuflash import tail_split
+from cuflash.dispatch import HEURISTIC_SM90
+from cuflash.score_mods import MOD_ALIBI, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 
 def kernel_slot_range(split, num_tiles, key_blocks, k):
@@ -75,3 +77,15 @@ def test_split_shortens_the_last_wave():
     split = tail_split.plan(2048, 132, 43)
     assert split == tail_split.TailSplit(2048 - 68, 132)
     assert tail_split.plan(2048, 132, 86) == tail_split.TailSplit(2048 - 68, 132)
+
+
+def test_which_hopper_forwards_split():
+    # FwdSm90Config.tail_split mirrors the kernel's TAIL_SPLIT: equal-length persistent tiles below head
+    # dim 256, and ALiBi's column GEMM only at head dim 64.
+    d64, d128, d256 = HEURISTIC_SM90[64], HEURISTIC_SM90[128], HEURISTIC_SM90[256]
+    assert d64.tail_split("float16", False, 0) and d128.tail_split("bfloat16", False, 0)
+    assert not d128.tail_split("float16", True, 0)
+    assert not any(d128.tail_split("float16", False, mods) for mods in (MOD_WINDOW, MOD_VARLEN))
+    assert not d256.tail_split("float16", False, 0)
+    assert d64.tail_split("float16", False, MOD_ALIBI) and not d128.tail_split("float16", False, MOD_ALIBI)
+    assert d128.tail_split("float16", False, MOD_ALIBI | MOD_SOFTCAP)  # softcap: no column GEMM

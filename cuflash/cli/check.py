@@ -49,13 +49,11 @@ SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 # Score options compiled for every table config, in two length variants (dtype and head-dim
 # evenness do not change what the options add: score_option_cases compiles the second for ALiBi
-# and all options at once only). fp8 takes no ALiBi.
+# and all options at once only). fp8 takes no ALiBi (score_option_cases masks it out).
 MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
-FP8_MODS_VARIANTS = (MOD_WINDOW, MOD_SOFTCAP, MOD_WINDOW | MOD_SOFTCAP)
 MODS_LENGTHS = (("bfloat16", False), ("float16", True))  # (dtype, even_n)
 # Packed batches, alone and with every option (fp8: but ALiBi); their lengths are never even.
 VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
-FP8_VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 # Dropout (16-bit) on every 16-bit family, as (causal, MODS): alone, and causal packed with every
 # option (the one template's two extremes; each variant compiled costs CI seconds).
 DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI),
@@ -65,7 +63,6 @@ DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WIN
 # packed or not, and dropout's two), whose code holds every other variant's: there a variant
 # could only fail to compile on its tile's shape, which the extremes share.
 MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
-FP8_MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
 # Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
@@ -134,17 +131,11 @@ def shipped_specialisations():
         for causal, even_n in itertools.product((False, True), (True, False)):
             add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
     for cfg, dtype_name in sm90:
-        if dtype_name == FP8_DTYPE_NAME and cfg.headdim in FAST_PATH_HEADDIMS:
-            cases = [(causal, even_n, mods) for causal, (_, even_n), mods
-                     in itertools.product((False, True), MODS_LENGTHS, FP8_MODS_VARIANTS)]
-            cases += [(causal, False, mods) for causal, mods in itertools.product((False, True), FP8_VARLEN_VARIANTS)]
-        elif dtype_name == FP8_DTYPE_NAME:
-            cases = [(causal, False, mods) for causal, mods in itertools.product((False, True), FP8_MODS_EXTREMES)]
-        else:
-            cases = [(causal, even_n, mods) for causal, case_dtype_name, even_n, mods
-                     in score_option_cases(cfg.headdim) if case_dtype_name == dtype_name]
-        for causal, even_n, mods in cases:
-            add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods), cfg.smem_bytes(dtype_name, mods))
+        fp8 = dtype_name == FP8_DTYPE_NAME
+        for causal, case_dtype_name, even_n, mods in score_option_cases(cfg.headdim, fp8):
+            if fp8 or case_dtype_name == dtype_name:
+                add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods),
+                    cfg.smem_bytes(dtype_name, mods))
     _add_score_option_variants(add)
     _add_decode_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
@@ -160,10 +151,11 @@ def shipped_specialisations():
     return list(specs.values())
 
 
-def score_option_cases(headdim: int) -> list[tuple[bool, str, bool, int]]:
-    """(causal, dtype name, even_n, MODS) of the 16-bit score-option specialisations compiled at a
-    head dim: at the fast-path head dims each option, packed batches and dropout's variants, at the
-    others the extremes (MODS_EXTREMES)."""
+def score_option_cases(headdim: int, fp8: bool = False) -> list[tuple[bool, str, bool, int]]:
+    """(causal, dtype name, even_n, MODS) of the score-option specialisations compiled at a head
+    dim: at the fast-path head dims each option, packed batches and dropout's variants, at the
+    others the extremes (MODS_EXTREMES). fp8 (its dtype is the kernel's, not the case's): the same
+    without ALiBi and dropout, which it does not take."""
     if headdim in FAST_PATH_HEADDIMS:
         # Each option alone in the first length variant; in both, all of them at once and ALiBi alone
         # (the Hopper forward's column GEMM, an fp16 k step beside either input dtype's).
@@ -176,6 +168,9 @@ def score_option_cases(headdim: int) -> list[tuple[bool, str, bool, int]]:
         dropout = DROPOUT_CASES[1:]
     cases = [(causal, dtype_name, even_n, mods)
              for causal, ((dtype_name, even_n), mods) in itertools.product((False, True), variants)]
+    if fp8:  # ALiBi masked out; what is left of ALiBi alone is the plain kernel
+        return list(dict.fromkeys((causal, dtype_name, even_n, mods & ~MOD_ALIBI)
+                                  for causal, dtype_name, even_n, mods in cases if mods & ~MOD_ALIBI))
     return cases + [(causal, "float16", False, mods) for causal, mods in dropout]
 
 
