@@ -83,3 +83,22 @@ def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
     assert targets("decode_sm80", fp8_cache, 128, both) == ["sm_90"]  # e4m3 conversions: sm_89 and later
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, both) == ["sm_90a"]
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []
+
+
+def test_check_spill_rule_of_score_options():
+    """Plain fast paths must not spill; with score options only the Hopper forward at head dims 64 and
+    128 must, and there with one of window, softcap and ALiBi (packed or not) and no dropout."""
+    from cuflash.cli.check import fast_path
+    from cuflash.score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
+
+    for headdim in (64, 128):
+        assert fast_path("fwd_sm90", headdim, "sm_90a")
+        for one in (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_ALIBI | MOD_VARLEN, MOD_VARLEN):
+            assert fast_path("fwd_sm90", headdim, "sm_90a", one)
+        for many in (MOD_SOFTCAP | MOD_ALIBI, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI | MOD_VARLEN, MOD_DROPOUT,
+                     MOD_DROPOUT | MOD_WINDOW):
+            assert not fast_path("fwd_sm90", headdim, "sm_90a", many)
+        assert fast_path("bwd_sm90", headdim, "sm_90a") and not fast_path("bwd_sm90", headdim, "sm_90a", MOD_ALIBI)
+        assert not fast_path("fwd_sm80", headdim, "sm_80", MOD_WINDOW)
+    assert fast_path("fwd_sm90", 256, "sm_90a") and not fast_path("fwd_sm90", 256, "sm_90a", MOD_WINDOW)
+    assert not fast_path("bwd_sm80", 128, "sm_90")

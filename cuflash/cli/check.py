@@ -246,9 +246,16 @@ def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]
 def fast_path(family: str, headdim: int, arch: str, mods: int = 0) -> bool:
     """Whether a kernel of this family, head dim, target and score options must be spill-free.
     Kernels with score options may spill (listed, not failed): the Hopper backward's accumulators and
-    the head-dim-256 forward's leave no room for the tanh's and ALiBi's registers (docs/design.md)."""
+    the head-dim-256 forward's leave no room for the tanh's and ALiBi's registers (docs/design.md).
+    The Hopper forward at 64 and 128 must not, with one of window, softcap and ALiBi (packed or not):
+    a spill there cost ALiBi half its speed under one NVRTC release (bench/PERFLOG.md, "ALiBi's
+    column GEMM under NVRTC 13.5")."""
     archs = SPILL_FREE_ARCHS.get(family)
-    return headdim in SPILL_FREE.get(family, ()) and (archs is None or arch in archs) and not mods
+    if headdim not in SPILL_FREE.get(family, ()) or not (archs is None or arch in archs):
+        return False
+    if family == "fwd_sm90" and headdim in FAST_PATH_HEADDIMS and not mods & (MOD_DROPOUT | MOD_DROPOUT_STATE):
+        return (mods & (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)).bit_count() <= 1
+    return not mods
 
 
 def _compile_one(job):
