@@ -281,21 +281,24 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     constexpr bool ROW_OWNER = THREADS % CHUNKS == 0;
     constexpr int ROW_STEP = ROW_OWNER ? THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
     constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
-    // A paged cache (no leftpad, so 16-row groups are whole pages' parts) takes page runs where the
-    // shapes allow: each thread copies chunks c and c + HALF of RUN consecutive rows of one page,
-    // so one page id, one page division and one row address per cache serve 2 RUN copies (the
-    // per-row page arithmetic made the paged MQA tile issue-bound: bench/PERFLOG.md).
+    // Row runs, where the shapes allow: each thread copies chunks c and c + HALF of RUN consecutive
+    // rows (of one page: a paged cache has no leftpad, so 16-row groups are whole pages' parts), so
+    // one page id, one page division and one row address per cache serve 2 RUN copies. A paged
+    // cache takes them (the per-row page arithmetic made the paged MQA tile issue-bound); a
+    // contiguous one in the 64-row tile, whose MMAs leave the copies few issue slots (MQA with
+    // Nq = 8: 8-9% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
+    // and GQA (bench/PERFLOG.md, "page runs", "row runs").
     constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * THREADS);
-    constexpr bool PAGE_RUNS =
-        PAGED && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 && 16 % RUN == 0 && 2 * RUN * THREADS == BN * CHUNKS;
-    constexpr int PAGE_IDS = PAGE_RUNS ? 1 : OWNED_ROWS / GROUP;
+    constexpr bool ROW_RUNS = (PAGED || WARPS_M == 4) && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 &&
+                               16 % RUN == 0 && 2 * RUN * THREADS == BN * CHUNKS;
+    constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
         const int j = span.leftpad + blk * BN + r;
         return PAGED && j < span.cache_len ? page_of(a, b, j) : 0;
     };
     int pages[PAGE_IDS];
     auto fetch_pages = [&](int blk) {
-        if constexpr (PAGE_RUNS) {
+        if constexpr (ROW_RUNS) {
             pages[0] = page_at(blk, tid / HALF * RUN);
         } else if constexpr (PAGED && ROW_OWNER) {
 #pragma unroll
@@ -303,7 +306,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         }
     };
     // The cached rows of this kv head: with owned rows or page runs, at this thread's (first) chunk.
-    const int own_chunk_bytes = PAGE_RUNS ? 16 * (tid % HALF) : ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
+    const int own_chunk_bytes = ROW_RUNS ? 16 * (tid % HALF) : ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
     const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
     auto store_shared = [](u32 dst, uint4 val) {
@@ -346,8 +349,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     auto load_block = [&](int blk, int stage) {
         const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
         const u32 v_base = smem_addr(smem_raw + T::OFF_V + stage * T::STAGE_BYTES);
-        if constexpr (PAGE_RUNS) {
-            const int chunk = tid % HALF, r0 = tid / HALF * RUN, j0 = blk * BN + r0;
+        if constexpr (ROW_RUNS) {
+            const int chunk = tid % HALF, r0 = tid / HALF * RUN, j0 = (PAGED ? 0 : span.leftpad) + blk * BN + r0;
             if (j0 + RUN <= span.cache_len) {  // every row of the run cached: in page pages[0]
                 const CachePos pos = cache_pos<PAGED>(a, span, j0, pages[0]);
                 const unsigned char* k_row = row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn);
