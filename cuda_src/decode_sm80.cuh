@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     // one page id, one page division and one row address per cache serve 2 RUN copies. A paged
     // cache takes them (the per-row page arithmetic made the paged MQA tile issue-bound); a
     // contiguous one in the 64-row tile, whose MMAs leave the copies few issue slots (MQA with
-    // Nq = 8: 8-9% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
+    // Nq = 8: 6-12% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
     // and GQA (bench/PERFLOG.md, "page runs", "row runs").
     constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * THREADS);
     constexpr bool ROW_RUNS = (PAGED || WARPS_M == 4) && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 &&
