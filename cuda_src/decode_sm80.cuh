@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
         }
     };
-    // The cached rows of this kv head: with owned rows or page runs, at this thread's (first) chunk.
+    // The cached rows of this kv head: with owned rows or row runs, at this thread's (first) chunk.
     const int own_chunk_bytes = ROW_RUNS ? 16 * (tid % HALF) : ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
     const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
