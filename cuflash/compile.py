@@ -91,6 +91,14 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def nvrtc_version() -> str:
+    """The version of the NVRTC that CuPy loads, e.g. "13.0": the compiler of every kernel here."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    major, minor = nvrtc.getVersion()
+    return f"{major}.{minor}"
+
+
 # ---------------------------------------------------------------- on a GPU
 
 _modules_lock = threading.Lock()

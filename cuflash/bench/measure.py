@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy
 
 from cuflash import timing
+from cuflash.compile import nvrtc_version
 
 from .libs import Skip
 
@@ -39,6 +40,8 @@ def log(message: str) -> None:
 
 
 def device_info() -> dict:
+    """The GPU's facts, and the NVRTC that compiled the kernels (its releases' code differs: PERFLOG,
+    "ALiBi's column GEMM under NVRTC 13.5")."""
     device = cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(device.id)
     return {
@@ -47,6 +50,7 @@ def device_info() -> dict:
         "sm_count": device.attributes["MultiProcessorCount"],
         "l2_bytes": device.attributes["L2CacheSize"],
         "memory_bytes": props["totalGlobalMem"],
+        "nvrtc": nvrtc_version(),
     }
 
 

@@ -58,7 +58,7 @@ def run(args, argv: list) -> int:
         report["flops_per_forward_flop"] = BWD_FLOPS_FACTOR
         report["grad_tolerance"] = {"rel": fwd_bwd.GRAD_REL, "atol": fwd_bwd.GRAD_ATOL}
     log(f"device: {device['name']} (sm_{device['compute_capability']}, "
-        f"{device['sm_count']} SMs, L2 {device['l2_bytes'] / MiB:.0f} MiB); "
+        f"{device['sm_count']} SMs, L2 {device['l2_bytes'] / MiB:.0f} MiB; NVRTC {device['nvrtc']}); "
         f"{report['mode']}{'; ' + variant.describe() if variant.enabled else ''}; "
         f"libraries: {', '.join(report['libraries'])}")
 

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 
+from ..compile import nvrtc_version
 from ..device import cuda_version, runtime_problem
 
 
@@ -23,15 +24,6 @@ def _try(fn, default="unavailable"):
         return fn()
     except Exception as exc:
         return f"{default} ({type(exc).__name__}: {exc})"
-
-
-def _nvrtc_version() -> str:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except ImportError:
-        from cupy.cuda import nvrtc
-    major, minor = nvrtc.getVersion()
-    return f"{major}.{minor}"
 
 
 def _cache_dir(env: str, default: str) -> str:
@@ -61,7 +53,7 @@ def software_rows(cupy) -> list[tuple[str, str]]:
         ("CuPy", cupy.__version__),
         ("CUDA runtime", _try(lambda: cuda_version(runtime.runtimeGetVersion()))),
         ("CUDA driver", _try(lambda: cuda_version(runtime.driverGetVersion()))),
-        ("NVRTC", _try(_nvrtc_version)),
+        ("NVRTC", _try(nvrtc_version)),
         ("CuPy kernel cache", _cache_dir("CUPY_CACHE_DIR", "~/.cupy/kernel_cache")),
         ("cuflash tuning cache", _tuning_cache_dir()),
     ]
