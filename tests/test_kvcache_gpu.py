@@ -132,6 +132,16 @@ def test_speculative_causal(seqlen_q, group):
              nheads_kv=2, capacity=97 * 3, causal=True)
 
 
+# 64 packed rows per kv head take the 4-row-warp tile, whose contiguous copies go by row runs where
+# a head dim's chunks fit them (32, 64, 128) and by whole rows elsewhere (96, 160): with leftpad,
+# new keys, an empty and a full cache, lengths ending inside a run.
+@pytest.mark.parametrize("headdim,fp8", [(32, False), (64, False), (96, False), (128, False), (160, False),
+                                         (64, True), (128, True)])
+def test_row_tile_64_head_dims(headdim, fp8):
+    run_case(np.random.default_rng(headdim + fp8), headdim=headdim, fp8=fp8, seqlen_q=8, nheads=16, nheads_kv=2,
+             capacity=333, n_new=2, causal=True, leftpad=True)
+
+
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_paged(page_size, dtype):
