@@ -141,11 +141,12 @@ def _torch_sdpa(torch, step: Step, backend_name: str):
 
 def run(args) -> int:
     torch = optional_torch()
-    log(f"device: {device_info()['name']}")
+    device = device_info()
+    log(f"device: {device['name']} (NVRTC {device['nvrtc']})")
     dtype = first_dtype(args)
     copy_gbs = copy_rate_gbs(args.repeats)
     log(f"device copy rate: {copy_gbs:.0f} GB/s")
-    l2_bytes = device_info()["l2_bytes"]
+    l2_bytes = device["l2_bytes"]
     batches, caches = (QUICK_BATCHES, QUICK_CACHES) if args.quick else (BATCHES, CACHES)
     fp8_cache = compute_capability(cupy.cuda.Device().id) >= FP8_MIN_CAPABILITY
     rows, failed = [], False
@@ -188,7 +189,7 @@ def run(args) -> int:
                 timing.synchronize()
                 cupy.get_default_memory_pool().free_all_blocks()
     _print(rows)
-    write_json(args.json, {"device": device_info(), "copy_gbs": round(copy_gbs), "dtype": str(numpy.dtype(dtype)),
+    write_json(args.json, {"device": device, "copy_gbs": round(copy_gbs), "dtype": str(numpy.dtype(dtype)),
                            "rows": rows})
     return 1 if failed else 0
 

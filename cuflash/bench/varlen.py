@@ -146,7 +146,8 @@ def _check(x: Inputs, causal: bool, backward: bool, torch_run) -> float:
 
 def run(args) -> int:
     torch = optional_torch()
-    log(f"device: {device_info()['name']}")
+    device = device_info()
+    log(f"device: {device['name']} (NVRTC {device['nvrtc']})")
     dtype = first_dtype(args)
     failed = False
     rows = []
@@ -186,7 +187,7 @@ def run(args) -> int:
                 timing.synchronize()
                 cupy.get_default_memory_pool().free_all_blocks()
     _print(rows)
-    write_json(args.json, {"device": device_info(), "dtype": str(numpy.dtype(dtype)), "backward": args.backward,
+    write_json(args.json, {"device": device, "dtype": str(numpy.dtype(dtype)), "backward": args.backward,
                            "rows": rows})
     return 1 if failed else 0
 

@@ -47,6 +47,10 @@ SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128),
               "decode_sm80": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
+# Family -> the head dims whose kernels must stay spill-free with one of window, softcap and ALiBi
+# too (packed or not; not with dropout): a spill there cost ALiBi half its speed under one NVRTC
+# release (bench/PERFLOG.md, "ALiBi's column GEMM under NVRTC 13.5").
+SPILL_FREE_ONE_OPTION = {"fwd_sm90": FAST_PATH_HEADDIMS}
 # Score options compiled for every table config, in two length variants (dtype and head-dim
 # evenness do not change what the options add: score_option_cases compiles the second for ALiBi
 # and all options at once only). fp8 takes no ALiBi (score_option_cases masks it out).
@@ -246,14 +250,12 @@ def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]
 def fast_path(family: str, headdim: int, arch: str, mods: int = 0) -> bool:
     """Whether a kernel of this family, head dim, target and score options must be spill-free.
     Kernels with score options may spill (listed, not failed): the Hopper backward's accumulators and
-    the head-dim-256 forward's leave no room for the tanh's and ALiBi's registers (docs/design.md).
-    The Hopper forward at 64 and 128 must not, with one of window, softcap and ALiBi (packed or not):
-    a spill there cost ALiBi half its speed under one NVRTC release (bench/PERFLOG.md, "ALiBi's
-    column GEMM under NVRTC 13.5")."""
+    the head-dim-256 forward's leave no room for the tanh's and ALiBi's registers (docs/design.md);
+    but those of SPILL_FREE_ONE_OPTION with a single one may not."""
     archs = SPILL_FREE_ARCHS.get(family)
     if headdim not in SPILL_FREE.get(family, ()) or not (archs is None or arch in archs):
         return False
-    if family == "fwd_sm90" and headdim in FAST_PATH_HEADDIMS and not mods & (MOD_DROPOUT | MOD_DROPOUT_STATE):
+    if headdim in SPILL_FREE_ONE_OPTION.get(family, ()) and not mods & (MOD_DROPOUT | MOD_DROPOUT_STATE):
         return (mods & (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)).bit_count() <= 1
     return not mods
 
