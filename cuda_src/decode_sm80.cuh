@@ -31,10 +31,12 @@
 #pragma once
 #include "combine.cuh"
 #include "common.cuh"
+#include "decode_wgmma.cuh"
 #include "kv_cache.cuh"
 #include "score_mods.cuh"
 #include "sm80_mma.cuh"
 #include "softmax_sm80.cuh"
+#include "softmax_sm90.cuh"
 
 namespace cuflash {
 
@@ -79,12 +81,13 @@ struct DecodeTraits {
     static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (D + 2);
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
-    static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4, "1, 2 or 4 row warps");
+    static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4 || WARPS_M == 8, "1, 2, 4 or 8 row warps");
     static_assert(WARPS_N == 1 || WARPS_N == 2 || WARPS_N == 4, "1, 2 or 4 key warps");
     static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
     static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
     static_assert(MERGE_BYTES <= SMEM_BYTES - OFF_K, "the warps' outputs must fit in the K/V ring");
-    static_assert(4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K, "the splits' weights must fit in the ring");
+    static_assert(BM > DECODE_MERGE_MAX_ROWS || 4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K,
+                  "the splits' weights must fit in the ring");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
 };
 
@@ -207,10 +210,20 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
 // One CTA an SM promised to the register allocator, 8 warps too (cuflash/dispatch.py decode_slots
 // fills an SM with one 8-warp CTA): capped at 128 registers for two, the 8-warp causal and score
 // option kernels spilled 8-36 bytes.
-template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool FP8, bool PAGED, bool CAUSAL, int MODS>
+// WGMMA: the GEMMs on Hopper's wgmma (decode_wgmma.cuh; the decode_sm90 family, built for sm_90a),
+// in tiles of whole row warpgroups (4 or 8 row warps, 1 key warp) over a 16-bit cache. Key step t
+// issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, computes the softmax of S_t while the P V GEMM
+// runs, and rescales O once it has completed (the Hopper forward's overlap, fwd_sm90_mainloop.cuh);
+// block t - 1's stage stays in use through step t, so the ring holds one block fewer in flight.
+template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool FP8, bool PAGED, bool CAUSAL, int MODS,
+          bool WGMMA = false>
 __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
     using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8>;
+    static_assert(!WGMMA || (WARPS_M % 4 == 0 && WARPS_N == 1 && !FP8 && STAGES >= 3),
+                  "wgmma: row warpgroups, a 16-bit cache, a block in flight besides the two in use");
+    // Blocks the ring loads ahead of the one whose S GEMM a step issues.
+    constexpr int AHEAD = WGMMA ? STAGES - 2 : STAGES - 1;
     constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS;
     constexpr int Q_CHUNKS = D / 8, CHUNKS = D / T::CHUNK_ELEMS;  // 16-byte chunks of a Q row, of a cache row
     using Mods = ScoreMods<MODS, CAUSAL, false>;
@@ -289,7 +302,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     // Nq = 8: 6-12% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
     // and GQA (bench/PERFLOG.md, "page runs", "row runs").
     constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * THREADS);
-    constexpr bool ROW_RUNS = (PAGED || WARPS_M == 4) && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 &&
+    constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 &&
                                16 % RUN == 0 && 2 * RUN * THREADS == BN * CHUNKS;
     constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
@@ -404,14 +417,14 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     };
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < AHEAD; ++s) {
         if (s < n_steps) {
             fetch_pages(blk0 + s);
             load_block(blk0 + s, s);
         }
         cp_async_commit();
     }
-    if (STAGES - 1 < n_steps) fetch_pages(blk0 + STAGES - 1);
+    if (AHEAD < n_steps) fetch_pages(blk0 + AHEAD);
 
     // This lane's two rows (lane / 4 and + 8 of the warp's 16): query index and ALiBi slope.
     int query[2];
@@ -433,21 +446,44 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     zero(acc_o);
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
 
+    u32 p_frag[T::KSTEPS_PV][4];
+    u32 q_frag[WGMMA ? T::KSTEPS_QK : 1][4];  // WGMMA: the warp's rows of Q, the S GEMM's A operand
+    if constexpr (WGMMA) {
+        __syncthreads();  // Q is whole
+#pragma unroll
+        for (int ks = 0; ks < T::KSTEPS_QK; ++ks) ldmatrix_x4(q_frag[ks], q_smem + q_off.at(0, 2 * ks));
+    }
     for (int t = 0; t < n_steps; ++t) {
-        cp_async_wait<STAGES - 2>();  // block t landed
-        __syncthreads();              // and every warp is past block t - 1, whose stage is refilled now
-        if (t + STAGES - 1 < n_steps) load_block(blk0 + t + STAGES - 1, (t + STAGES - 1) % STAGES);
+        cp_async_wait<AHEAD - 1>();                // block t landed
+        if constexpr (WGMMA) fence_proxy_async();  // this thread's copies seen by wgmma's reads
+        __syncthreads();  // and every warp is past step t - 1: the stage of block t + AHEAD is free
+        if (t + AHEAD < n_steps) load_block(blk0 + t + AHEAD, (t + AHEAD) % STAGES);
         cp_async_commit();
-        if (t + STAGES < n_steps) fetch_pages(blk0 + t + STAGES);
+        if (t + AHEAD + 1 < n_steps) fetch_pages(blk0 + t + AHEAD + 1);
 
         const int blk = blk0 + t, stage = t % STAGES;
         if constexpr (FP8) widen_values(stage);  // into the V tile the previous block's P V is done with
         float acc_s[T::NTILES_S][4];
-        zero(acc_s);
-        if constexpr (FP8) {
-            gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
+        if constexpr (WGMMA) {
+            zero(acc_s);
+            wgmma_fence();
+            wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
+            wgmma_commit();
+            if (t > 0) {
+                wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
+                wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
+                wgmma_commit();
+            }
+            if (t > 0)
+                wgmma_wait<1>();  // S_t is in; P V still runs
+            else
+                wgmma_wait<0>();
         } else {
-            gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
+            zero(acc_s);
+            if constexpr (FP8)
+                gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
+            else
+                gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
         }
         if (FP8 && !descale_in_scale) {  // the keys' dequantisation, where it is not in score_log2
 #pragma unroll
@@ -468,11 +504,28 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                     acc_s[j][e] = whole || mods.visible(i, col) ? s : neg_inf();
                 }
         }
-        online_softmax_sm80(acc_s, acc_o, row_max, row_sum, score_log2);
-        u32 p_frag[T::KSTEPS_PV][4];
-        acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
-        if constexpr (FP8) __syncthreads();  // the widened V tile is whole
-        gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
+        if constexpr (WGMMA) {
+            float alpha[2];
+            constexpr float no_bias[2] = {0.f, 0.f};
+            online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s), row_max,
+                                                                 row_sum, alpha, score_log2, no_bias);
+            wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers are free
+            rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
+            acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
+        } else {
+            online_softmax_sm80(acc_s, acc_o, row_max, row_sum, score_log2);
+            acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
+            if constexpr (FP8) __syncthreads();  // the widened V tile is whole
+            gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
+        }
+    }
+    if constexpr (WGMMA) {
+        if (n_steps > 0) {  // the last block's P V
+            wgmma_fence();
+            wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((n_steps - 1) % STAGES));
+            wgmma_commit();
+            wgmma_wait<0>();
+        }
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: it holds the warps' outputs now

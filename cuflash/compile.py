@@ -28,11 +28,12 @@ FAMILY_HEADERS = {
     "bwd_sm90": "bwd_sm90.cuh",
     "fp8_prep": "fp8_prep.cuh",
     "decode_sm80": "decode_sm80.cuh",
+    "decode_sm90": "decode_sm80.cuh",
     "combine": "combine.cuh",
 }
 
 # Families built for one architecture only: wgmma needs the sm_90a target.
-FAMILY_ARCH = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
+FAMILY_ARCH = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a", "decode_sm90": "sm_90a"}
 
 # -default-device: the kernels use local lambdas, which NVRTC otherwise takes for host code.
 COMPILE_OPTIONS = ("-std=c++17", "-default-device")

@@ -439,6 +439,9 @@ class BwdConfig:
 
 # Splits of a decoding step's keys at most (the kernel keeps a weight per split and row).
 DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
+# Rows per tile up to which the decoding kernel merges its splits itself (cuflash/decode_launch.py
+# has the measurement behind it).
+DECODE_MERGE_MAX_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -450,6 +453,7 @@ class DecodeConfig:
     warps_n: warps splitting each stage's keys.
     stages: key blocks in the cp.async ring.
     fp8: the cache holds e4m3 (the ring holds e4m3 rows, widened a stage at a time).
+    wgmma: the GEMMs on Hopper's wgmma (the decode_sm90 family): 4 or 8 row warps, 1 key warp, 16-bit.
     """
 
     headdim: int
@@ -457,9 +461,13 @@ class DecodeConfig:
     warps_n: int
     stages: int
     fp8: bool = False
+    wgmma: bool = False
 
-    family = "decode_sm80"
     BLOCK_N = 64  # DecodeTraits::BN
+
+    @property
+    def family(self) -> str:
+        return "decode_sm90" if self.wgmma else "decode_sm80"
 
     @property
     def block_m(self) -> int:
@@ -484,12 +492,16 @@ class DecodeConfig:
     def is_valid(self) -> bool:
         """Static constraints of DecodeTraits (the static_asserts): after the key loop the K/V ring
         holds the warps' fp32 outputs, maxima and sums (warps_n x block_m x (D + 2) floats), and
-        the split merge's weights."""
+        in tiles that merge their splits (DECODE_MERGE_MAX_ROWS) the merge's weights; wgmma tiles are
+        whole row warpgroups over a 16-bit cache in 64-column panels, with a block in flight beside
+        the two a key step uses."""
         layout = self.smem_layout()
         ring = layout["SMEM_BYTES"] - layout["OFF_K"]
-        return (self.warps_m in (1, 2, 4) and self.warps_n in (1, 2, 4) and self.warps_m * self.warps_n in (4, 8)
+        return (self.warps_m in (1, 2, 4, 8) and self.warps_n in (1, 2, 4) and self.warps_m * self.warps_n in (4, 8)
                 and 2 <= self.stages <= 8 and 4 * self.warps_n * self.block_m * (self.headdim + 2) <= ring
-                and 4 * (DECODE_MAX_SPLITS + 1) * self.block_m <= ring)
+                and (self.block_m > DECODE_MERGE_MAX_ROWS or 4 * (DECODE_MAX_SPLITS + 1) * self.block_m <= ring)
+                and (not self.wgmma or self.warps_m in (4, 8) and self.warps_n == 1 and not self.fp8
+                     and self.headdim % 64 == 0 and self.stages >= 3))
 
     def traits(self) -> str:
         return (f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.warps_n}, {self.stages}, "
@@ -500,6 +512,8 @@ class DecodeConfig:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
         args = [self.headdim, self.warps_m, self.warps_n, self.stages, _cpp_bool(dtype_name == "bfloat16"),
                 _cpp_bool(self.fp8), _cpp_bool(paged), _cpp_bool(causal), mods]
+        if self.wgmma:
+            args.append("true")
         return "cuflash::decode_kernel<" + ", ".join(str(a) for a in args) + ">"
 
     @staticmethod
@@ -511,7 +525,7 @@ class DecodeConfig:
 
     def short_name(self) -> str:
         return (f"d{self.headdim}_m{self.block_m}_n{self.BLOCK_N}_w{self.warps_m * self.warps_n}_s{self.stages}"
-                + ("_e4m3" if self.fp8 else ""))
+                + ("_e4m3" if self.fp8 else "") + ("_wgmma" if self.wgmma else ""))
 
 
 # combine_kernel's OUT template argument per output dtype (cuda_src/combine.cuh).

@@ -4,7 +4,7 @@ kernel (cuda_src/combine.cuh) that merges partial results.
 `DecodeLaunch` holds what a call's shapes decide (kernel, grid, the packed
 `KVCacheArgs`); `run` writes the call's addresses and launches. With split
 keys, the kernel's last split CTA of each row block merges the splits for
-tiles of up to MERGE_IN_KERNEL_ROWS rows; for larger tiles a `CombineLaunch`
+tiles of up to DECODE_MERGE_MAX_ROWS rows; for larger tiles a `CombineLaunch`
 follows (it also serves `cuflash.combine_partials`).
 """
 
@@ -14,8 +14,7 @@ import threading
 
 import numpy
 
-from .compile import cpp_int_constant
-from .config import DecodeConfig, combine_name
+from .config import DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
 from .kernel_call import KernelArgs, kernel
 from .score_mods import ALIBI_SLOPES_WORD
 
@@ -44,12 +43,11 @@ COMBINE_ARGS_DTYPE = numpy.dtype([
 ], align=True)
 COMBINE_ROWS_PER_CTA = 4  # one warp a row
 
-# Rows per tile up to which the decoding kernel merges its splits itself (decode_sm80.cuh). Same-run
+# The decoding kernel merges its splits itself in tiles of up to DECODE_MERGE_MAX_ROWS rows. Same-run
 # A/B against the combine kernel (bench/decode_merge_ab.py; bench/PERFLOG.md): 1-5% more GB/s with
 # 16-row tiles (GQA batch 8 8k 2666 against 2562 GB/s, H100, fp16, head dim 128); with 32-row tiles
 # one CTA's merge of 32 rows was slower than the combine kernel's 8-64 CTAs (MQA batch 64 8k 2242
 # against 2362, MQA batch 8 128k 2205 against 2511).
-MERGE_IN_KERNEL_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -114,7 +112,7 @@ class DecodeLaunch:
         self.partial_o_floats = num_splits * batch * nq * nheads * headdim
         self.partial_floats = self.partial_o_floats + num_splits * batch * nq * nheads
         self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
-        self.merge_in_kernel = num_splits > 1 and cfg.block_m <= MERGE_IN_KERNEL_ROWS
+        self.merge_in_kernel = num_splits > 1 and cfg.block_m <= DECODE_MERGE_MAX_ROWS
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):

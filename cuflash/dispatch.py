@@ -397,10 +397,31 @@ MIN_BLOCKS_PER_SPLIT = 4
 SPLIT_WAVE_EFFICIENCY = 0.95
 
 
-def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False) -> DecodeConfig:
+# Hopper (compute capability 9.0): over a 16-bit cache at head dims 64 and 128, tiles of more than
+# 32 rows per kv head run their GEMMs on wgmma (decode_sm90: one warpgroup for up to 64 rows, two
+# for more), the query rows that share a kv head being many enough for the tensor cores to matter.
+# Same-run A/B against the mma.sync tiles (bench/PERFLOG.md, "wgmma"), H100, causal, device time of
+# CUDA-graph replays, us: MQA (32 heads on 1, head dim 128) batch 8 8k Nq 2 38.6 -> 33.2, Nq 8
+# 50.8 -> 39.7, Nq 16 80.1 -> 59.9, batch 64 Nq 8 249.6 -> 171.2; GQA 32 on 4, Nq 16 83.4 -> 72.6;
+# a paged chunked prefill (4 x 512 queries over 4k keys, 32 heads on 8) 502.6 -> 365.9.
+WGMMA_MIN_ROWS = 33
+# The wgmma tiles' ring: 4 stages at head dim 128, a block more than DECODE_RING_BYTES, since a key
+# step keeps the block before it in use (its P V runs under the step's softmax). Same run, 3 stages:
+# 35.9, 41.7, 61.7, 179.7, 73.3 and 368.9 us in the rows above.
+DECODE_RING_BYTES_WGMMA = 128 * 1024
+
+
+def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arch: int = 80) -> DecodeConfig:
     """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head (fp8: an e4m3
-    cache)."""
+    cache) on a GPU of compute capability `arch` (major * 10 + minor)."""
     kd = kernel_headdim(headdim)
+    if arch == 90 and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
+        stages = min(8, DECODE_RING_BYTES_WGMMA // (2 * DecodeConfig.BLOCK_N * kd * 2))
+        for m in ((8, 4) if rows > 64 else (4,)):
+            for s in range(stages, 2, -1):
+                cfg = DecodeConfig(kd, m, 1, s, wgmma=True)
+                if cfg.is_valid() and cfg.smem_bytes() <= max_smem:
+                    return cfg
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
     warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS and not fp8 else 4 // warps_m
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)

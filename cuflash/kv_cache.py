@@ -400,7 +400,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
-    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache)
+    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache,
+                                 compute_capability(device_id))
     row_blocks = -(-max(rows, 1) // cfg.block_m)
     if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
         raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
@@ -496,7 +497,8 @@ def attention_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
         _check_host_lengths(host_key_lengths, capacity, 0, "cu_seqlens_k (keys per sequence)")
     device_id = validate.cuda_device(q)
     group = nheads // k_cache.shape[2]
-    cfg = dispatch.decode_config(headdim, max_seqlen_q * group, max_smem_per_block(device_id))
+    cfg = dispatch.decode_config(headdim, max_seqlen_q * group, max_smem_per_block(device_id),
+                                 arch=compute_capability(device_id))
     if -(-max_seqlen_q * group // cfg.block_m) > validate.MAX_GRID_YZ:
         raise ValueError(f"max_seqlen_q * nheads / nheads_kv ({max_seqlen_q * group}) is too large for the paged "
                          "kernel's grid")

@@ -82,6 +82,8 @@ def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
     fp8_cache = dispatch.decode_config(128, 1, 227 * 1024, fp8=True).name_expression("float16", True, False)
     assert targets("decode_sm80", fp8_cache, 128, both) == ["sm_90"]  # e4m3 conversions: sm_89 and later
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, both) == ["sm_90a"]
+    wgmma = dispatch.decode_config(128, 128, 227 * 1024, arch=90)
+    assert targets(wgmma.family, wgmma.name_expression("float16", False, True), 128, both) == ["sm_90a"]
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cuflash import dispatch, kv_cache
-from cuflash.config import KERNEL_HEADDIMS
+from cuflash.config import KERNEL_HEADDIMS, DecodeConfig
 from cuflash.decode_launch import division_magic
 
 
@@ -53,6 +53,33 @@ def test_decode_config_tiles():
     assert dispatch.decode_config(128, 32, 99 * 1024).warps_n == 2  # 2 stages: the 8 warps' merge does not fit
     tall = dispatch.decode_config(64, 128, 227 * 1024)
     assert (tall.warps_m, tall.warps_n) == (4, 1)
+
+
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
+@pytest.mark.parametrize("rows", [1, 32, 33, 64, 65, 128, 1000])
+def test_decode_config_wgmma_tiles(headdim, rows):
+    """On sm_90, more than 32 rows over a 16-bit cache at head dims 64 and 128 take the wgmma tiles:
+    one warpgroup up to 64 rows, two past it, one key warp, a ring of at least 3 stages; other
+    head dims, fewer rows, an fp8 cache and other GPUs keep the mma.sync tiles."""
+    cfg = dispatch.decode_config(headdim, rows, 227 * 1024, arch=90)
+    expected = rows > 32 and headdim in (64, 128)
+    assert cfg.wgmma == expected and cfg.is_valid() and cfg.smem_bytes() <= 227 * 1024
+    if expected:
+        assert (cfg.warps_m, cfg.warps_n, cfg.family) == (8 if rows > 64 else 4, 1, "decode_sm90")
+        assert cfg.stages >= 3 and "_wgmma" in cfg.short_name()
+        assert cfg.name_expression("float16", False, True).endswith(", true>")
+    assert not dispatch.decode_config(headdim, rows, 227 * 1024, arch=80).wgmma
+    assert not dispatch.decode_config(headdim, rows, 227 * 1024, fp8=True, arch=90).wgmma
+    assert not dispatch.decode_config(headdim, rows, 227 * 1024, arch=100).wgmma
+
+
+def test_decode_config_wgmma_rules():
+    """The kernel's static constraints on wgmma tiles, as is_valid states them."""
+    assert not DecodeConfig(128, 2, 4, 4, wgmma=True).is_valid()  # key warps
+    assert not DecodeConfig(96, 4, 1, 4, wgmma=True).is_valid()  # swizzled 64-column panels
+    assert not DecodeConfig(128, 4, 1, 2, wgmma=True).is_valid()  # a block in flight beside two in use
+    assert not DecodeConfig(128, 4, 1, 4, fp8=True, wgmma=True).is_valid()
+    assert DecodeConfig(128, 8, 1, 4, wgmma=True).is_valid()
 
 
 def test_decode_slots_count_warps():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import reference
+from cuflash import dispatch, reference
+from cuflash.device import compute_capability, max_smem_per_block
 from tests.numerics import (ATOL, DTYPES, FUZZ_CASES, FUZZ_SEED, assert_close_2x, check_lse, fuzz_indices, mentions,
                            paged_prefill_case, randn)
 
@@ -140,6 +141,25 @@ def test_speculative_causal(seqlen_q, group):
 def test_row_tile_64_head_dims(headdim, fp8):
     run_case(np.random.default_rng(headdim + fp8), headdim=headdim, fp8=fp8, seqlen_q=8, nheads=16, nheads_kv=2,
              capacity=333, n_new=2, causal=True, leftpad=True)
+
+
+# On sm_90 more than 32 packed rows per kv head over a 16-bit cache at head dims 64 and 128 take the
+# wgmma tiles (one warpgroup up to 64 rows, two past it): row counts that fill neither a warpgroup nor
+# a tile, with leftpad, new keys, rotary, paging, forced splits and every score option.
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("case", [
+    dict(seqlen_q=3, nheads=32, nheads_kv=2, causal=True),  # 48 rows: one warpgroup
+    dict(seqlen_q=8, nheads=32, nheads_kv=1, causal=True, leftpad=True),  # 256 rows: two tiles of 128
+    dict(seqlen_q=5, nheads=40, nheads_kv=2, dtype=DTYPES[1], page_size=16),  # 100 rows, bf16, paged
+    dict(seqlen_q=4, nheads=32, nheads_kv=1, causal=True, rotary="half", num_splits=3),
+    dict(seqlen_q=6, nheads=16, nheads_kv=1, causal=True, window_size=(50, -1), softcap=4.0, alibi=True),
+], ids=["48rows", "256rows_leftpad", "100rows_bf16_paged", "128rows_rotary_splits", "96rows_options"])
+def test_wgmma_tiles(headdim, case):
+    rows = case["seqlen_q"] * case["nheads"] // case["nheads_kv"]
+    device_id = cupy.cuda.Device().id
+    cfg = dispatch.decode_config(headdim, rows, max_smem_per_block(device_id), arch=compute_capability(device_id))
+    assert cfg.wgmma == (compute_capability(device_id) == 90)
+    run_case(np.random.default_rng(headdim + rows), headdim=headdim, capacity=333, n_new=2, **case)
 
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])

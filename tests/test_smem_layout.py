@@ -74,7 +74,7 @@ def test_launch_smem_is_the_layout_size():
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not available")
-@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90", "decode_sm80"])
+@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90", "decode_sm80", "decode_sm90"])
 def test_cpp_layout_matches_python(family):
     per_family, _ = _layout_checks()
     layouts = per_family[family]

@@ -45,7 +45,7 @@ SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
 SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128), "bwd_sm80": (64, 128),
-              "decode_sm80": (64, 128)}
+              "decode_sm80": (64, 128), "decode_sm90": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 # Family -> the head dims whose kernels must stay spill-free with one of window, softcap and ALiBi
 # too (packed or not; not with dropout): a spill there cost ALiBi half its speed under one NVRTC
@@ -69,8 +69,9 @@ DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WIN
 MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
                 "bwd_sm90_dq_kernel", "decode_kernel")
-# Packed (query, head) rows per kv head that pick each decoding tile (decode_config: 1, 2, 4 row warps).
-DECODE_ROWS = (1, 32, 64)
+# (packed (query, head) rows per kv head, compute capability) that pick each decoding tile
+# (decode_config): 1, 2 and 4 row warps on mma.sync; on sm_90 the wgmma tiles of 4 and 8 row warps.
+DECODE_TILES = ((1, 80), (32, 80), (64, 80), (64, 90), (128, 90))
 # Head dims whose decoding kernels compile with score options (the others: plain and causal, the
 # options' code being the same template at every head dim): CI's compile time stays in bounds.
 # Every option variant at the fast-path head dims, every option at once at the others.
@@ -201,16 +202,18 @@ def _add_decode_variants(add) -> None:
     """The decoding kernel at every head dim and row tile, with the flags of DECODE_FLAGS at the
     fast-path head dims and their extremes elsewhere; with score options for one dtype and the paged
     cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
-    for kd, rows, fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_ROWS, (False, True)):
+    for kd, (rows, arch), fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_TILES, (False, True)):
         if fp8 and kd not in DECODE_FP8_HEADDIMS:
             continue
-        cfg = decode_config(kd, rows, SM90_SMEM_LIMIT, fp8)
+        cfg = decode_config(kd, rows, SM90_SMEM_LIMIT, fp8, arch)
         full = kd in FAST_PATH_HEADDIMS
         flags = DECODE_FLAGS if full else DECODE_FLAG_EXTREMES
         for dtype_name, paged, causal in flags:
             add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
         if kd in DECODE_MODS_HEADDIMS and (not fp8 or kd == DECODE_FP8_MODS_HEADDIM):
-            for causal, mods in itertools.product((False, True), MODS_VARIANTS if full else MODS_EXTREMES[:1]):
+            # The wgmma tiles share the options' code with the mma.sync ones: every option at once.
+            variants = MODS_VARIANTS if full and not cfg.wgmma else MODS_EXTREMES[:1]
+            for causal, mods in itertools.product((False, True), variants):
                 add(cfg, cfg.name_expression("bfloat16", True, causal, mods), cfg.smem_bytes())
     for out_dtype_name in COMBINE_OUT:
         add(cfg, combine_name(out_dtype_name), 0, family="combine")
