@@ -87,6 +87,18 @@ def test_check_targets_of_kernels_that_run_everywhere_or_on_one_target():
     assert targets("fwd_sm90", "cuflash::fwd_sm90_kernel<128>", 128, ["sm_80"]) == []
 
 
+def test_check_reads_score_options_of_every_kernel():
+    """The MODS argument is the last but for the decoding kernel, whose WGMMA flag may follow it."""
+    from cuflash.cli.check import score_mods_of
+
+    for arch in (80, 90):
+        cfg = dispatch.decode_config(128, 128, 227 * 1024, arch=arch)
+        assert score_mods_of(cfg.name_expression("bfloat16", True, True, 7)) == 7
+        assert score_mods_of(cfg.name_expression("bfloat16", True, True)) == 0
+    assert score_mods_of("cuflash::fwd_sm90_kernel<128, 64, 2, 5>") == 5
+    assert score_mods_of("cuflash::combine_kernel<0>") == 0
+
+
 def test_check_spill_rule_of_score_options():
     """Plain fast paths must not spill; with score options only the Hopper forward at head dims 64 and
     128 must, and there with one of window, softcap and ALiBi (packed or not) and no dropout."""

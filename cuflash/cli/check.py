@@ -67,8 +67,10 @@ DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WIN
 # packed or not, and dropout's two), whose code holds every other variant's: there a variant
 # could only fail to compile on its tile's shape, which the extremes share.
 MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
-MODS_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_sm90_kernel",
-                "bwd_sm90_dq_kernel", "decode_kernel")
+# Kernels with score options -> the position of their MODS template argument (the decoding kernel's
+# WGMMA flag follows it).
+MODS_ARGUMENT = {"fwd_kernel": -1, "fwd_sm90_kernel": -1, "bwd_dkdv_kernel": -1, "bwd_dq_kernel": -1,
+                 "bwd_sm90_kernel": -1, "bwd_sm90_dq_kernel": -1, "decode_kernel": 8}
 # (packed (query, head) rows per kv head, compute capability) that pick each decoding tile
 # (decode_config): 1, 2 and 4 row warps on mma.sync; on sm_90 the wgmma tiles of 4 and 8 row warps.
 DECODE_TILES = ((1, 80), (32, 80), (64, 80), (64, 90), (128, 90))
@@ -220,11 +222,11 @@ def _add_decode_variants(add) -> None:
 
 
 def score_mods_of(name: str) -> int:
-    """The MODS template argument of a kernel with score options (the last one), else 0."""
-    kernel = name.split("<")[0].removeprefix("cuflash::")
-    if kernel not in MODS_KERNELS:
+    """The MODS template argument of a kernel with score options, else 0."""
+    position = MODS_ARGUMENT.get(name.split("<")[0].removeprefix("cuflash::"))
+    if position is None:
         return 0
-    return int(name.rstrip(">").rsplit(",", 1)[1])
+    return int(name[name.index("<") + 1:name.rindex(">")].split(",")[position])
 
 
 # sm_80 kernels -> the Hopper kernel head dim that replaces them on sm_90 at a kernel head dim (None: none).
