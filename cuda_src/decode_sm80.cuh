@@ -509,6 +509,9 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             constexpr float no_bias[2] = {0.f, 0.f};
             online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s), row_max,
                                                                  row_sum, alpha, score_log2, no_bias);
+            // The exponentials before the wait (ptxas hoisted the wait above them, and the softmax ran
+            // after the P V instead of under it): a word of the Q tile, free once Q is in registers.
+            order_before_wait(smem_addr(sQ) + 4 * tid, row_sum[0] + row_sum[1]);
             wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers are free
             rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
             acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
