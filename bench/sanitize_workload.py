@@ -144,8 +144,8 @@ def varlen():
 
 def kvcache():
     """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
-    capacity, split keys merged in the kernel (16-row tiles) and by the combine kernel (MQA, 64-row
-    tiles), GQA and several queries."""
+    capacity, split keys merged in the kernel (16-row tiles) and by the combine kernel (MQA, 64- and
+    128-row tiles: on sm_90 the wgmma tiles), GQA and several queries."""
     gen = cupy.random.default_rng(3)
 
     def randn(*shape):
@@ -173,6 +173,12 @@ def kvcache():
                                    return_lse=True)
     # 32 query heads on one kv head, 1 query: the 8-warp tile (16-bit caches).
     cuflash.attention_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=lengths, num_splits=2)
+    # 32 query heads on one kv head, 4 queries at head dim 128, paged, appending: 128 packed rows, on
+    # sm_90 the wgmma tile of two warpgroups (the 64 rows above: one).
+    pages128 = (randn(21, 32, 1, 128), randn(21, 32, 1, 128))
+    cuflash.attention_with_kvcache(randn(batch, 4, 32, 128), *pages128, randn(batch, 4, 1, 128),
+                                   randn(batch, 4, 1, 128), cache_seqlens=lengths, block_table=table, causal=True,
+                                   num_splits=2, return_lse=True)
     # An fp8 (e4m3) cache, contiguous and paged: appends (rotated, quantised) at the same lengths.
     descales = cupy.full((batch, nheads_kv), 0.25, cupy.float32)
     for k_cache, v_cache in (contiguous, paged):
