@@ -473,11 +473,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                 wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
                 wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
                 wgmma_commit();
-            }
-            if (t > 0)
                 wgmma_wait<1>();  // S_t is in; P V still runs
-            else
+            } else {
                 wgmma_wait<0>();
+            }
         } else {
             zero(acc_s);
             if constexpr (FP8)
