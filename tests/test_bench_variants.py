@@ -57,11 +57,15 @@ def test_switches_make_the_variant():
 
 @pytest.mark.parametrize("argv", [
     ["--window", "0,-2"], ["--window", "-1,-1"], ["--softcap", "-1"], ["--softcap", "nan"],
-    ["--alibi", "--fp8"], ["--window", "64", "--tuned"], ["--ring", "--nccl-channels", "0"],
+    ["--alibi", "--fp8"], ["--window", "64", "--tuned"], ["--ring", "--nccl-channels", "0"], ["--graphs"],
 ])
 def test_bad_switches_are_usage_errors(argv):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
+
+
+def test_graphs_switch_goes_with_decode():
+    assert cli.parse_args(["--decode", "--graphs"]).graphs and not cli.parse_args(["--decode"]).graphs
 
 
 def test_dropout_switch_makes_the_variant():

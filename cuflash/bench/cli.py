@@ -107,6 +107,9 @@ def parse_args(argv):
                              "this run; fewer leave more SMs to the attention kernels (docs/distributed.md)")
     parser.add_argument("--decode-nq", type=int, default=1, metavar="N",
                         help="new queries per decoding step (causal when more than 1) (default: 1)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="with --decode: device time of steps replayed from CUDA graphs, as a generation "
+                             "loop replays them, instead of eager calls (whose events hold a short step's launch)")
     parser.add_argument("--headdim", action="append", metavar="D",
                         help="head dimension(s), e.g. 64,128 (default: both)")
     parser.add_argument("--seqlen", action="append", metavar="N",
@@ -156,6 +159,8 @@ def parse_args(argv):
         parser.error("--repeats must be at least 1")
     if args.nccl_channels is not None and args.nccl_channels < 1:
         parser.error("--nccl-channels must be at least 1")
+    if args.graphs and not args.decode:
+        parser.error("--graphs times decoding steps: it goes with --decode")
     if any(n <= 0 for n in args.seqlens):
         parser.error("--seqlen values must be positive")
     for d in args.headdims:
