@@ -2,7 +2,8 @@
 // chunked steps): FlashDecoding on mma.sync, for sm_80 and Hopper alike. A
 // decoding step reads every cached key and value once and does little math
 // per byte, so the kernel is built to keep the memory system busy, not the
-// tensor cores.
+// tensor cores; where many query rows share a kv head the math grows, and on
+// Hopper those tiles run their GEMMs on wgmma (WGMMA, decode_wgmma.cuh).
 //
 // GQA packing: the query heads that share kv head hk, times the nq queries,
 // are the rows of one tile, packed row r = i * group + g for query i and head

@@ -1,5 +1,5 @@
-"""SASS of the Hopper fast paths (forward, and the backward's dK/dV and dQ kernels):
-tensor-core and local-memory instructions.
+"""SASS of the Hopper fast paths (forward, the backward's dK/dV and dQ kernels, and the
+decoding kernel's wgmma tiles): tensor-core and local-memory instructions.
 
 Compiles each kernel with NVRTC, disassembles it with cuobjdump (CUDA
 toolkit; on the GPU machine) and counts HGMMA / QGMMA (wgmma), HMMA
@@ -23,14 +23,15 @@ from pathlib import Path
 from tabulate import tabulate
 
 from cuflash import compile as cf_compile
-from cuflash.config import FP8_DTYPE_NAME
-from cuflash.dispatch import HEURISTIC_FP8, hopper_bwd_plans, sm90_table_configs
+from cuflash.config import FP8_DTYPE_NAME, SM90_SMEM_LIMIT
+from cuflash.dispatch import HEURISTIC_FP8, decode_config, hopper_bwd_plans, sm90_table_configs
 
 OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
 
 
 def fast_paths():
-    """(family, name expression, dtype name) of each Hopper fast path: forward and backward."""
+    """(family, name expression, dtype name) of each Hopper fast path: forward, backward, and the
+    decoding kernel's wgmma tiles (one and two row warpgroups) at head dims 64 and 128."""
     pairs = [(cfg, dt) for cfg in sm90_table_configs() for dt in ("float16", "bfloat16")]
     pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     paths = [("fwd_sm90", cfg.name_expression(dt, causal, True), dt) for cfg, dt in pairs for causal in (False, True)]
@@ -39,6 +40,9 @@ def fast_paths():
             paths.append((cfg.kernel_family, cfg.dkdv_name(dt, causal, True, True, not det), dt))
             if det:
                 paths.append((cfg.kernel_family, cfg.dq_name(dt, causal, True, True), dt))
+    for headdim, rows, dt in itertools.product((64, 128), (64, 128), ("float16", "bfloat16")):
+        cfg = decode_config(headdim, rows, SM90_SMEM_LIMIT, arch=90)
+        paths.append((cfg.family, cfg.name_expression(dt, dt == "bfloat16", True), dt))
     return paths
 
 
