@@ -465,8 +465,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         const int blk = blk0 + t, stage = t % STAGES;
         if constexpr (FP8) widen_values(stage);  // into the V tile the previous block's P V is done with
         float acc_s[T::NTILES_S][4];
+        zero(acc_s);
         if constexpr (WGMMA) {
-            zero(acc_s);
             wgmma_fence();
             wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
             wgmma_commit();
@@ -479,7 +479,6 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                 wgmma_wait<0>();
             }
         } else {
-            zero(acc_s);
             if constexpr (FP8)
                 gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
             else

@@ -415,24 +415,20 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head (fp8: an e4m3
     cache) on a GPU of compute capability `arch` (major * 10 + minor)."""
     kd = kernel_headdim(headdim)
-    if arch == 90 and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
-        stages = min(8, DECODE_RING_BYTES_WGMMA // (2 * DecodeConfig.BLOCK_N * kd * 2))
-        for m in ((8, 4) if rows > 64 else (4,)):
-            for s in range(stages, 2, -1):
-                cfg = DecodeConfig(kd, m, 1, s, wgmma=True)
-                if cfg.is_valid() and cfg.smem_bytes() <= max_smem:
-                    return cfg
+    per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
     warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS and not fp8 else 4 // warps_m
-    per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
-    stages = max(2, min(8, (DECODE_RING_BYTES_FP8 if fp8 else DECODE_RING_BYTES) // per_stage))
-    # Where the preferred tile does not fit (small shared memory: 99 KB on sm_86/89), fewer stages,
-    # then 4 warps, then fewer row warps.
-    tiles = [(warps_m, warps_n), (warps_m, 4 // warps_m), *((m, 4 // m) for m in (2, 1) if m < warps_m)]
-    for m, n in tiles:
-        for s in range(stages, 1, -1):
-            cfg = DecodeConfig(kd, m, n, s, fp8)
-            if cfg.is_valid() and cfg.smem_bytes() <= max_smem:
+    ring = DECODE_RING_BYTES_FP8 if fp8 else DECODE_RING_BYTES
+    # (row warps, key warps, wgmma, ring bytes) in order of preference. Where the preferred tile does
+    # not fit (small shared memory: 99 KB on sm_86/89), fewer stages, then 4 warps, then fewer row warps.
+    tiles = [(warps_m, warps_n, False, ring), (warps_m, 4 // warps_m, False, ring),
+             *((m, 4 // m, False, ring) for m in (2, 1) if m < warps_m)]
+    if arch == 90 and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
+        tiles[:0] = [(m, 1, True, DECODE_RING_BYTES_WGMMA) for m in ((8, 4) if rows > 64 else (4,))]
+    for m, n, wgmma, ring_bytes in tiles:
+        for s in range(max(2, min(8, ring_bytes // per_stage)), 1, -1):
+            cfg = DecodeConfig(kd, m, n, s, fp8, wgmma)
+            if cfg.is_valid() and cfg.smem_bytes() <= max_smem:  # is_valid: wgmma tiles keep 3 stages at least
                 return cfg
     raise RuntimeError(f"cuflash: no decoding kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
 

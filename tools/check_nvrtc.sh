@@ -14,5 +14,5 @@ venv=$(mktemp -d)/venv
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q "$repo[$extra]"
 cd "$venv"
-"$venv/bin/python" -c "from cupy_backends.cuda.libs import nvrtc; print('NVRTC', *nvrtc.getVersion())"
+"$venv/bin/python" -c "from cuflash.compile import nvrtc_version; print('NVRTC', nvrtc_version())"
 "$venv/bin/python" -m cuflash check "$@"
