@@ -48,6 +48,11 @@ constexpr int DECODE_MAX_SPLITS = 128;
 // it to combine_kernel, and compile no merge). cuflash/decode_launch.py reads it, and has the
 // measurement behind it.
 constexpr int DECODE_MERGE_MAX_ROWS = 16;
+// Floats after each row of a warp's output in the merge's shared memory (cuflash/config.py reads
+// it). Rows D floats apart put a warp's float2 stores of 8 rows in one bank group, 8 ways: the
+// stores took 1.2 us of an 11-us MQA step (bench/PERFLOG.md, "small steps"); 8 more floats put each
+// half-warp's 4 rows in 4 distinct groups.
+constexpr int DECODE_MERGE_PAD = 8;
 
 template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP8_ = false>
 struct DecodeTraits {
@@ -73,13 +78,14 @@ struct DecodeTraits {
     // STAGES K tiles, STAGES V tiles; with an fp8 cache (e4m3 tiles, e4m3_tile_offset) one V
     // tile in q's dtype that each stage's values are widened into for the P V MMAs (the keys'
     // fragments are widened in registers). After the key loop the region from OFF_K holds the
-    // warps' fp32 outputs (WARPS_N x BM x D), then their row maxima and sums.
+    // warps' fp32 outputs (WARPS_N x BM rows of O_STRIDE), then their row maxima and sums.
     static constexpr int OFF_Q = 0;
     static constexpr int OFF_K = OFF_Q + 2 * BM * D;
     static constexpr int OFF_V = OFF_K + STAGES * STAGE_BYTES;
     static constexpr int OFF_V16 = OFF_V + STAGES * STAGE_BYTES;
     static constexpr int SMEM_BYTES = OFF_V16 + (FP8 ? 2 * KV_ELEMS : 0);
-    static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (D + 2);
+    static constexpr int O_STRIDE = D + DECODE_MERGE_PAD;  // floats between two rows of a warp's output
+    static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (O_STRIDE + 2);
 
     static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim must be a multiple of 32 in [32, 256]");
     static_assert(WARPS_M == 1 || WARPS_M == 2 || WARPS_M == 4 || WARPS_M == 8, "1, 2, 4 or 8 row warps");
@@ -534,7 +540,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
 
     // Merge the WARPS_N warps of each row: O = sum_w 2^((m_w - M) c) O_w / L, L likewise over l_w.
     float* sO = reinterpret_cast<float*>(smem_raw + T::OFF_K);
-    float* sM = sO + T::WARPS_N * BM * D;
+    float* sM = sO + T::WARPS_N * BM * T::O_STRIDE;
     float* sL = sM + T::WARPS_N * BM;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -546,7 +552,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         }
 #pragma unroll
         for (int j = 0; j < T::NTILES_O; ++j)
-            *reinterpret_cast<float2*>(sO + slot * D + j * 8 + 2 * (lane & 3)) =
+            *reinterpret_cast<float2*>(sO + slot * T::O_STRIDE + j * 8 + 2 * (lane & 3)) =
                 make_float2(acc_o[j][2 * r], acc_o[j][2 * r + 1]);
     }
     __syncthreads();
@@ -564,7 +570,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         for (int w = 0; w < T::WARPS_N; ++w) {
             const float mw = sM[w * BM + r];
             const float weight = mw == neg_inf() ? 0.f : exp2_approx((mw - m) * c);
-            const float4 ow = *reinterpret_cast<const float4*>(sO + (w * BM + r) * D + col);
+            const float4 ow = *reinterpret_cast<const float4*>(sO + (w * BM + r) * T::O_STRIDE + col);
             l = fmaf(weight, sL[w * BM + r], l);
             o = make_float4(fmaf(weight, ow.x, o.x), fmaf(weight, ow.y, o.y), fmaf(weight, ow.z, o.z),
                             fmaf(weight, ow.w, o.w));

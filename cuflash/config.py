@@ -442,6 +442,8 @@ DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
 # Rows per tile up to which the decoding kernel merges its splits itself (cuflash/decode_launch.py
 # has the measurement behind it).
 DECODE_MERGE_MAX_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
+# Floats after each row of a warp's output where the decoding kernel's warps merge (bank conflicts).
+DECODE_MERGE_PAD = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_PAD")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -491,14 +493,15 @@ class DecodeConfig:
 
     def is_valid(self) -> bool:
         """Static constraints of DecodeTraits (the static_asserts): after the key loop the K/V ring
-        holds the warps' fp32 outputs, maxima and sums (warps_n x block_m x (D + 2) floats), and
-        in tiles that merge their splits (DECODE_MERGE_MAX_ROWS) the merge's weights; wgmma tiles are
-        whole row warpgroups over a 16-bit cache in 64-column panels, with a block in flight beside
-        the two a key step uses."""
+        holds the warps' fp32 outputs, maxima and sums (warps_n x block_m x (D + DECODE_MERGE_PAD + 2)
+        floats), and in tiles that merge their splits (DECODE_MERGE_MAX_ROWS) the merge's weights;
+        wgmma tiles are whole row warpgroups over a 16-bit cache in 64-column panels, with a block in
+        flight beside the two a key step uses."""
         layout = self.smem_layout()
         ring = layout["SMEM_BYTES"] - layout["OFF_K"]
         return (self.warps_m in (1, 2, 4, 8) and self.warps_n in (1, 2, 4) and self.warps_m * self.warps_n in (4, 8)
-                and 2 <= self.stages <= 8 and 4 * self.warps_n * self.block_m * (self.headdim + 2) <= ring
+                and 2 <= self.stages <= 8
+                and 4 * self.warps_n * self.block_m * (self.headdim + DECODE_MERGE_PAD + 2) <= ring
                 and (self.block_m > DECODE_MERGE_MAX_ROWS or 4 * (DECODE_MAX_SPLITS + 1) * self.block_m <= ring)
                 and (not self.wgmma or self.warps_m in (4, 8) and self.warps_n == 1 and not self.fp8
                      and self.headdim % 64 == 0 and self.stages >= 3))
