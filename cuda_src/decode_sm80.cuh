@@ -34,6 +34,7 @@
 #include "common.cuh"
 #include "decode_wgmma.cuh"
 #include "kv_cache.cuh"
+#include "named_barriers.cuh"
 #include "score_mods.cuh"
 #include "sm80_mma.cuh"
 #include "softmax_sm80.cuh"
@@ -53,16 +54,28 @@ constexpr int DECODE_MERGE_MAX_ROWS = 16;
 // stores took 1.2 us of an 11-us MQA step (bench/PERFLOG.md, "small steps"); 8 more floats put each
 // half-warp's 4 rows in 4 distinct groups.
 constexpr int DECODE_MERGE_PAD = 8;
+// WGMMA tiles: the warps after the row warps that stream the ring, a warpgroup (cuflash/config.py
+// reads it). One copy warp beside 8 row warps would cap every thread at 168 registers as a
+// warpgroup does (an SM's quarter holds 3 of the 9 warps), and setmaxnreg moves registers between
+// whole warpgroups only.
+constexpr int DECODE_COPY_WARPS = 4;
 
-template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP8_ = false>
+template <int D_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP8_ = false, bool WGMMA_ = false>
 struct DecodeTraits {
     static constexpr int D = D_;
     static constexpr int WARPS_M = WARPS_M_;
     static constexpr int WARPS_N = WARPS_N_;
     static constexpr int STAGES = STAGES_;
     static constexpr bool FP8 = FP8_;  // an e4m3 cache (kv_cache.cuh)
+    static constexpr bool WGMMA = WGMMA_;  // the GEMMs on wgmma, the ring streamed by a copy warp
     static constexpr int WARPS = WARPS_M * WARPS_N;
-    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int THREADS = 32 * WARPS;  // the row and key warps'
+    static constexpr int ALL_THREADS = THREADS + (WGMMA ? 32 * DECODE_COPY_WARPS : 0);
+    // Two row warpgroups and the copy warpgroup: registers split as the Hopper forward's are
+    // (SM90_ENTRY_REGS each at entry; the row warps need 223).
+    static constexpr bool SPLIT_REGS = WGMMA && WARPS_M == 8;
+    static constexpr int ROW_REGS = 200;
+    static constexpr int COPY_REGS = 3 * SM90_ENTRY_REGS - 2 * ROW_REGS;
     static constexpr int BM = 16 * WARPS_M;    // packed rows per CTA
     static constexpr int BN = 64;              // keys per stage
     static constexpr int KW = BN / WARPS_N;    // keys per warp per stage
@@ -78,12 +91,15 @@ struct DecodeTraits {
     // STAGES K tiles, STAGES V tiles; with an fp8 cache (e4m3 tiles, e4m3_tile_offset) one V
     // tile in q's dtype that each stage's values are widened into for the P V MMAs (the keys'
     // fragments are widened in registers). After the key loop the region from OFF_K holds the
-    // warps' fp32 outputs (WARPS_N x BM rows of O_STRIDE), then their row maxima and sums.
+    // warps' fp32 outputs (WARPS_N x BM rows of O_STRIDE), then their row maxima and sums. WGMMA
+    // tiles end with each stage's two mbarriers (full, then empty: 8 bytes each) and the merge's two.
     static constexpr int OFF_Q = 0;
     static constexpr int OFF_K = OFF_Q + 2 * BM * D;
     static constexpr int OFF_V = OFF_K + STAGES * STAGE_BYTES;
     static constexpr int OFF_V16 = OFF_V + STAGES * STAGE_BYTES;
-    static constexpr int SMEM_BYTES = OFF_V16 + (FP8 ? 2 * KV_ELEMS : 0);
+    static constexpr int OFF_BARS = OFF_V16 + (FP8 ? 2 * KV_ELEMS : 0);
+    static constexpr int SMEM_BYTES = OFF_BARS + (WGMMA ? 16 * STAGES + 16 : 0);
+    static constexpr int RING_END = OFF_BARS;  // the region from OFF_K the epilogue reuses
     static constexpr int O_STRIDE = D + DECODE_MERGE_PAD;  // floats between two rows of a warp's output
     static constexpr int MERGE_BYTES = 4 * WARPS_N * BM * (O_STRIDE + 2);
 
@@ -92,8 +108,8 @@ struct DecodeTraits {
     static_assert(WARPS_N == 1 || WARPS_N == 2 || WARPS_N == 4, "1, 2 or 4 key warps");
     static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
     static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
-    static_assert(MERGE_BYTES <= SMEM_BYTES - OFF_K, "the warps' outputs must fit in the K/V ring");
-    static_assert(BM > DECODE_MERGE_MAX_ROWS || 4 * (DECODE_MAX_SPLITS + 1) * BM <= SMEM_BYTES - OFF_K,
+    static_assert(MERGE_BYTES <= RING_END - OFF_K, "the warps' outputs must fit in the K/V ring");
+    static_assert(BM > DECODE_MERGE_MAX_ROWS || 4 * (DECODE_MAX_SPLITS + 1) * BM <= RING_END - OFF_K,
                   "the splits' weights must fit in the ring");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
 };
@@ -222,16 +238,22 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
 // issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, computes the softmax of S_t while the P V GEMM
 // runs, and rescales O once it has completed (the Hopper forward's overlap, fwd_sm90_mainloop.cuh);
 // block t - 1's stage stays in use through step t, so the ring holds one block fewer in flight.
+// There a copy warp streams the ring (DECODE_COPY_WARPS) through a full and an empty mbarrier a
+// stage, so that no CTA-wide barrier holds the row warpgroups in step, and two warpgroups take turns
+// issuing their GEMMs (the forward's ping-pong, ConsumerTurns): one's softmax runs under the other's
+// GEMMs.
 template <int D, int WARPS_M, int WARPS_N, int STAGES, bool BF16, bool FP8, bool PAGED, bool CAUSAL, int MODS,
           bool WGMMA = false>
-__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
+__global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8, WGMMA>::ALL_THREADS, 1)
     decode_kernel(const KVCacheArgs a, const ScoreModArgs mod_args) {
-    using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8>;
+    using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8, WGMMA>;
     static_assert(!WGMMA || (WARPS_M % 4 == 0 && WARPS_N == 1 && !FP8 && STAGES >= 3),
                   "wgmma: row warpgroups, a 16-bit cache, a block in flight besides the two in use");
     // Blocks the ring loads ahead of the one whose S GEMM a step issues.
     constexpr int AHEAD = WGMMA ? STAGES - 2 : STAGES - 1;
-    constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS;
+    constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, ALL_THREADS = T::ALL_THREADS;
+    // The threads that issue the ring's copies: the copy warp, or every warp without WGMMA.
+    constexpr int COPY_THREADS = WGMMA ? 32 * DECODE_COPY_WARPS : THREADS;
     constexpr int Q_CHUNKS = D / 8, CHUNKS = D / T::CHUNK_ELEMS;  // 16-byte chunks of a Q row, of a cache row
     using Mods = ScoreMods<MODS, CAUSAL, false>;
 
@@ -242,6 +264,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     auto v_tile = [&](int stage) { return smem_addr(smem_raw + (FP8 ? T::OFF_V16 : T::OFF_V + stage * T::STAGE_BYTES)); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool copy_warp = WGMMA && warp >= T::WARPS;
+    const int ctid = WGMMA ? tid - THREADS : tid;  // among COPY_THREADS (the copy warp's threads)
     const int wm = warp % WARPS_M, wn = warp / WARPS_M;
     const int split = blockIdx.x, m0 = blockIdx.y * BM;
     const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
@@ -254,7 +278,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     const float score_log2 = descale_in_scale ? a.scale_log2 * k_desc : a.scale_log2;
     const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
     if (a.k_new != nullptr && blockIdx.y == 0)
-        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, THREADS, k_desc, v_desc);
+        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, ALL_THREADS, k_desc, v_desc);
 
     const QuerySpan queries = query_span(a, b);
     const int rows = queries.nq * a.group;
@@ -270,7 +294,23 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     // Q, rotated at positions cache_len + i; with an fp8 cache in the key GEMM's column order, so
     // each thread takes the two chunks of a 16-column group.
     constexpr int Q_GROUP = FP8 ? 2 : 1;
-    for (int c = tid; c < BM * Q_CHUNKS / Q_GROUP; c += THREADS) {
+    // Ring stage s's barriers (WGMMA): full (the copy warp's copies of its block have landed: an
+    // arrival a copy thread) and empty (the row warps are done with it: an arrival a row warp).
+    // Then the merge's two (merge_sync: an arrival a row thread).
+    const u32 full_bar = smem_addr(smem_raw + T::OFF_BARS), empty_bar = full_bar + 8 * STAGES;
+    const u32 merge_bar = empty_bar + 8 * STAGES;
+    if constexpr (WGMMA) {
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(full_bar + 8 * s, COPY_THREADS);
+                mbar_init(empty_bar + 8 * s, T::WARPS);
+            }
+            for (int k = 0; k < 2; ++k) mbar_init(merge_bar + 8 * k, THREADS);
+        }
+        fence_barrier_init();
+        __syncthreads();
+    }
+    for (int c = tid; c < (copy_warp ? 0 : BM * Q_CHUNKS / Q_GROUP); c += THREADS) {
         const int r = c / (Q_CHUNKS / Q_GROUP), chunk0 = Q_GROUP * (c % (Q_CHUNKS / Q_GROUP)), row = m0 + r;
         uint4 val[Q_GROUP];
 #pragma unroll
@@ -298,8 +338,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     // block before is computed: read just before the copies that need them, their round trip
     // (long, under a saturated memory system) halved the paged kernel's bandwidth. Pages hold
     // a multiple of 16 positions, so one id serves the GROUP owned rows of a 16-row group.
-    constexpr bool ROW_OWNER = THREADS % CHUNKS == 0;
-    constexpr int ROW_STEP = ROW_OWNER ? THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
+    constexpr bool ROW_OWNER = COPY_THREADS % CHUNKS == 0;
+    constexpr int ROW_STEP = ROW_OWNER ? COPY_THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
     constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
     // Row runs, where the shapes allow: each thread copies chunks c and c + HALF of RUN consecutive
     // rows (of one page: a paged cache has no leftpad, so 16-row groups are whole pages' parts), so
@@ -308,9 +348,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     // contiguous one in the 64-row tile, whose MMAs leave the copies few issue slots (MQA with
     // Nq = 8: 6-12% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
     // and GQA (bench/PERFLOG.md, "page runs", "row runs").
-    constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * THREADS);
-    constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && THREADS % HALF == 0 && RUN >= 1 &&
-                               16 % RUN == 0 && 2 * RUN * THREADS == BN * CHUNKS;
+    constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * COPY_THREADS);
+    constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && COPY_THREADS % HALF == 0 && RUN >= 1 &&
+                               16 % RUN == 0 && 2 * RUN * COPY_THREADS == BN * CHUNKS;
+    static_assert(!WGMMA || ROW_RUNS, "the copy warp copies row runs");
     constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
         const int j = span.leftpad + blk * BN + r;
@@ -319,14 +360,14 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     int pages[PAGE_IDS];
     auto fetch_pages = [&](int blk) {
         if constexpr (ROW_RUNS) {
-            pages[0] = page_at(blk, tid / HALF * RUN);
+            pages[0] = page_at(blk, ctid / HALF * RUN);
         } else if constexpr (PAGED && ROW_OWNER) {
 #pragma unroll
-            for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, tid / CHUNKS + g * GROUP * ROW_STEP);
+            for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, ctid / CHUNKS + g * GROUP * ROW_STEP);
         }
     };
     // The cached rows of this kv head: with owned rows or row runs, at this thread's (first) chunk.
-    const int own_chunk_bytes = ROW_RUNS ? 16 * (tid % HALF) : ROW_OWNER ? 16 * (tid % CHUNKS) : 0;
+    const int own_chunk_bytes = ROW_RUNS ? 16 * (ctid % HALF) : ROW_OWNER ? 16 * (ctid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
     const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
     auto store_shared = [](u32 dst, uint4 val) {
@@ -370,7 +411,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
         const u32 v_base = smem_addr(smem_raw + T::OFF_V + stage * T::STAGE_BYTES);
         if constexpr (ROW_RUNS) {
-            const int chunk = tid % HALF, r0 = tid / HALF * RUN, j0 = (PAGED ? 0 : span.leftpad) + blk * BN + r0;
+            const int chunk = ctid % HALF, r0 = ctid / HALF * RUN, j0 = (PAGED ? 0 : span.leftpad) + blk * BN + r0;
             if (j0 + RUN <= span.cache_len) {  // every row of the run cached: in page pages[0]
                 const CachePos pos = cache_pos<PAGED>(a, span, j0, pages[0]);
                 const unsigned char* k_row = row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn);
@@ -395,14 +436,14 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                     }
             }
         } else if constexpr (ROW_OWNER) {
-            const int chunk = tid % CHUNKS, r0 = tid / CHUNKS;
+            const int chunk = ctid % CHUNKS, r0 = ctid / CHUNKS;
 #pragma unroll
             for (int it = 0; it < OWNED_ROWS; ++it) {
                 const int r = r0 + it * ROW_STEP, off = ring_offset(r, chunk);
                 load_row_chunk(blk, r, chunk, k_base + off, v_base + off, pages[it / GROUP]);
             }
         } else {
-            for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+            for (int c = ctid; c < BN * CHUNKS; c += COPY_THREADS) {
                 const int r = c / CHUNKS, chunk = c % CHUNKS, off = ring_offset(r, chunk);
                 load_row_chunk(blk, r, chunk, k_base + off, v_base + off, page_at(blk, r));
             }
@@ -423,15 +464,35 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
         }
     };
 
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-        if (s < n_steps) {
-            fetch_pages(blk0 + s);
-            load_block(blk0 + s, s);
+    if constexpr (WGMMA) {
+        // The copy warp: block n into stage n % STAGES once the row warps have freed it (their P V of
+        // block n - STAGES done), the copies' landing arriving on the stage's full barrier; each block's
+        // page ids read while the block before is copied.
+        if (copy_warp) {
+            if constexpr (T::SPLIT_REGS) setmaxnreg_dec<T::COPY_REGS>();
+            if (n_steps > 0) fetch_pages(blk0);
+            for (int n = 0; n < n_steps; ++n) {
+                const int stage = n % STAGES;
+                if (n >= STAGES) mbar_wait(empty_bar + 8 * stage, (n / STAGES - 1) & 1);
+                load_block(blk0 + n, stage);
+                cp_async_arrive_noinc(full_bar + 8 * stage);
+                if (n + 1 < n_steps) fetch_pages(blk0 + n + 1);
+            }
+            cp_async_wait<0>();
+            return;  // the row warps merge on their own (merge_sync)
         }
-        cp_async_commit();
+        if constexpr (T::SPLIT_REGS) setmaxnreg_inc<T::ROW_REGS>();
+    } else {
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s) {
+            if (s < n_steps) {
+                fetch_pages(blk0 + s);
+                load_block(blk0 + s, s);
+            }
+            cp_async_commit();
+        }
+        if (AHEAD < n_steps) fetch_pages(blk0 + AHEAD);
     }
-    if (AHEAD < n_steps) fetch_pages(blk0 + AHEAD);
 
     // This lane's two rows (lane / 4 and + 8 of the warp's 16): query index and ALiBi slope.
     int query[2];
@@ -453,52 +514,10 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
     zero(acc_o);
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
 
-    u32 p_frag[T::KSTEPS_PV][4];
-    u32 q_frag[WGMMA ? T::KSTEPS_QK : 1][4];  // WGMMA: the warp's rows of Q, the S GEMM's A operand
-    if constexpr (WGMMA) {
-        __syncthreads();  // Q is whole
-#pragma unroll
-        for (int ks = 0; ks < T::KSTEPS_QK; ++ks) ldmatrix_x4(q_frag[ks], q_smem + q_off.at(0, 2 * ks));
-    }
-    for (int t = 0; t < n_steps; ++t) {
-        cp_async_wait<AHEAD - 1>();                // block t landed
-        if constexpr (WGMMA) fence_proxy_async();  // this thread's copies seen by wgmma's reads
-        __syncthreads();  // and every warp is past step t - 1: the stage of block t + AHEAD is free
-        if (t + AHEAD < n_steps) load_block(blk0 + t + AHEAD, (t + AHEAD) % STAGES);
-        cp_async_commit();
-        if (t + AHEAD + 1 < n_steps) fetch_pages(blk0 + t + AHEAD + 1);
-
-        const int blk = blk0 + t, stage = t % STAGES;
-        if constexpr (FP8) widen_values(stage);  // into the V tile the previous block's P V is done with
-        float acc_s[T::NTILES_S][4];
-        zero(acc_s);
-        if constexpr (WGMMA) {
-            wgmma_fence();
-            wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
-            wgmma_commit();
-            if (t > 0) {
-                wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
-                wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
-                wgmma_commit();
-                wgmma_wait<1>();  // S_t is in; P V still runs
-            } else {
-                wgmma_wait<0>();
-            }
-        } else {
-            if constexpr (FP8)
-                gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
-            else
-                gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
-        }
-        if (FP8 && !descale_in_scale) {  // the keys' dequantisation, where it is not in score_log2
-#pragma unroll
-            for (int j = 0; j < T::NTILES_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[j][e] *= k_desc;
-        }
-
+    // Block blk's scores in the kernel's units (the score options applied), -inf where masked.
+    auto score_mods = [&](float (&acc_s)[T::NTILES_S][4], int blk) {
         const bool whole = blk >= blocks.full_begin && blk < blocks.full_end;
-        if (Mods::ANY || !whole) {  // scores in the kernel's units, -inf where masked
+        if (Mods::ANY || !whole) {
 #pragma unroll
             for (int j = 0; j < T::NTILES_S; ++j)
 #pragma unroll
@@ -509,34 +528,104 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
                     acc_s[j][e] = whole || mods.visible(i, col) ? s : neg_inf();
                 }
         }
-        if constexpr (WGMMA) {
-            float alpha[2];
-            constexpr float no_bias[2] = {0.f, 0.f};
-            online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s), row_max,
-                                                                 row_sum, alpha, score_log2, no_bias);
-            // The exponentials before the wait (ptxas hoisted the wait above them, and the softmax ran
-            // after the P V instead of under it): a word of the Q tile, free once Q is in registers.
-            order_before_wait(smem_addr(sQ) + 4 * tid, row_sum[0] + row_sum[1]);
-            wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers are free
-            rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
-            acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
-        } else {
+    };
+
+    u32 p_frag[T::KSTEPS_PV][4];
+    if constexpr (WGMMA) {
+        {
+            // Row warpgroup c (of one or two) takes turns issuing its GEMMs with the other.
+            constexpr bool TWO = WARPS_M == 8;
+            const ConsumerTurns<TWO, false, DECODE_GEMM_TURN> turns{warp / 4};
+            named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // Q is whole
+            u32 q_frag[T::KSTEPS_QK][4];  // the warp's rows of Q, the S GEMM's A operand
+#pragma unroll
+            for (int ks = 0; ks < T::KSTEPS_QK; ++ks) ldmatrix_x4(q_frag[ks], q_smem + q_off.at(0, 2 * ks));
+            named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // and read: its first words serve order_before_wait
+            turns.open();
+            for (int t = 0; t < n_steps; ++t) {
+                const int blk = blk0 + t, stage = t % STAGES;
+                mbar_wait(full_bar + 8 * stage, (t / STAGES) & 1);  // block t landed
+                fence_proxy_async();  // the copies' writes seen by wgmma's reads
+                float acc_s[T::NTILES_S][4];
+                zero(acc_s);
+                turns.begin_gemms();
+                wgmma_fence();
+                wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
+                wgmma_commit();
+                if (t > 0) {
+                    wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
+                    wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
+                    wgmma_commit();
+                    turns.end_gemms();
+                    wgmma_wait<1>();  // S_t is in; P V still runs
+                } else {
+                    turns.end_gemms();
+                    wgmma_wait<0>();
+                }
+                score_mods(acc_s, blk);
+                float alpha[2];
+                constexpr float no_bias[2] = {0.f, 0.f};
+                online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s),
+                                                                     row_max, row_sum, alpha, score_log2, no_bias);
+                // The exponentials before the wait (ptxas hoisted the wait above them, and the softmax ran
+                // after the P V instead of under it): a word of the Q tile, free once Q is in registers.
+                order_before_wait(smem_addr(sQ) + 4 * tid, row_sum[0] + row_sum[1]);
+                wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers, block t - 1's stage are free
+                if (t > 0) warp_arrive(empty_bar + 8 * ((t - 1) % STAGES), lane);
+                rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
+                acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
+            }
+            if (n_steps > 0) {  // the last block's P V
+                wgmma_fence();
+                wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((n_steps - 1) % STAGES));
+                wgmma_commit();
+                wgmma_wait<0>();
+            }
+            turns.close();
+        }
+    } else {
+        for (int t = 0; t < n_steps; ++t) {
+            cp_async_wait<AHEAD - 1>();  // block t landed
+            __syncthreads();             // and every warp is past step t - 1: the stage of block t + AHEAD is free
+            if (t + AHEAD < n_steps) load_block(blk0 + t + AHEAD, (t + AHEAD) % STAGES);
+            cp_async_commit();
+            if (t + AHEAD + 1 < n_steps) fetch_pages(blk0 + t + AHEAD + 1);
+
+            const int blk = blk0 + t, stage = t % STAGES;
+            if constexpr (FP8) widen_values(stage);  // into the V tile the previous block's P V is done with
+            float acc_s[T::NTILES_S][4];
+            zero(acc_s);
+            if constexpr (FP8)
+                gemm_q_e4m3_keys<BF16, BN, D>(acc_s, q_smem, q_off, k_tile(stage), wn * KW, lane);
+            else
+                gemm_ss_nt<BF16, T::KSTEPS_QK>(acc_s, q_smem, q_off, 0, k_tile(stage), k_off, wn * KW);
+            if (FP8 && !descale_in_scale) {  // the keys' dequantisation, where it is not in score_log2
+#pragma unroll
+                for (int j = 0; j < T::NTILES_S; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[j][e] *= k_desc;
+            }
+            score_mods(acc_s, blk);
             online_softmax_sm80(acc_s, acc_o, row_max, row_sum, score_log2);
             acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
             if constexpr (FP8) __syncthreads();  // the widened V tile is whole
             gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
         }
     }
-    if constexpr (WGMMA) {
-        if (n_steps > 0) {  // the last block's P V
-            wgmma_fence();
-            wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((n_steps - 1) % STAGES));
-            wgmma_commit();
-            wgmma_wait<0>();
+    // The merge's two orderings among the threads that merge: the ring free of every warp's reads
+    // (k = 0), then every warp's outputs written (k = 1). Where the copy warps have left (WGMMA) the
+    // row threads order them on two mbarriers: compute-sanitizer's racecheck follows those, and it
+    // reported the two warpgroups' accesses as hazards across a 256-thread named barrier.
+    auto merge_sync = [&](int k) {
+        if constexpr (WGMMA) {
+            mbar_arrive(merge_bar + 8 * k);
+            mbar_wait(merge_bar + 8 * k, 0);
+        } else {
+            __syncthreads();
         }
-    }
+    };
     cp_async_wait<0>();
-    __syncthreads();  // the ring is free: it holds the warps' outputs now
+    merge_sync(0);  // the ring is free: it holds the warps' outputs now
 
     // Merge the WARPS_N warps of each row: O = sum_w 2^((m_w - M) c) O_w / L, L likewise over l_w.
     float* sO = reinterpret_cast<float*>(smem_raw + T::OFF_K);
@@ -555,7 +644,7 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 1)
             *reinterpret_cast<float2*>(sO + slot * T::O_STRIDE + j * 8 + 2 * (lane & 3)) =
                 make_float2(acc_o[j][2 * r], acc_o[j][2 * r + 1]);
     }
-    __syncthreads();
+    merge_sync(1);
 
     const float c = score_log2;
     for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {

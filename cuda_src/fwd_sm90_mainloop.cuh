@@ -124,50 +124,6 @@ struct RingPosition {
     }
 };
 
-// The consumers' turns, each on a pair of named barriers (FwdNamedBarrier):
-// consumer c begins a turn with a sync on its own barrier and ends it with an
-// arrival on the other's. Consumer 1 opens the first turns for consumer 0
-// (open); consumer 0 takes a last sync at the end for consumer 1's last
-// hand-over (close), so that every arrival has a matching sync.
-// - GEMM_TURNS (ping-pong): the consumers take turns issuing their GEMMs (a
-//   tile's last P V is issued outside the turns), so one's softmax runs while
-//   the other's GEMMs execute. Without it each consumer issues as soon as its
-//   tiles are in (faster at head dim 64 up to 2k keys and for fp8 at head dim
-//   128, slower elsewhere: dispatch.py; a tuner choice).
-// - SOFTMAX_TURNS (fp8 at head dim 128 without a mask and without ping-pong):
-//   the consumers take turns computing a softmax step, so that one's
-//   exponentials run on the MUFU pipe while the other's GEMMs run. There the
-//   exponentials hold the MUFU pipe as long as the step's GEMMs hold the
-//   tensor cores (16 per clock per SM against the fp8 rate), and without
-//   turns the consumers fell in phase (ncu: both pipes 52% busy). Measured
-//   with ncu (SM active cycles, H100): -3% at 2k-16k; turns around the
-//   exponentials only, +3.5%; under the causal mask, +4.5% (bench/PERFLOG.md v21).
-template <bool GEMM_TURNS, bool SOFTMAX_TURNS>
-struct ConsumerTurns {
-    int c;
-
-    __device__ __forceinline__ void begin_gemms() const {
-        if constexpr (GEMM_TURNS) named_bar_sync<256>(own_barrier(FWD_GEMM_TURN, c));
-    }
-    __device__ __forceinline__ void end_gemms() const {
-        if constexpr (GEMM_TURNS) named_bar_arrive<256>(other_barrier(FWD_GEMM_TURN, c));
-    }
-    __device__ __forceinline__ void begin_softmax() const {
-        if constexpr (SOFTMAX_TURNS) named_bar_sync<256>(own_barrier(FWD_SOFTMAX_TURN, c));
-    }
-    __device__ __forceinline__ void end_softmax() const {
-        if constexpr (SOFTMAX_TURNS) named_bar_arrive<256>(other_barrier(FWD_SOFTMAX_TURN, c));
-    }
-    __device__ __forceinline__ void open() const {
-        if (GEMM_TURNS && c == 1) named_bar_arrive<256>(FWD_GEMM_TURN);
-        if (SOFTMAX_TURNS && c == 1) named_bar_arrive<256>(FWD_SOFTMAX_TURN);
-    }
-    __device__ __forceinline__ void close() const {
-        if (c == 0) begin_gemms();
-        if (SOFTMAX_TURNS && c == 0) named_bar_sync<256>(FWD_SOFTMAX_TURN);
-    }
-};
-
 // A consumer's running state over a segment: O (unnormalised), and each of
 // the thread's two rows' running max and (per-thread partial) sum.
 template <int D>

@@ -206,6 +206,11 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Arrives on `bar` once this thread's cp.async copies issued so far have landed (one arrival a
+// thread, counted in the barrier's init count: .noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
     asm volatile(
         "{\n"

@@ -48,8 +48,8 @@ def _layout(*regions: tuple[str, int]) -> dict[str, int]:
 
 
 def _q_and_kv_ring_layout(block_m: int, block_n: int, stages: int, headdim: int) -> dict[str, int]:
-    """A 16-bit Q tile, then STAGES K tiles and STAGES V tiles: the sm_80 forward's and the decoding
-    kernel's shared memory (FwdTraits, DecodeTraits)."""
+    """A 16-bit Q tile, then STAGES K tiles and STAGES V tiles: the sm_80 forward's shared memory
+    (FwdTraits)."""
     kv = 2 * stages * block_n * headdim
     return _layout(("Q", 2 * block_m * headdim), ("K", kv), ("V", kv))
 
@@ -444,6 +444,8 @@ DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
 DECODE_MERGE_MAX_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
 # Floats after each row of a warp's output where the decoding kernel's warps merge (bank conflicts).
 DECODE_MERGE_PAD = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_PAD")
+# Warps of a wgmma decoding tile that stream its ring, after the row warps.
+DECODE_COPY_WARPS = cpp_int_constant("decode_sm80.cuh", "DECODE_COPY_WARPS")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -477,16 +479,15 @@ class DecodeConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return 32 * (self.warps_m * self.warps_n + (DECODE_COPY_WARPS if self.wgmma else 0))
 
     def smem_layout(self) -> dict[str, int]:
         """DecodeTraits: the Q tile, STAGES K tiles, STAGES V tiles (16-bit); with an fp8 cache the
-        ring's tiles are e4m3, and a 16-bit V tile follows them."""
-        if not self.fp8:
-            return _q_and_kv_ring_layout(self.block_m, self.BLOCK_N, self.stages, self.headdim)
-        tile = self.BLOCK_N * self.headdim
+        ring's tiles are e4m3, and a 16-bit V tile follows them; wgmma tiles end with each stage's
+        full and empty mbarriers and the merge's two."""
+        tile = self.BLOCK_N * self.headdim * (1 if self.fp8 else 2)
         return _layout(("Q", 2 * self.block_m * self.headdim), ("K", self.stages * tile), ("V", self.stages * tile),
-                       ("V16", 2 * tile))
+                       ("V16", 2 * tile if self.fp8 else 0), ("BARS", 16 * self.stages + 16 if self.wgmma else 0))
 
     def smem_bytes(self) -> int:
         return self.smem_layout()["SMEM_BYTES"]
@@ -498,7 +499,7 @@ class DecodeConfig:
         wgmma tiles are whole row warpgroups over a 16-bit cache in 64-column panels, with a block in
         flight beside the two a key step uses."""
         layout = self.smem_layout()
-        ring = layout["SMEM_BYTES"] - layout["OFF_K"]
+        ring = layout["OFF_BARS"] - layout["OFF_K"]  # DecodeTraits::RING_END
         return (self.warps_m in (1, 2, 4, 8) and self.warps_n in (1, 2, 4) and self.warps_m * self.warps_n in (4, 8)
                 and 2 <= self.stages <= 8
                 and 4 * self.warps_n * self.block_m * (self.headdim + DECODE_MERGE_PAD + 2) <= ring
@@ -508,7 +509,7 @@ class DecodeConfig:
 
     def traits(self) -> str:
         return (f"cuflash::DecodeTraits<{self.headdim}, {self.warps_m}, {self.warps_n}, {self.stages}, "
-                f"{_cpp_bool(self.fp8)}>")
+                f"{_cpp_bool(self.fp8)}, {_cpp_bool(self.wgmma)}>")
 
     def name_expression(self, dtype_name: str, paged: bool, causal: bool, mods: int = 0) -> str:
         if dtype_name not in DTYPE_NAMES:

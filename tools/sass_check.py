@@ -53,11 +53,14 @@ def disassemble(cubin: bytes, family: str, name: str) -> str:
         done = subprocess.run(["cuobjdump", "--dump-sass", str(path)], capture_output=True, text=True)
         if done.returncode == 0:
             return done.stdout
-        # Taking the kernel's address instantiates it for nvcc's device pass.
+        # Taking the kernel's address instantiates it for nvcc's device pass. NVRTC's -default-device
+        # makes the templates' unannotated constexpr helpers device functions; nvcc needs
+        # --expt-relaxed-constexpr to call them from device code.
         source = Path(tmp) / "k.cu"
         source.write_text(cf_compile.kernel_source(family) + f"\nstatic const void* instance = (const void*)&{name};\n")
-        subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(path),
-                        str(source)], check=True, capture_output=True, text=True)
+        subprocess.run(["nvcc", "-cubin", "-std=c++17", "--expt-relaxed-constexpr",
+                        "-gencode=arch=compute_90a,code=sm_90a", "-o", str(path), str(source)],
+                       check=True, capture_output=True, text=True)
         return subprocess.run(["cuobjdump", "--dump-sass", str(path)], check=True, capture_output=True,
                               text=True).stdout
 
