@@ -99,6 +99,7 @@ __device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss
 // One warp per row, 4 rows per CTA of 128 threads.
 template <int OUT>
 __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
+    wait_prior_grid();  // the partials' writer, where this launch follows it programmatically (sm_90)
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= (long long)a.batch * a.seqlen * a.nheads) return;

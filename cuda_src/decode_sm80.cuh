@@ -612,6 +612,9 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             gemm_rs_nn<BF16>(acc_o, p_frag, v_tile(stage), v_off, wn * KW);
         }
     }
+    // A combine kernel launched after this one (programmatically, sm_90) may be scheduled once every
+    // CTA is past its key loop: it waits for the partials in the kernel.
+    allow_next_grid();
     // The merge's two orderings among the threads that merge: the ring free of every warp's reads
     // (k = 0), then every warp's outputs written (k = 1). Where the copy warps have left (WGMMA) the
     // row threads order them on two mbarriers: compute-sanitizer's racecheck follows those, and it

@@ -15,7 +15,8 @@ import threading
 import numpy
 
 from .config import DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
-from .kernel_call import KernelArgs, kernel
+from .device import compute_capability
+from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
 from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
@@ -65,8 +66,14 @@ class CombineLaunch:
     """combine_kernel over (S, B, N, H, d) partial outputs and (S, B, N, H) logsumexps (by strides)."""
 
     def __init__(self, out_dtype_name: str, num_splits: int, batch: int, seqlen: int, nheads: int, d: int,
-                 po_strides, pl_strides, o_strides, l_strides, device_id: int):
+                 po_strides, pl_strides, o_strides, l_strides, device_id: int, after_prior: bool = False):
+        """after_prior: launched with programmatic stream serialization (sm_90), so that its CTAs are
+        scheduled while the stream's previous kernel (the decoding kernel that wrote the partials)
+        finishes; the kernel waits for it before it reads them (LaunchAfterPrior). Only for a launch
+        site that holds a lock, as DecodeLaunch.run does."""
         self.kernel = kernel("combine", combine_name(out_dtype_name), 0, device_id)
+        if after_prior:
+            self.kernel = LaunchAfterPrior(self.kernel)
         rows = batch * seqlen * nheads
         self.grid = (-(-rows // COMBINE_ROWS_PER_CTA), 1, 1)
         record = numpy.zeros((), COMBINE_ARGS_DTYPE)
@@ -141,7 +148,8 @@ class DecodeLaunch:
             self.combine = CombineLaunch(
                 dtype_name, num_splits, batch, nq, nheads, headdim,
                 (rows * headdim, nq * nheads * headdim, nheads * headdim, headdim),
-                (rows, nq * nheads, nheads, 1), tuple(strides["o"][:3]), (nheads * nq, 1, nq), device_id)
+                (rows, nq * nheads, nheads, 1), tuple(strides["o"][:3]), (nheads * nq, 1, nq), device_id,
+                after_prior=compute_capability(device_id) >= 90)
         self.last = None
         self.lock = threading.Lock()
 
