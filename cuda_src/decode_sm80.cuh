@@ -67,12 +67,13 @@ struct DecodeTraits {
     static constexpr int WARPS_N = WARPS_N_;
     static constexpr int STAGES = STAGES_;
     static constexpr bool FP8 = FP8_;  // an e4m3 cache (kv_cache.cuh)
-    static constexpr bool WGMMA = WGMMA_;  // the GEMMs on wgmma, the ring streamed by a copy warp
+    static constexpr bool WGMMA = WGMMA_;  // the GEMMs on wgmma, the ring streamed by copy warps
     static constexpr int WARPS = WARPS_M * WARPS_N;
     static constexpr int THREADS = 32 * WARPS;  // the row and key warps'
     static constexpr int ALL_THREADS = THREADS + (WGMMA ? 32 * DECODE_COPY_WARPS : 0);
     // Two row warpgroups and the copy warpgroup: registers split as the Hopper forward's are
-    // (SM90_ENTRY_REGS each at entry; the row warps need 223).
+    // (SM90_ENTRY_REGS each at entry). A row thread, which holds no copy addresses, fits in 200; a
+    // copy thread takes the rest (at 232 and 216 for a row thread the copy code spilled).
     static constexpr bool SPLIT_REGS = WGMMA && WARPS_M == 8;
     static constexpr int ROW_REGS = 200;
     static constexpr int COPY_REGS = 3 * SM90_ENTRY_REGS - 2 * ROW_REGS;
@@ -238,7 +239,7 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
 // issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, computes the softmax of S_t while the P V GEMM
 // runs, and rescales O once it has completed (the Hopper forward's overlap, fwd_sm90_mainloop.cuh);
 // block t - 1's stage stays in use through step t, so the ring holds one block fewer in flight.
-// There a copy warp streams the ring (DECODE_COPY_WARPS) through a full and an empty mbarrier a
+// There copy warps stream the ring (DECODE_COPY_WARPS) through a full and an empty mbarrier a
 // stage, so that no CTA-wide barrier holds the row warpgroups in step, and two warpgroups take turns
 // issuing their GEMMs (the forward's ping-pong, ConsumerTurns): one's softmax runs under the other's
 // GEMMs.
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     // Blocks the ring loads ahead of the one whose S GEMM a step issues.
     constexpr int AHEAD = WGMMA ? STAGES - 2 : STAGES - 1;
     constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, ALL_THREADS = T::ALL_THREADS;
-    // The threads that issue the ring's copies: the copy warp, or every warp without WGMMA.
+    // The threads that issue the ring's copies: the copy warps, or every warp without WGMMA.
     constexpr int COPY_THREADS = WGMMA ? 32 * DECODE_COPY_WARPS : THREADS;
     constexpr int Q_CHUNKS = D / 8, CHUNKS = D / T::CHUNK_ELEMS;  // 16-byte chunks of a Q row, of a cache row
     using Mods = ScoreMods<MODS, CAUSAL, false>;
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool copy_warp = WGMMA && warp >= T::WARPS;
-    const int ctid = WGMMA ? tid - THREADS : tid;  // among COPY_THREADS (the copy warp's threads)
+    const int ctid = WGMMA ? tid - THREADS : tid;  // this thread's index among COPY_THREADS (copy warps)
     const int wm = warp % WARPS_M, wn = warp / WARPS_M;
     const int split = blockIdx.x, m0 = blockIdx.y * BM;
     const int b = blockIdx.z / a.nheads_kv, hk = blockIdx.z % a.nheads_kv;
@@ -294,7 +295,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     // Q, rotated at positions cache_len + i; with an fp8 cache in the key GEMM's column order, so
     // each thread takes the two chunks of a 16-column group.
     constexpr int Q_GROUP = FP8 ? 2 : 1;
-    // Ring stage s's barriers (WGMMA): full (the copy warp's copies of its block have landed: an
+    // Ring stage s's barriers (WGMMA): full (the copy warps' copies of its block have landed: an
     // arrival a copy thread) and empty (the row warps are done with it: an arrival a row warp).
     // Then the merge's two (merge_sync: an arrival a row thread).
     const u32 full_bar = smem_addr(smem_raw + T::OFF_BARS), empty_bar = full_bar + 8 * STAGES;
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * COPY_THREADS);
     constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && COPY_THREADS % HALF == 0 && RUN >= 1 &&
                                16 % RUN == 0 && 2 * RUN * COPY_THREADS == BN * CHUNKS;
-    static_assert(!WGMMA || ROW_RUNS, "the copy warp copies row runs");
+    static_assert(!WGMMA || ROW_RUNS, "the copy warps copy row runs");
     constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
         const int j = span.leftpad + blk * BN + r;
@@ -465,7 +466,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     };
 
     if constexpr (WGMMA) {
-        // The copy warp: block n into stage n % STAGES once the row warps have freed it (their P V of
+        // The copy warps: block n into stage n % STAGES once the row warps have freed it (their P V of
         // block n - STAGES done), the copies' landing arriving on the stage's full barrier; each block's
         // page ids read while the block before is copied.
         if (copy_warp) {
@@ -532,57 +533,55 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
 
     u32 p_frag[T::KSTEPS_PV][4];
     if constexpr (WGMMA) {
-        {
-            // Row warpgroup c (of one or two) takes turns issuing its GEMMs with the other.
-            constexpr bool TWO = WARPS_M == 8;
-            const ConsumerTurns<TWO, false, DECODE_GEMM_TURN> turns{warp / 4};
-            named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // Q is whole
-            u32 q_frag[T::KSTEPS_QK][4];  // the warp's rows of Q, the S GEMM's A operand
+        // Row warpgroup c (of one or two) takes turns issuing its GEMMs with the other.
+        constexpr bool TWO = WARPS_M == 8;
+        const ConsumerTurns<TWO, false, DECODE_GEMM_TURN> turns{warp / 4};
+        named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // Q is whole
+        u32 q_frag[T::KSTEPS_QK][4];  // the warp's rows of Q, the S GEMM's A operand
 #pragma unroll
-            for (int ks = 0; ks < T::KSTEPS_QK; ++ks) ldmatrix_x4(q_frag[ks], q_smem + q_off.at(0, 2 * ks));
-            named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // and read: its first words serve order_before_wait
-            turns.open();
-            for (int t = 0; t < n_steps; ++t) {
-                const int blk = blk0 + t, stage = t % STAGES;
-                mbar_wait(full_bar + 8 * stage, (t / STAGES) & 1);  // block t landed
-                fence_proxy_async();  // the copies' writes seen by wgmma's reads
-                float acc_s[T::NTILES_S][4];
-                zero(acc_s);
-                turns.begin_gemms();
-                wgmma_fence();
-                wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
+        for (int ks = 0; ks < T::KSTEPS_QK; ++ks) ldmatrix_x4(q_frag[ks], q_smem + q_off.at(0, 2 * ks));
+        named_bar_sync<THREADS>(DECODE_ROW_WARPS);  // and read: its first words serve order_before_wait
+        turns.open();
+        for (int t = 0; t < n_steps; ++t) {
+            const int blk = blk0 + t, stage = t % STAGES;
+            mbar_wait(full_bar + 8 * stage, (t / STAGES) & 1);  // block t landed
+            fence_proxy_async();  // the copies' writes seen by wgmma's reads
+            float acc_s[T::NTILES_S][4];
+            zero(acc_s);
+            turns.begin_gemms();
+            wgmma_fence();
+            wgmma_scores<BF16, BN, D>(acc_s, q_frag, k_tile(stage));
+            wgmma_commit();
+            if (t > 0) {
+                wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
+                wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
                 wgmma_commit();
-                if (t > 0) {
-                    wgmma_fence();  // the branch's register moves (ptxas injected this fence otherwise: C7519)
-                    wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((t - 1) % STAGES));
-                    wgmma_commit();
-                    turns.end_gemms();
-                    wgmma_wait<1>();  // S_t is in; P V still runs
-                } else {
-                    turns.end_gemms();
-                    wgmma_wait<0>();
-                }
-                score_mods(acc_s, blk);
-                float alpha[2];
-                constexpr float no_bias[2] = {0.f, 0.f};
-                online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s),
-                                                                     row_max, row_sum, alpha, score_log2, no_bias);
-                // The exponentials before the wait (ptxas hoisted the wait above them, and the softmax ran
-                // after the P V instead of under it): a word of the Q tile, free once Q is in registers.
-                order_before_wait(smem_addr(sQ) + 4 * tid, row_sum[0] + row_sum[1]);
-                wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers, block t - 1's stage are free
-                if (t > 0) warp_arrive(empty_bar + 8 * ((t - 1) % STAGES), lane);
-                rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
-                acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
-            }
-            if (n_steps > 0) {  // the last block's P V
-                wgmma_fence();
-                wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((n_steps - 1) % STAGES));
-                wgmma_commit();
+                turns.end_gemms();
+                wgmma_wait<1>();  // S_t is in; P V still runs
+            } else {
+                turns.end_gemms();
                 wgmma_wait<0>();
             }
-            turns.close();
+            score_mods(acc_s, blk);
+            float alpha[2];
+            constexpr float no_bias[2] = {0.f, 0.f};
+            online_softmax_sm90<T::NTILES_S, 4, 4, false, false>(reinterpret_cast<float(&)[BN / 2]>(acc_s),
+                                                                 row_max, row_sum, alpha, score_log2, no_bias);
+            // The exponentials before the wait (ptxas hoisted the wait above them, and the softmax ran
+            // after the P V instead of under it): a word of the Q tile, free once Q is in registers.
+            order_before_wait(smem_addr(sQ) + 4 * tid, row_sum[0] + row_sum[1]);
+            wgmma_wait<0>();  // P_{t-1} V_{t-1} is in: O and P's registers, block t - 1's stage are free
+            if (t > 0) warp_arrive(empty_bar + 8 * ((t - 1) % STAGES), lane);
+            rescale_o<T::NTILES_O>(reinterpret_cast<float(&)[D / 2]>(acc_o), alpha);
+            acc_to_a<BF16, T::NTILES_S>(p_frag, acc_s);
         }
+        if (n_steps > 0) {  // the last block's P V
+            wgmma_fence();
+            wgmma_pv<BF16, BN, D>(acc_o, p_frag, v_tile((n_steps - 1) % STAGES));
+            wgmma_commit();
+            wgmma_wait<0>();
+        }
+        turns.close();
     } else {
         for (int t = 0; t < n_steps; ++t) {
             cp_async_wait<AHEAD - 1>();  // block t landed
