@@ -25,7 +25,7 @@ enum BwdNamedBarrier : int {
 
 // decode_kernel's wgmma tiles (decode_sm80.cuh).
 enum DecodeNamedBarrier : int {
-    // The row warps' threads, not the copy warp's: Q's tile written, then read.
+    // The row warps' threads, not the copy warps': Q's tile written, then read.
     DECODE_ROW_WARPS = 1,
     // Ping-pong of two row warpgroups: c may issue its GEMMs (256 threads).
     DECODE_GEMM_TURN = 2,

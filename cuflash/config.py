@@ -457,7 +457,8 @@ class DecodeConfig:
     warps_n: warps splitting each stage's keys.
     stages: key blocks in the cp.async ring.
     fp8: the cache holds e4m3 (the ring holds e4m3 rows, widened a stage at a time).
-    wgmma: the GEMMs on Hopper's wgmma (the decode_sm90 family): 4 or 8 row warps, 1 key warp, 16-bit.
+    wgmma: the GEMMs on Hopper's wgmma (the decode_sm90 family): 4 or 8 row warps, 1 key warp, 16-bit;
+        a warpgroup of copy warps (DECODE_COPY_WARPS) streams the ring.
     """
 
     headdim: int
