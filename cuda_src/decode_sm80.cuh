@@ -113,6 +113,8 @@ struct DecodeTraits {
     static_assert(BM > DECODE_MERGE_MAX_ROWS || 4 * (DECODE_MAX_SPLITS + 1) * BM <= RING_END - OFF_K,
                   "the splits' weights must fit in the ring");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tile does not fit in shared memory");
+    static_assert(!SPLIT_REGS || (COPY_REGS >= 24 && COPY_REGS % 8 == 0 && ROW_REGS % 8 == 0),
+                  "setmaxnreg takes multiples of 8, 24 at least");
 };
 
 // Byte offset of row `row`'s 16-byte chunk `chunk` in a ROWS x D tile of e4m3 (D bytes a row):

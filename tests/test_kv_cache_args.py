@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cuflash import dispatch, kv_cache
-from cuflash.config import KERNEL_HEADDIMS, DecodeConfig
+from cuflash.config import DECODE_COPY_WARPS, KERNEL_HEADDIMS, DecodeConfig
 from cuflash.decode_launch import division_magic
 
 
@@ -80,6 +80,21 @@ def test_decode_config_wgmma_rules():
     assert not DecodeConfig(128, 4, 1, 2, wgmma=True).is_valid()  # a block in flight beside two in use
     assert not DecodeConfig(128, 4, 1, 4, fp8=True, wgmma=True).is_valid()
     assert DecodeConfig(128, 8, 1, 4, wgmma=True).is_valid()
+
+
+def test_decode_wgmma_tiles_copy_warps_and_barriers():
+    """wgmma tiles launch a warpgroup of copy warps after the row warps, and end their shared memory with
+    each stage's full and empty mbarriers and the merge's two, past the ring the merge reuses; the
+    mma.sync tiles keep neither."""
+    for warps_m, stages in ((4, 4), (8, 4), (8, 8)):
+        cfg = DecodeConfig(128 if stages == 4 else 64, warps_m, 1, stages, wgmma=True)
+        layout = cfg.smem_layout()
+        assert cfg.threads == 32 * (warps_m + DECODE_COPY_WARPS) and DECODE_COPY_WARPS == 4
+        assert layout["SMEM_BYTES"] - layout["OFF_BARS"] == 16 * stages + 16
+        assert layout["OFF_BARS"] % 8 == 0
+        plain = DecodeConfig(cfg.headdim, warps_m, 1, stages)
+        assert plain.threads == 32 * warps_m
+        assert plain.smem_bytes() == layout["OFF_BARS"] == plain.smem_layout()["OFF_BARS"]
 
 
 def test_decode_slots_count_warps():
