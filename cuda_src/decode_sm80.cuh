@@ -252,8 +252,9 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     using T = DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8, WGMMA>;
     static_assert(!WGMMA || (WARPS_M % 4 == 0 && WARPS_N == 1 && !FP8 && STAGES >= 3),
                   "wgmma: row warpgroups, a 16-bit cache, a block in flight besides the two in use");
-    // Blocks the ring loads ahead of the one whose S GEMM a step issues.
-    constexpr int AHEAD = WGMMA ? STAGES - 2 : STAGES - 1;
+    // mma.sync tiles: blocks the ring loads ahead of the one whose S GEMM a step issues (the wgmma
+    // tiles' copy warps run ahead as far as the empty barriers let them).
+    constexpr int AHEAD = STAGES - 1;
     constexpr int BM = T::BM, BN = T::BN, KW = T::KW, THREADS = T::THREADS, ALL_THREADS = T::ALL_THREADS;
     // The threads that issue the ring's copies: the copy warps, or every warp without WGMMA.
     constexpr int COPY_THREADS = WGMMA ? 32 * DECODE_COPY_WARPS : THREADS;

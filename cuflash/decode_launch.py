@@ -15,7 +15,7 @@ import threading
 import numpy
 
 from .config import DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
-from .device import compute_capability
+from .device import HOPPER, compute_capability
 from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
 from .score_mods import ALIBI_SLOPES_WORD
 
@@ -149,7 +149,7 @@ class DecodeLaunch:
                 dtype_name, num_splits, batch, nq, nheads, headdim,
                 (rows * headdim, nq * nheads * headdim, nheads * headdim, headdim),
                 (rows, nq * nheads, nheads, 1), tuple(strides["o"][:3]), (nheads * nq, 1, nq), device_id,
-                after_prior=compute_capability(device_id) >= 90)
+                after_prior=compute_capability(device_id) >= HOPPER)
         self.last = None
         self.lock = threading.Lock()
 
