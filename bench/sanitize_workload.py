@@ -144,8 +144,9 @@ def varlen():
 
 def kvcache():
     """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
-    capacity, split keys merged in the kernel (16-row tiles) and by the combine kernel (MQA, 64- and
-    128-row tiles: on sm_90 the wgmma tiles), GQA and several queries."""
+    capacity, split keys merged in thread-block clusters (sm_90: the mma.sync tiles, up to 8 splits),
+    in the kernel through global memory (16-row tiles, 9 splits) and by the combine kernel (MQA, 64-
+    and 128-row tiles: on sm_90 the wgmma tiles), GQA and several queries."""
     gen = cupy.random.default_rng(3)
 
     def randn(*shape):
@@ -159,7 +160,7 @@ def kvcache():
                          dtype=cupy.int32)
     paged = (randn(21, 32, nheads_kv, headdim), randn(21, 32, nheads_kv, headdim))
     for (k_cache, v_cache), pages in ((contiguous, None), (paged, table)):
-        for seqlen_q, splits in ((1, 0), (3, 4)):
+        for seqlen_q, splits in ((1, 0), (3, 4), (2, 9)):
             q = randn(batch, seqlen_q, nheads, headdim)
             k_new, v_new = randn(batch, seqlen_q, nheads_kv, headdim), randn(batch, seqlen_q, nheads_kv, headdim)
             for _ in range(2):

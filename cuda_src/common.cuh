@@ -125,6 +125,46 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// ---------------------------------------------------------------- thread-block clusters
+// (sm_90; the host launches clusters there only, and an earlier build traps.) cluster_sync: every
+// thread of the cluster's CTAs arrives, and the shared-memory writes before it are seen by the
+// cluster's reads after it. ld_cluster: a float (or four) at this CTA's shared-memory address
+// `addr` in the cluster's CTA `rank` (distributed shared memory).
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ int cluster_rank() {
+    u32 rank = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+    return (int)rank;
+}
+__device__ __forceinline__ float ld_cluster(u32 addr, int rank) {
+    float x = 0.f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{ .reg .u32 r; mapa.shared::cluster.u32 r, %1, %2; ld.shared::cluster.f32 %0, [r]; }\n"
+                 : "=f"(x)
+                 : "r"(addr), "r"(rank)
+                 : "memory");
+#endif
+    return x;
+}
+__device__ __forceinline__ float4 ld_cluster4(u32 addr, int rank) {
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{ .reg .u32 r; mapa.shared::cluster.u32 r, %4, %5; ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r]; }\n"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "r"(addr), "r"(rank)
+                 : "memory");
+#endif
+    return x;
+}
+
 // ---------------------------------------------------------------- numerics
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

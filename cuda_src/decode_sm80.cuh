@@ -54,6 +54,9 @@ constexpr int DECODE_MERGE_MAX_ROWS = 16;
 // stores took 1.2 us of an 11-us MQA step (bench/PERFLOG.md, "small steps"); 8 more floats put each
 // half-warp's 4 rows in 4 distinct groups.
 constexpr int DECODE_MERGE_PAD = 8;
+// Split CTAs a thread-block cluster merges at most (KVCacheArgs::merge_in_cluster; cuflash/dispatch.py
+// reads it): a cluster of at most 8 CTAs launches on every Hopper part (a portable cluster size).
+constexpr int DECODE_CLUSTER_MAX = 8;
 // WGMMA tiles: the warps after the row warps that stream the ring, a warpgroup (cuflash/config.py
 // reads it). One copy warp beside 8 row warps would cap every thread at 168 registers as a
 // warpgroup does (an SM's quarter holds 3 of the 9 warps), and setmaxnreg moves registers between
@@ -174,6 +177,18 @@ __device__ __forceinline__ void gemm_q_e4m3_keys(float (&acc)[NT][4], u32 q_smem
     }
 }
 
+// Four output columns [col, col + 4) of packed row `row` (query q0 + row / group, head hk * group +
+// row % group) of batch b, and the row's lse where col is 0 and the caller wants it.
+template <bool BF16>
+__device__ __forceinline__ void store_output(const KVCacheArgs& a, int b, int hk, int q0, int row, int col, float4 o,
+                                             float lse) {
+    const int i = row / a.group, h = hk * a.group + row % a.group;
+    *reinterpret_cast<uint2*>(a.out + b * a.o_sb + (long long)(q0 + i) * a.o_sn + h * a.o_sh + col) =
+        make_uint2(pack2<BF16>(o.x, o.y), pack2<BF16>(o.z, o.w));
+    if (col == 0 && a.lse != nullptr)
+        a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + q0 + i : ((long long)b * a.nheads + h) * a.nq + i] = lse;
+}
+
 // The end of a split CTA (rows [m0, m0 + BM) of kv head hk, batch b, its partials written)
 // when the host asked for the merge here (a.splits_done set): the last of the row block's split
 // CTAs to count itself merges every split's partials into out and lse. Each CTA's threads
@@ -224,13 +239,53 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
             if (w != 0.f)  // a split without keys adds nothing, whatever its output holds
                 o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
         }
-        const int row = m0 + r, i = row / a.group, h = hk * a.group + row % a.group;
-        *reinterpret_cast<uint2*>(a.out + b * a.o_sb + (long long)(q0 + i) * a.o_sn + h * a.o_sh + col) =
-            make_uint2(pack2<BF16>(o.x, o.y), pack2<BF16>(o.z, o.w));
-        if (col == 0 && a.lse != nullptr)
-            a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + q0 + i : ((long long)b * a.nheads + h) * a.nq + i] =
-                row_lse[r];
+        store_output<BF16>(a, b, hk, q0, m0 + r, col, o, row_lse[r]);
     }
+}
+
+// The end of a split CTA when its row block's splits are one thread-block cluster (a.merge_in_cluster,
+// sm_90): each CTA holds its split's normalised output of packed row r at sO + r * O_STRIDE (its first
+// d columns) and the row's lse in the float after its D columns (the stride's padding). After one
+// cluster barrier the cluster's CTAs share the rows' column quads and read every split's values from
+// the others' shared memory, all of one quad's loads at once; a second barrier keeps each CTA's shared
+// memory until the others have read it. Against the global merge (merge_splits: stores, a fence, the
+// count's atomic and two rounds of loads, all through L2) this is a round trip within the GPC.
+template <bool BF16, int BM, int D, int O_STRIDE, int THREADS>
+__device__ __forceinline__ void merge_cluster_splits(const KVCacheArgs& a, const float* sO, int b, int hk, int m0,
+                                                     int rows, int q0) {
+    static_assert(O_STRIDE > D, "each row's lse sits in its padding");
+    cluster_sync();
+    const int splits = a.num_splits, quads = a.d / 4, n_rows = min(BM, rows - m0);
+    const u32 base = smem_addr(sO);
+    for (int item = cluster_rank() * THREADS + threadIdx.x; item < n_rows * quads; item += splits * THREADS) {
+        const int r = item / quads, col = 4 * (item % quads);
+        float lse_s[DECODE_CLUSTER_MAX];
+        float4 o_s[DECODE_CLUSTER_MAX];
+#pragma unroll
+        for (int s = 0; s < DECODE_CLUSTER_MAX; ++s)
+            if (s < splits) {
+                lse_s[s] = ld_cluster(base + 4 * (r * O_STRIDE + D), s);
+                o_s[s] = ld_cluster4(base + 4 * (r * O_STRIDE + col), s);
+            }
+        float m = neg_inf(), sum = 0.f;
+#pragma unroll
+        for (int s = 0; s < DECODE_CLUSTER_MAX; ++s)
+            if (s < splits) m = fmaxf(m, lse_s[s]);
+#pragma unroll
+        for (int s = 0; s < DECODE_CLUSTER_MAX; ++s)
+            if (s < splits && m != neg_inf()) sum += exp2_approx((lse_s[s] - m) * LOG2E);
+        const float lse = merged_lse(m, sum);
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < DECODE_CLUSTER_MAX; ++s) {
+            const float w = s < splits ? split_weight(lse_s[s], lse) : 0.f;
+            if (w != 0.f)  // a split without keys adds nothing, whatever its output holds
+                o = make_float4(fmaf(w, o_s[s].x, o.x), fmaf(w, o_s[s].y, o.y), fmaf(w, o_s[s].z, o.z),
+                                fmaf(w, o_s[s].w, o.w));
+        }
+        store_output<BF16>(a, b, hk, q0, m0 + r, col, o, lse);
+    }
+    cluster_sync();
 }
 
 // One CTA an SM promised to the register allocator, 8 warps too (cuflash/dispatch.py decode_slots
@@ -652,6 +707,9 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     merge_sync(1);
 
     const float c = score_log2;
+    // The wgmma tiles' copy warps have left: those never merge in a cluster, whose barriers count
+    // every thread (the host launches clusters for the mma.sync tiles only).
+    const bool merge_in_cluster = !WGMMA && a.num_splits > 1 && a.merge_in_cluster;
     for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {
         const int r = idx / (D / 4), col = 4 * (idx % (D / 4)), row = m0 + r;
         if (row >= rows || col >= a.d) continue;
@@ -670,20 +728,23 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                             fmaf(weight, ow.w, o.w));
         }
         const float inv = l > 0.f ? v_desc / l : 0.f;  // v_desc: the values' dequantisation (1 unless fp8)
-        const int i = row / a.group, h = hk * a.group + row % a.group;
         const float lse = row_lse_of(m, l, c);
+        o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
         if (a.num_splits == 1) {
-            *reinterpret_cast<uint2*>(a.out + b * a.o_sb + (long long)(queries.q0 + i) * a.o_sn + h * a.o_sh + col) =
-                make_uint2(pack2<BF16>(o.x * inv, o.y * inv), pack2<BF16>(o.z * inv, o.w * inv));
-            if (col == 0 && a.lse != nullptr)
-                a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + queries.q0 + i
-                                     : ((long long)b * a.nheads + h) * a.nq + i] = lse;
+            store_output<BF16>(a, b, hk, queries.q0, row, col, o, lse);
+        } else if (merge_in_cluster) {  // into key warp 0's slot, which only this thread reads at (r, col)
+            *reinterpret_cast<float4*>(sO + r * T::O_STRIDE + col) = o;
+            if (col == 0) sO[r * T::O_STRIDE + D] = lse;
         } else {
+            const int i = row / a.group, h = hk * a.group + row % a.group;
             const long long prow = (((long long)split * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
-            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) =
-                make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
             if (col == 0) a.partial_lse[prow] = lse;
         }
+    }
+    if (merge_in_cluster) {
+        merge_cluster_splits<BF16, BM, D, T::O_STRIDE, THREADS>(a, sO, b, hk, m0, rows, queries.q0);
+        return;
     }
     if constexpr (BM <= DECODE_MERGE_MAX_ROWS)
         if (a.splits_done != nullptr)

@@ -444,6 +444,8 @@ DECODE_MAX_SPLITS = cpp_int_constant("decode_sm80.cuh", "DECODE_MAX_SPLITS")
 DECODE_MERGE_MAX_ROWS = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_MAX_ROWS")
 # Floats after each row of a warp's output where the decoding kernel's warps merge (bank conflicts).
 DECODE_MERGE_PAD = cpp_int_constant("decode_sm80.cuh", "DECODE_MERGE_PAD")
+# Split CTAs of a decoding step that one thread-block cluster merges at most (sm_90).
+DECODE_CLUSTER_MAX = cpp_int_constant("decode_sm80.cuh", "DECODE_CLUSTER_MAX")
 # Warps of a wgmma decoding tile that stream its ring, after the row warps.
 DECODE_COPY_WARPS = cpp_int_constant("decode_sm80.cuh", "DECODE_COPY_WARPS")
 

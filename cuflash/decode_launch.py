@@ -3,9 +3,11 @@ kernel (cuda_src/combine.cuh) that merges partial results.
 
 `DecodeLaunch` holds what a call's shapes decide (kernel, grid, the packed
 `KVCacheArgs`); `run` writes the call's addresses and launches. With split
-keys, the kernel's last split CTA of each row block merges the splits for
-tiles of up to DECODE_MERGE_MAX_ROWS rows; for larger tiles a `CombineLaunch`
-follows (it also serves `cuflash.combine_partials`).
+keys, a row block's split CTAs merge inside a thread-block cluster where
+dispatch chooses it (sm_90, small steps); else the kernel's last split CTA of
+each row block merges the splits for tiles of up to DECODE_MERGE_MAX_ROWS
+rows, and for larger tiles a `CombineLaunch` follows (it also serves
+`cuflash.combine_partials`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy
 
 from .config import DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
 from .device import HOPPER, compute_capability
-from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
+from .kernel_call import KernelArgs, LaunchAfterPrior, LaunchInClusters, kernel
 from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
@@ -25,7 +27,8 @@ POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "pa
 _STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
             "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
 _INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "total_q", "cache_len_all", "capacity", "cache_rows",
-         "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "num_splits")
+         "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "num_splits",
+         "merge_in_cluster")
 # KVCacheArgs field for field (cuda_src/kv_cache.cuh).
 KV_CACHE_ARGS_DTYPE = numpy.dtype([*((p, "<u8") for p in POINTER_FIELDS), *((s, "<i8") for s in _STRIDES),
                                    *((i, "<u4" if i == "page_mul" else "<i4") for i in _INTS), ("scale_log2", "<f4")],
@@ -104,22 +107,28 @@ class DecodeLaunch:
 
     def __init__(self, cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, q_shape, k_cache,
                  n_new: int, strides: dict, block_table, rotary, num_splits: int, scale: float, device_id: int,
-                 total_q: int = 0):
+                 total_q: int = 0, merge_in_cluster: bool = False):
         """strides: element strides of "q", "kc", "vc", "o" and, with new keys, "kn", "vn" (as the kernel
         will see those arrays: an aligned copy's where one is made). A packed batch (paged prefill):
-        q_shape (num_seqs, longest, H, D) and total_q, the packed rows; one split."""
+        q_shape (num_seqs, longest, H, D) and total_q, the packed rows; one split. merge_in_cluster:
+        the splits of a row block are one thread-block cluster, which merges them
+        (dispatch.decode_merge_in_cluster)."""
         batch, nq, nheads, headdim = q_shape
         cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
         group = nheads // nheads_kv
         self.kernel = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits),
                              cfg.smem_bytes(), device_id)
+        if merge_in_cluster:
+            self.kernel = LaunchInClusters(self.kernel, (num_splits, 1, 1))
         self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
         self.threads = cfg.threads
         self.num_splits = num_splits
-        self.partial_o_floats = num_splits * batch * nq * nheads * headdim
-        self.partial_floats = self.partial_o_floats + num_splits * batch * nq * nheads
+        self.merge_in_cluster = merge_in_cluster
+        # Partial outputs and their logsumexps in global memory, where the splits merge through it.
+        self.partial_o_floats = 0 if merge_in_cluster else num_splits * batch * nq * nheads * headdim
+        self.partial_floats = self.partial_o_floats + (0 if merge_in_cluster else num_splits * batch * nq * nheads)
         self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
-        self.merge_in_kernel = num_splits > 1 and cfg.block_m <= DECODE_MERGE_MAX_ROWS
+        self.merge_in_kernel = num_splits > 1 and not merge_in_cluster and cfg.block_m <= DECODE_MERGE_MAX_ROWS
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):
@@ -140,10 +149,11 @@ class DecodeLaunch:
             record["rotary_dim"], record["rotary_rows"] = 2 * cos.shape[1], cos.shape[0]
             record["rotary_interleaved"] = int(interleaved)
         record["num_splits"] = num_splits
+        record["merge_in_cluster"] = int(merge_in_cluster)
         record["scale_log2"] = mods.score_log2(scale)
         self.args = KernelArgs([_words(record), mods.kernel_args(nq, capacity, scale)])
         self.combine = None
-        if num_splits > 1 and not self.merge_in_kernel:
+        if num_splits > 1 and not self.merge_in_kernel and not merge_in_cluster:
             rows = batch * nq * nheads
             self.combine = CombineLaunch(
                 dtype_name, num_splits, batch, nq, nheads, headdim,
@@ -156,11 +166,11 @@ class DecodeLaunch:
     def run(self, addresses: tuple, cache_len_all: int, slopes: int, stream: int, partials: int = 0,
             splits_done: int = 0) -> None:
         """addresses: the device addresses of KVCacheArgs' pointer fields in POINTER_FIELDS order up to
-        splits_done (0: absent). With split keys: partials, the address of partial_floats float32 values
-        (partial_o and partial_lse), and, where the kernel merges them, splits_done: the address of
-        row_blocks int32 counts that are 0."""
+        splits_done (0: absent). With split keys merged through global memory: partials, the address of
+        partial_floats float32 values (partial_o and partial_lse), and, where the kernel merges them,
+        splits_done: the address of row_blocks int32 counts that are 0."""
         addresses = (*addresses, splits_done)
-        if self.num_splits > 1:
+        if self.partial_floats:
             addresses = (*addresses[:_PARTIAL_O], partials, partials + 4 * self.partial_o_floats,
                          *addresses[_PARTIAL_LSE + 1:])
         with self.lock:

@@ -12,7 +12,7 @@ import dataclasses
 
 from typing import Protocol
 
-from .config import (DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
+from .config import (DECODE_CLUSTER_MAX, DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
                      FwdSm90Config, kernel_headdim)
 from .score_mods import NONE, ScoreMods
 
@@ -458,3 +458,35 @@ def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
         efficiency[splits] = waves / -(-ctas * splits // sm_count)
     best = max(efficiency.values())
     return next(s for s in range(1, most + 1) if efficiency[s] >= SPLIT_WAVE_EFFICIENCY * best)
+
+
+
+# Thread-block clusters (sm_90): the split CTAs of a row block merge inside one cluster, through
+# distributed shared memory, instead of through global memory (decode_sm80.cuh,
+# merge_cluster_splits). Where a step's keys are few the merge is most of its time after the key
+# loop, and a split may then take as few as MIN_BLOCKS_PER_CLUSTER_SPLIT blocks. Same process,
+# device time of CUDA-graph replays, H100, fp16, head dim 128, 32 query heads, µs (bench/PERFLOG.md,
+# "clusters"): GQA (on 8) batch 1 1k 11.2 with 4 splits merged in global memory, 9.4 with 4 in
+# clusters, 7.6 with 8; MQA batch 1 1k 12.3 / 10.7 / 8.9; MQA batch 8 1k 12.8 / 11.0 / 9.7. Where the
+# grid holds more CTAs than SMs the clusters ran slower (GQA batch 8 8k, 4 splits, 256 CTAs: 94.8 ->
+# 113.0), so a cluster step takes one CTA an SM at most. Over longer caches a cluster's 8 splits are
+# too few (GQA batch 1 8k: 20.8 against 18.9 with 16 splits in global memory).
+MIN_BLOCKS_PER_CLUSTER_SPLIT = 2
+
+
+def decode_cluster_splits(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int) -> int:
+    """The split count of a step whose split CTAs merge inside thread-block clusters, for `ctas` CTAs
+    without a split, `key_blocks` key blocks and `sms` SMs; 0 where the step does not take clusters:
+    not Hopper, a wgmma tile, more keys than DECODE_CLUSTER_MAX splits of MIN_BLOCKS_PER_SPLIT
+    blocks hold, or fewer than two splits with a CTA an SM."""
+    if arch != 90 or cfg.wgmma or key_blocks > DECODE_CLUSTER_MAX * MIN_BLOCKS_PER_SPLIT:
+        return 0
+    splits = min(DECODE_CLUSTER_MAX, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
+    return splits if splits > 1 else 0
+
+
+def decode_merge_in_cluster(cfg: DecodeConfig, ctas: int, splits: int, sms: int, arch: int) -> bool:
+    """Whether `splits` split CTAs of each of `ctas` row blocks merge inside thread-block clusters (one
+    cluster a row block's splits): Hopper, an mma.sync tile, at most DECODE_CLUSTER_MAX splits, and
+    no more CTAs than `sms` SMs."""
+    return arch == 90 and not cfg.wgmma and 1 < splits <= DECODE_CLUSTER_MAX and ctas * splits <= sms

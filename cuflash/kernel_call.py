@@ -117,6 +117,7 @@ class _LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: its value three unsigned ints (x, y, z)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -153,18 +154,17 @@ class Kernel:
                             self.device_id, f"grid {grid}, block {block}, {self.smem_bytes} bytes of shared memory")
 
 
-class LaunchAfterPrior:
-    """A kernel launched with programmatic stream serialization (sm_90): it may be scheduled before the
-    stream's previous kernel completes, and waits for it in the kernel (common.cuh's wait_prior_grid),
-    so that the gap between the two launches is hidden. Same `launch` as Kernel's; the config it
-    fills in is its own, so one launch site uses it at a time (the backward holds its lock).
-    """
+class _LaunchWithAttribute:
+    """A kernel launched through cuLaunchKernelEx with one launch attribute. Same `launch` as Kernel's;
+    the config it fills in is its own, so one launch site uses it at a time (behind the site's lock)."""
 
-    def __init__(self, kernel_: Kernel):
+    def __init__(self, kernel_: Kernel, attribute_id: int, values: tuple[int, ...], what: str):
         self.kernel = kernel_
-        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attribute.value[0] = 1
+        self.attribute = _LaunchAttribute(id=attribute_id)
+        for i, value in enumerate(values):
+            self.attribute.value[i] = value
         self.config = _LaunchConfig(smem=kernel_.smem_bytes, attrs=ctypes.pointer(self.attribute), num_attrs=1)
+        self.what = what
 
     def launch(self, grid, block: int, args: KernelArgs, stream) -> None:
         config = self.config
@@ -176,7 +176,25 @@ class LaunchAfterPrior:
         if err != 0:
             _retry_or_raise(err, lambda: launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None),
                             self.kernel.device_id, f"grid {grid}, block {block}, {self.kernel.smem_bytes} bytes "
-                                                   "of shared memory, after the prior kernel")
+                                                   f"of shared memory, {self.what}")
+
+
+class LaunchAfterPrior(_LaunchWithAttribute):
+    """A kernel launched with programmatic stream serialization (sm_90): it may be scheduled before the
+    stream's previous kernel completes, and waits for it in the kernel (common.cuh's wait_prior_grid),
+    so that the gap between the two launches is hidden."""
+
+    def __init__(self, kernel_: Kernel):
+        super().__init__(kernel_, _PROGRAMMATIC_STREAM_SERIALIZATION, (1,), "after the prior kernel")
+
+
+class LaunchInClusters(_LaunchWithAttribute):
+    """A kernel launched in thread-block clusters of `dims` (x, y, z) CTAs (sm_90), which share their
+    shared memory (common.cuh's cluster_sync, ld_cluster). Each grid dimension is a multiple of the
+    cluster's."""
+
+    def __init__(self, kernel_: Kernel, dims: tuple[int, int, int]):
+        super().__init__(kernel_, _CLUSTER_DIMENSION, dims, f"in clusters of {dims}")
 
 
 _kernels: dict = {}

@@ -134,7 +134,7 @@ class _Plan:
         addresses = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse), 0, 0,
                      _ptr(seqlens), _ptr(cache_batch_idx), _ptr(cache_leftpad), _ptr(block_table), 0, 0,
                      _ptr(rotary_cos), _ptr(rotary_sin), _ptr(descales[0]), _ptr(descales[1]))
-        if launch.num_splits > 1:
+        if launch.partial_floats:
             state = stream_state(self.device_id, stream.ptr)
             launch.run(addresses, cache_len_all, _ptr(slopes), stream.ptr,
                        state.partials_for(launch.partial_floats),
@@ -400,15 +400,17 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
-    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache,
-                                 compute_capability(device_id))
+    arch = compute_capability(device_id)
+    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache, arch)
     row_blocks = -(-max(rows, 1) // cfg.block_m)
     if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
         raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
-    splits = num_splits or dispatch.decode_splits(batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N),
-                                                  dispatch.decode_slots(cfg, per_sm, sm_count(device_id)))
+    ctas, key_blocks, sms = batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N), sm_count(device_id)
+    splits = (num_splits or dispatch.decode_cluster_splits(cfg, ctas, key_blocks, sms, arch)
+              or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(cfg, per_sm, sms)))
+    in_cluster = dispatch.decode_merge_in_cluster(cfg, ctas, splits, sms, arch)
 
     def kernel_strides(x, copied: bool):
         return contiguous_strides(x.shape) if copied else elem_strides(x)
@@ -418,7 +420,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if k is not None:
         strides["kn"], strides["vn"] = kernel_strides(k, copy_new), kernel_strides(v, copy_new)
     plan.launch = DecodeLaunch(cfg, name, paged, causal, mods, q.shape, k_cache, n_new, strides, block_table,
-                               rotary, splits, scale, device_id)
+                               rotary, splits, scale, device_id, merge_in_cluster=in_cluster)
     return plan
 
 

@@ -30,6 +30,26 @@ def test_decode_splits_bounds():
         assert splits == 1 or blocks // splits >= dispatch.MIN_BLOCKS_PER_SPLIT
 
 
+def test_decode_cluster_splits():
+    """Hopper's mma.sync tiles over few keys merge in clusters: up to DECODE_CLUSTER_MAX splits of
+    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks or more, one CTA an SM at most; elsewhere none (0)."""
+    gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
+    wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
+    assert dispatch.decode_cluster_splits(gqa, 8, 16, 132, 90) == dispatch.DECODE_CLUSTER_MAX  # batch 1, 1k keys
+    assert dispatch.decode_cluster_splits(gqa, 64, 16, 132, 90) == 2  # 132 SMs hold two splits of 64 row blocks
+    assert dispatch.decode_cluster_splits(gqa, 100, 16, 132, 90) == 0
+    assert dispatch.decode_cluster_splits(gqa, 8, 3, 132, 90) == 0  # one split of 2 blocks at most
+    assert dispatch.decode_cluster_splits(gqa, 8, 128, 132, 90) == 0  # 8k keys: more splits in global memory
+    assert dispatch.decode_cluster_splits(gqa, 8, 16, 132, 80) == 0
+    assert dispatch.decode_cluster_splits(wgmma, 8, 16, 132, 90) == 0
+    for ctas, splits in [(8, 8), (16, 8), (66, 2)]:
+        assert dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90)
+    for ctas, splits in [(8, 1), (8, 9), (67, 2)]:
+        assert not dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90)
+    assert not dispatch.decode_merge_in_cluster(gqa, 8, 8, 132, 80)
+    assert not dispatch.decode_merge_in_cluster(wgmma, 8, 8, 132, 90)
+
+
 @pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
 @pytest.mark.parametrize("rows", [1, 16, 17, 32, 128])
 @pytest.mark.parametrize("max_smem", [227 * 1024, 163 * 1024, 99 * 1024])

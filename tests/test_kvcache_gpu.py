@@ -210,6 +210,28 @@ def test_forced_splits(num_splits, headdim, nheads, nheads_kv):
              n_new=2, causal=True, headdim=headdim, nheads=nheads, nheads_kv=nheads_kv)
 
 
+# (nheads, nheads_kv, n_new, fp8, page_size): 16-row tiles (GQA, MHA), the 32-row tile (MQA, merged by
+# the combine kernel outside clusters), an e4m3 cache, a paged cache with new keys.
+CLUSTER_CASES = {"gqa": (8, 2, 0, False, None), "mha": (4, 4, 1, False, None), "mqa": (32, 1, 0, False, None),
+                 "e4m3": (8, 2, 0, True, None), "paged": (8, 2, 2, False, 16)}
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("case", CLUSTER_CASES)
+def test_splits_merged_in_clusters(case, num_splits):
+    """Hopper: a small step's split CTAs merge inside thread-block clusters; random lengths leave
+    some splits without keys (lse -inf: weight 0) and one batch with none at all."""
+    device_id = cupy.cuda.Device().id
+    if compute_capability(device_id) != 90:
+        pytest.skip("thread-block clusters: the decoding kernel merges in them on sm_90")
+    nheads, nheads_kv, n_new, fp8, page_size = CLUSTER_CASES[case]
+    batch, capacity = 2, 700
+    cfg = dispatch.decode_config(128, nheads // nheads_kv, max_smem_per_block(device_id), fp8, 90)
+    assert dispatch.decode_merge_in_cluster(cfg, batch * nheads_kv, num_splits, 132, 90)
+    run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=capacity, batch=batch,
+             nheads=nheads, nheads_kv=nheads_kv, n_new=n_new, fp8=fp8, page_size=page_size, causal=n_new > 1)
+
+
 def test_leftpad_and_batch_idx():
     rng = np.random.default_rng(3)
     run_case(rng, leftpad=True, seqlen_q=2, n_new=2, causal=True, capacity=333)
