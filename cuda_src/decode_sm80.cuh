@@ -55,8 +55,9 @@ constexpr int DECODE_MERGE_MAX_ROWS = 16;
 // half-warp's 4 rows in 4 distinct groups.
 constexpr int DECODE_MERGE_PAD = 8;
 // Split CTAs a thread-block cluster merges at most (KVCacheArgs::merge_in_cluster; cuflash/dispatch.py
-// reads it): a cluster of at most 8 CTAs launches on every Hopper part (a portable cluster size).
-constexpr int DECODE_CLUSTER_MAX = 8;
+// reads it): Hopper's largest cluster, 16 CTAs, which the host launches only where the GPU holds every
+// cluster of the step at once (8, the portable size, launches everywhere).
+constexpr int DECODE_CLUSTER_MAX = 16;
 // WGMMA tiles: the warps after the row warps that stream the ring, a warpgroup (cuflash/config.py
 // reads it). One copy warp beside 8 row warps would cap every thread at 168 registers as a
 // warpgroup does (an SM's quarter holds 3 of the 9 warps), and setmaxnreg moves registers between

@@ -16,9 +16,9 @@ import threading
 
 import numpy
 
-from .config import DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
+from .config import DECODE_CLUSTER_MAX, DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
 from .device import HOPPER, compute_capability
-from .kernel_call import KernelArgs, LaunchAfterPrior, LaunchInClusters, kernel
+from .kernel_call import KernelArgs, LaunchAfterPrior, LaunchInClusters, kernel, max_active_clusters
 from .score_mods import ALIBI_SLOPES_WORD
 
 POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "partial_o", "partial_lse",
@@ -96,6 +96,18 @@ class CombineLaunch:
         for word, address in enumerate((partial_o, partial_lse, out, lse)):
             args.set_address(0, address, word)
         self.kernel.launch(self.grid, COMBINE_ROWS_PER_CTA * 32, args, stream)
+
+
+def largest_cluster(cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, clusters: int,
+                    device_id: int) -> int:
+    """The largest cluster (DECODE_CLUSTER_MAX CTAs, or a smaller power of two down to 2) of which the
+    device holds `clusters` at once with the decoding kernel of `cfg`, or 0 where it holds none."""
+    decode = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits), cfg.smem_bytes(),
+                    device_id)
+    size = DECODE_CLUSTER_MAX
+    while size >= 2 and max_active_clusters(decode, cfg.threads, size) < clusters:
+        size //= 2
+    return size if size >= 2 else 0
 
 
 class DecodeLaunch:

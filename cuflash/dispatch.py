@@ -461,32 +461,47 @@ def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
 
 
 
+
+
 # Thread-block clusters (sm_90): the split CTAs of a row block merge inside one cluster, through
 # distributed shared memory, instead of through global memory (decode_sm80.cuh,
-# merge_cluster_splits). Where a step's keys are few the merge is most of its time after the key
-# loop, and a split may then take as few as MIN_BLOCKS_PER_CLUSTER_SPLIT blocks. Same process,
+# merge_cluster_splits), which saves the global merge's chain of round trips (2-4 µs). Same process,
 # device time of CUDA-graph replays, H100, fp16, head dim 128, 32 query heads, µs (bench/PERFLOG.md,
-# "clusters"): GQA (on 8) batch 1 1k 11.2 with 4 splits merged in global memory, 9.4 with 4 in
-# clusters, 7.6 with 8; MQA batch 1 1k 12.3 / 10.7 / 8.9; MQA batch 8 1k 12.8 / 11.0 / 9.7. Where the
-# grid holds more CTAs than SMs the clusters ran slower (GQA batch 8 8k, 4 splits, 256 CTAs: 94.8 ->
-# 113.0), so a cluster step takes one CTA an SM at most. Over longer caches a cluster's 8 splits are
-# too few (GQA batch 1 8k: 20.8 against 18.9 with 16 splits in global memory).
+# "clusters"; before -> after):
+# - few keys, where the merge is most of a step after its key loop: GQA (on 8) batch 1 1k 11.2 ->
+#   7.7 (8 splits of 2 blocks; with 4 splits 9.4, 16 of 1 block 8.4), MQA batch 1 1k 12.5 -> 9.0,
+#   batch 8 1k 12.8 -> 9.7, GQA batch 1 2k 11.5 -> 9.7, 4k 13.2 -> 12.5;
+# - more keys a split, on a grid that fills the SMs: GQA batch 1 8k 21.2 -> 18.3 (16 splits of 8
+#   blocks), 16k 31.8 -> 30.4 (16 blocks), GQA batch 2 8k 30.3 -> 28.2; on half of them not (MQA batch
+#   8 8k, 8 splits of 16 blocks on 64 SMs: 22.0 -> 23.6; the global merge's 16 splits keep 128). At 32
+#   blocks a split the two runs disagreed (GQA batch 1 32k 54.0 -> 51.5, 53.3 -> 53.9);
+# - with more CTAs than SMs the clusters ran slower (GQA batch 8 8k, 4 splits, 256 CTAs: 94.8 ->
+#   113.0): a cluster step takes one CTA an SM at most.
 MIN_BLOCKS_PER_CLUSTER_SPLIT = 2
+SHORT_CLUSTER_SPLIT = 4  # key blocks a split, up to which clusters pay on any grid
+MAX_BLOCKS_PER_CLUSTER_SPLIT = 16  # ... and up to which on a grid of CLUSTER_GRID_SHARE of the SMs
+CLUSTER_GRID_SHARE = 0.75
 
 
-def decode_cluster_splits(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int) -> int:
+def decode_cluster_splits(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int, largest: int) -> int:
     """The split count of a step whose split CTAs merge inside thread-block clusters, for `ctas` CTAs
-    without a split, `key_blocks` key blocks and `sms` SMs; 0 where the step does not take clusters:
-    not Hopper, a wgmma tile, more keys than DECODE_CLUSTER_MAX splits of MIN_BLOCKS_PER_SPLIT
-    blocks hold, or fewer than two splits with a CTA an SM."""
-    if arch != 90 or cfg.wgmma or key_blocks > DECODE_CLUSTER_MAX * MIN_BLOCKS_PER_SPLIT:
+    without a split, `key_blocks` key blocks, `sms` SMs and clusters of up to `largest` CTAs that the
+    GPU holds `ctas` of at once (decode_launch.largest_cluster): as many splits as those bounds, the
+    SMs (a CTA each) and MIN_BLOCKS_PER_CLUSTER_SPLIT allow. 0 where the step does not take clusters:
+    not Hopper, a wgmma tile, fewer than two splits, or splits of more than SHORT_CLUSTER_SPLIT blocks
+    on a grid below CLUSTER_GRID_SHARE of the SMs or of more than MAX_BLOCKS_PER_CLUSTER_SPLIT."""
+    if arch != 90 or cfg.wgmma:
         return 0
-    splits = min(DECODE_CLUSTER_MAX, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
-    return splits if splits > 1 else 0
+    splits = min(largest, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
+    if splits < 2:
+        return 0
+    blocks = -(-key_blocks // splits)
+    full = ctas * splits >= CLUSTER_GRID_SHARE * sms
+    return splits if blocks <= SHORT_CLUSTER_SPLIT or (full and blocks <= MAX_BLOCKS_PER_CLUSTER_SPLIT) else 0
 
 
-def decode_merge_in_cluster(cfg: DecodeConfig, ctas: int, splits: int, sms: int, arch: int) -> bool:
+def decode_merge_in_cluster(cfg: DecodeConfig, ctas: int, splits: int, sms: int, arch: int, largest: int) -> bool:
     """Whether `splits` split CTAs of each of `ctas` row blocks merge inside thread-block clusters (one
-    cluster a row block's splits): Hopper, an mma.sync tile, at most DECODE_CLUSTER_MAX splits, and
-    no more CTAs than `sms` SMs."""
-    return arch == 90 and not cfg.wgmma and 1 < splits <= DECODE_CLUSTER_MAX and ctas * splits <= sms
+    cluster a row block's splits): Hopper, an mma.sync tile, at most `largest` splits (the largest
+    cluster the GPU holds `ctas` of at once), and no more CTAs than `sms` SMs."""
+    return arch == 90 and not cfg.wgmma and 1 < splits <= largest and ctas * splits <= sms

@@ -31,7 +31,8 @@ _WORD = 8  # bytes: every argument starts on an 8-byte boundary of the buffer
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """libcuda's cuLaunchKernel and cuGetErrorName.
+    """libcuda's cuLaunchKernel, cuGetErrorName, cuLaunchKernelEx, cuFuncSetAttribute and
+    cuOccupancyMaxActiveClusters.
 
     cuLaunchKernel has no argtypes: its arguments arrive as ready ctypes
     objects (c_void_p, c_uint) or small Python ints, which ctypes passes
@@ -48,7 +49,13 @@ def _driver():
     error_name.restype = ctypes.c_int
     launch_ex = lib.cuLaunchKernelEx
     launch_ex.restype = ctypes.c_int
-    return launch, error_name, launch_ex
+    set_attribute = lib.cuFuncSetAttribute
+    set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    set_attribute.restype = ctypes.c_int
+    active_clusters = lib.cuOccupancyMaxActiveClusters
+    active_clusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
+    active_clusters.restype = ctypes.c_int
+    return launch, error_name, launch_ex, set_attribute, active_clusters
 
 
 def _make_current(device_id: int) -> None:
@@ -119,6 +126,11 @@ class _LaunchConfig(ctypes.Structure):
 
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: its value three unsigned ints (x, y, z)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+# CTAs a cluster may hold on every GPU that has clusters; larger ones (16 on Hopper) must be allowed
+# per kernel, and whether a GPU holds enough of them at once depends on its SMs per GPC
+# (max_active_clusters).
+PORTABLE_CLUSTER_SIZE = 8
 
 
 def _retry_or_raise(err: int, relaunch: Callable[[], int], device_id: int, what: str) -> None:
@@ -194,7 +206,30 @@ class LaunchInClusters(_LaunchWithAttribute):
     cluster's."""
 
     def __init__(self, kernel_: Kernel, dims: tuple[int, int, int]):
+        if dims[0] * dims[1] * dims[2] > PORTABLE_CLUSTER_SIZE:
+            _allow_large_clusters(kernel_)
         super().__init__(kernel_, _CLUSTER_DIMENSION, dims, f"in clusters of {dims}")
+
+
+def _allow_large_clusters(kernel_: Kernel) -> None:
+    err = _driver()[3](kernel_.handle, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if err != 0:
+        raise RuntimeError(f"cuflash: clusters larger than {PORTABLE_CLUSTER_SIZE} CTAs: {_error_text(err)}")
+
+
+def max_active_clusters(kernel_: Kernel, block: int, size: int) -> int:
+    """How many clusters of `size` CTAs (along x) of `block` threads the device holds at once (0 where
+    it cannot launch them)."""
+    if size > PORTABLE_CLUSTER_SIZE:
+        _allow_large_clusters(kernel_)
+    attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attribute.value[0], attribute.value[1], attribute.value[2] = size, 1, 1
+    config = _LaunchConfig(smem=kernel_.smem_bytes, attrs=ctypes.pointer(attribute), num_attrs=1)
+    config.grid[0], config.grid[1], config.grid[2] = size, 1, 1
+    config.block[0], config.block[1], config.block[2] = block, 1, 1
+    count = ctypes.c_int(0)
+    err = _driver()[4](ctypes.byref(count), kernel_.handle, ctypes.byref(config))
+    return count.value if err == 0 else 0
 
 
 _kernels: dict = {}

@@ -31,23 +31,31 @@ def test_decode_splits_bounds():
 
 
 def test_decode_cluster_splits():
-    """Hopper's mma.sync tiles over few keys merge in clusters: up to DECODE_CLUSTER_MAX splits of
-    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks or more, one CTA an SM at most; elsewhere none (0)."""
+    """Hopper's mma.sync tiles merge in clusters: as many splits as the largest cluster the GPU holds,
+    the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow; short splits on any grid, longer ones (up to
+    MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid fills CLUSTER_GRID_SHARE of the SMs; else none (0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
-    assert dispatch.decode_cluster_splits(gqa, 8, 16, 132, 90) == dispatch.DECODE_CLUSTER_MAX  # batch 1, 1k keys
-    assert dispatch.decode_cluster_splits(gqa, 64, 16, 132, 90) == 2  # 132 SMs hold two splits of 64 row blocks
-    assert dispatch.decode_cluster_splits(gqa, 100, 16, 132, 90) == 0
-    assert dispatch.decode_cluster_splits(gqa, 8, 3, 132, 90) == 0  # one split of 2 blocks at most
-    assert dispatch.decode_cluster_splits(gqa, 8, 128, 132, 90) == 0  # 8k keys: more splits in global memory
-    assert dispatch.decode_cluster_splits(gqa, 8, 16, 132, 80) == 0
-    assert dispatch.decode_cluster_splits(wgmma, 8, 16, 132, 90) == 0
-    for ctas, splits in [(8, 8), (16, 8), (66, 2)]:
-        assert dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90)
-    for ctas, splits in [(8, 1), (8, 9), (67, 2)]:
-        assert not dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90)
-    assert not dispatch.decode_merge_in_cluster(gqa, 8, 8, 132, 80)
-    assert not dispatch.decode_merge_in_cluster(wgmma, 8, 8, 132, 90)
+    splits = dispatch.decode_cluster_splits
+    assert splits(gqa, 8, 16, 132, 90, 16) == 16 // dispatch.MIN_BLOCKS_PER_CLUSTER_SPLIT  # batch 1, 1k keys
+    assert splits(gqa, 8, 32, 132, 90, 8) == 8  # 2k keys in 8-CTA clusters: short splits, 64 CTAs
+    assert splits(gqa, 8, 128, 132, 90, 16) == 16  # 8k keys: 128 CTAs of 8 blocks
+    assert splits(gqa, 8, 128, 132, 90, 8) == 0  # 64 CTAs of 16 blocks: the global merge's 16+ splits
+    long_ = 16 * dispatch.MAX_BLOCKS_PER_CLUSTER_SPLIT
+    assert splits(gqa, 8, long_, 132, 90, 16) == 16 and splits(gqa, 8, long_ + 1, 132, 90, 16) == 0
+    assert splits(gqa, 64, 16, 132, 90, 2) == 2  # the SMs hold two splits of 64 row blocks
+    assert splits(gqa, 100, 16, 132, 90, 16) == 0
+    assert splits(gqa, 8, 3, 132, 90, 16) == 0  # one split of 2 blocks at most
+    assert splits(gqa, 8, 16, 132, 90, 0) == 0  # the GPU holds no such clusters
+    assert splits(gqa, 8, 16, 132, 80, 16) == 0
+    assert splits(wgmma, 8, 16, 132, 90, 16) == 0
+    for ctas, splits in [(8, 8), (8, 16), (66, 2)]:
+        assert dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90, 16)
+    for ctas, splits in [(8, 1), (8, 17), (67, 2)]:
+        assert not dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90, 16)
+    assert not dispatch.decode_merge_in_cluster(gqa, 8, 16, 132, 90, 8)
+    assert not dispatch.decode_merge_in_cluster(gqa, 8, 8, 132, 80, 16)
+    assert not dispatch.decode_merge_in_cluster(wgmma, 8, 8, 132, 90, 16)
 
 
 @pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
