@@ -14,10 +14,12 @@
 // the rows WARPS_M ways and each stage's keys WARPS_N ways; each warp keeps its own
 // online softmax over its keys, and the warps' (max, sum, O) are merged
 // through shared memory at the end. With one split the CTA writes the output
-// and lse; with several, each split's normalised output and lse in fp32,
-// merged by the last of a row block's split CTAs to finish (merge_splits) for
-// tiles of up to DECODE_MERGE_MAX_ROWS rows, by combine_kernel (combine.cuh)
-// for larger ones.
+// and lse; with several, each split's normalised output and lse in fp32:
+// on sm_90, where the host launches a row block's splits as one thread-block
+// cluster, in shared memory, merged by the cluster (merge_cluster_splits);
+// else in global memory, merged by the last of a row block's split CTAs to
+// finish (merge_splits) for tiles of up to DECODE_MERGE_MAX_ROWS rows, by
+// combine_kernel (combine.cuh) for larger ones.
 //
 // An fp8 (e4m3) cache (FP8; kv_cache.cuh has its semantics) streams e4m3 rows
 // through the ring: the keys' MMA fragments are widened in registers
