@@ -56,7 +56,7 @@ constexpr int DECODE_MERGE_MAX_ROWS = 16;
 // stores took 1.2 us of an 11-us MQA step (bench/PERFLOG.md, "small steps"); 8 more floats put each
 // half-warp's 4 rows in 4 distinct groups.
 constexpr int DECODE_MERGE_PAD = 8;
-// Split CTAs a thread-block cluster merges at most (KVCacheArgs::merge_in_cluster; cuflash/dispatch.py
+// Split CTAs a thread-block cluster merges at most (KVCacheArgs::merge_in_cluster; cuflash/config.py
 // reads it): Hopper's largest cluster, 16 CTAs, which the host launches only where the GPU holds every
 // cluster of the step at once (8, the portable size, launches everywhere).
 constexpr int DECODE_CLUSTER_MAX = 16;

@@ -12,8 +12,8 @@ import dataclasses
 
 from typing import Protocol
 
-from .config import (DECODE_CLUSTER_MAX, DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
-                     FwdSm90Config, kernel_headdim)
+from .config import (DECODE_CLUSTER_MAX, DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig,
+                     DecodeConfig, FwdConfig, FwdSm90Config, kernel_headdim)
 from .score_mods import NONE, ScoreMods
 
 
@@ -458,9 +458,6 @@ def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
         efficiency[splits] = waves / -(-ctas * splits // sm_count)
     best = max(efficiency.values())
     return next(s for s in range(1, most + 1) if efficiency[s] >= SPLIT_WAVE_EFFICIENCY * best)
-
-
-
 
 
 # Thread-block clusters (sm_90): the split CTAs of a row block merge inside one cluster, through

@@ -36,19 +36,20 @@ def test_decode_cluster_splits():
     MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid fills CLUSTER_GRID_SHARE of the SMs; else none (0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
-    splits = dispatch.decode_cluster_splits
-    assert splits(gqa, 8, 16, 132, 90, 16) == 16 // dispatch.MIN_BLOCKS_PER_CLUSTER_SPLIT  # batch 1, 1k keys
-    assert splits(gqa, 8, 32, 132, 90, 8) == 8  # 2k keys in 8-CTA clusters: short splits, 64 CTAs
-    assert splits(gqa, 8, 128, 132, 90, 16) == 16  # 8k keys: 128 CTAs of 8 blocks
-    assert splits(gqa, 8, 128, 132, 90, 8) == 0  # 64 CTAs of 16 blocks: the global merge's 16+ splits
+    cluster_splits = dispatch.decode_cluster_splits
+    assert cluster_splits(gqa, 8, 16, 132, 90, 16) == 16 // dispatch.MIN_BLOCKS_PER_CLUSTER_SPLIT  # batch 1, 1k keys
+    assert cluster_splits(gqa, 8, 32, 132, 90, 8) == 8  # 2k keys in 8-CTA clusters: short splits, 64 CTAs
+    assert cluster_splits(gqa, 8, 128, 132, 90, 16) == 16  # 8k keys: 128 CTAs of 8 blocks
+    assert cluster_splits(gqa, 8, 128, 132, 90, 8) == 0  # 64 CTAs of 16 blocks: the global merge's 16+ splits
     long_ = 16 * dispatch.MAX_BLOCKS_PER_CLUSTER_SPLIT
-    assert splits(gqa, 8, long_, 132, 90, 16) == 16 and splits(gqa, 8, long_ + 1, 132, 90, 16) == 0
-    assert splits(gqa, 64, 16, 132, 90, 2) == 2  # the SMs hold two splits of 64 row blocks
-    assert splits(gqa, 100, 16, 132, 90, 16) == 0
-    assert splits(gqa, 8, 3, 132, 90, 16) == 0  # one split of 2 blocks at most
-    assert splits(gqa, 8, 16, 132, 90, 0) == 0  # the GPU holds no such clusters
-    assert splits(gqa, 8, 16, 132, 80, 16) == 0
-    assert splits(wgmma, 8, 16, 132, 90, 16) == 0
+    assert cluster_splits(gqa, 8, long_, 132, 90, 16) == 16
+    assert cluster_splits(gqa, 8, long_ + 1, 132, 90, 16) == 0
+    assert cluster_splits(gqa, 64, 16, 132, 90, 2) == 2  # the SMs hold two splits of 64 row blocks
+    assert cluster_splits(gqa, 100, 16, 132, 90, 16) == 0
+    assert cluster_splits(gqa, 8, 3, 132, 90, 16) == 0  # one split of 2 blocks at most
+    assert cluster_splits(gqa, 8, 16, 132, 90, 0) == 0  # the GPU holds no such clusters
+    assert cluster_splits(gqa, 8, 16, 132, 80, 16) == 0
+    assert cluster_splits(wgmma, 8, 16, 132, 90, 16) == 0
     for ctas, splits in [(8, 8), (8, 16), (66, 2)]:
         assert dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90, 16)
     for ctas, splits in [(8, 1), (8, 17), (67, 2)]:
