@@ -135,12 +135,13 @@ class DecodeLaunch:
         self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
         self.threads = cfg.threads
         self.num_splits = num_splits
-        self.merge_in_cluster = merge_in_cluster
-        # Partial outputs and their logsumexps in global memory, where the splits merge through it.
-        self.partial_o_floats = 0 if merge_in_cluster else num_splits * batch * nq * nheads * headdim
-        self.partial_floats = self.partial_o_floats + (0 if merge_in_cluster else num_splits * batch * nq * nheads)
+        # Partial outputs and their logsumexps in global memory: where the splits merge through it.
+        in_global = num_splits > 1 and not merge_in_cluster
+        partials = num_splits if in_global else 0
+        self.partial_o_floats = partials * batch * nq * nheads * headdim
+        self.partial_floats = self.partial_o_floats + partials * batch * nq * nheads
         self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
-        self.merge_in_kernel = num_splits > 1 and not merge_in_cluster and cfg.block_m <= DECODE_MERGE_MAX_ROWS
+        self.merge_in_kernel = in_global and cfg.block_m <= DECODE_MERGE_MAX_ROWS
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):
@@ -165,7 +166,7 @@ class DecodeLaunch:
         record["scale_log2"] = mods.score_log2(scale)
         self.args = KernelArgs([_words(record), mods.kernel_args(nq, capacity, scale)])
         self.combine = None
-        if num_splits > 1 and not self.merge_in_kernel and not merge_in_cluster:
+        if in_global and not self.merge_in_kernel:
             rows = batch * nq * nheads
             self.combine = CombineLaunch(
                 dtype_name, num_splits, batch, nq, nheads, headdim,

@@ -12,8 +12,8 @@ import dataclasses
 
 from typing import Protocol
 
-from .config import (DECODE_CLUSTER_MAX, DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig,
-                     DecodeConfig, FwdConfig, FwdSm90Config, kernel_headdim)
+from .config import (DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
+                     FwdSm90Config, kernel_headdim)
 from .score_mods import NONE, ScoreMods
 
 
@@ -497,8 +497,14 @@ def decode_cluster_splits(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: in
     return splits if blocks <= SHORT_CLUSTER_SPLIT or (full and blocks <= MAX_BLOCKS_PER_CLUSTER_SPLIT) else 0
 
 
+def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> bool:
+    """Whether a step of `ctas` row blocks could merge its splits in clusters at all (two splits of each,
+    a CTA an SM): Hopper and an mma.sync tile. decode_launch.largest_cluster is asked only then."""
+    return arch == 90 and not cfg.wgmma and 2 * ctas <= sms
+
+
 def decode_merge_in_cluster(cfg: DecodeConfig, ctas: int, splits: int, sms: int, arch: int, largest: int) -> bool:
     """Whether `splits` split CTAs of each of `ctas` row blocks merge inside thread-block clusters (one
     cluster a row block's splits): Hopper, an mma.sync tile, at most `largest` splits (the largest
     cluster the GPU holds `ctas` of at once), and no more CTAs than `sms` SMs."""
-    return arch == 90 and not cfg.wgmma and 1 < splits <= largest and ctas * splits <= sms
+    return decode_may_cluster(cfg, ctas, sms, arch) and 1 < splits <= largest and ctas * splits <= sms

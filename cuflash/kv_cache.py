@@ -17,7 +17,6 @@ import numpy
 from . import dispatch, score_mods, validate
 from .arrays import (aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous,
                      pool_array)
-from .config import DECODE_CLUSTER_MAX
 from .decode_launch import DecodeLaunch, largest_cluster
 from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
 from .fp8 import check_descale, is_e4m3
@@ -409,10 +408,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
     ctas, key_blocks, sms = batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N), sm_count(device_id)
-    # The largest cluster the GPU holds the row blocks of: asked of the driver only where two splits of
-    # each could be one.
     largest = (largest_cluster(cfg, name, paged, causal, mods, ctas, device_id)
-               if dispatch.decode_merge_in_cluster(cfg, ctas, 2, sms, arch, DECODE_CLUSTER_MAX) else 0)
+               if dispatch.decode_may_cluster(cfg, ctas, sms, arch) else 0)
     splits = (num_splits or dispatch.decode_cluster_splits(cfg, ctas, key_blocks, sms, arch, largest)
               or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(cfg, per_sm, sms)))
     in_cluster = dispatch.decode_merge_in_cluster(cfg, ctas, splits, sms, arch, largest)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import dispatch, kv_cache
+from cuflash import decode_launch, dispatch, kv_cache, score_mods
 from cuflash.config import DECODE_COPY_WARPS, KERNEL_HEADDIMS, DecodeConfig
 from cuflash.decode_launch import division_magic
 
@@ -57,6 +57,21 @@ def test_decode_cluster_splits():
     assert not dispatch.decode_merge_in_cluster(gqa, 8, 16, 132, 90, 8)
     assert not dispatch.decode_merge_in_cluster(gqa, 8, 8, 132, 80, 16)
     assert not dispatch.decode_merge_in_cluster(wgmma, 8, 8, 132, 90, 16)
+
+
+@pytest.mark.parametrize("num_splits,cluster,partials", [(1, False, 0), (4, True, 0), (4, False, 4)])
+def test_decode_launch_partials(monkeypatch, num_splits, cluster, partials):
+    """A launch asks for a partials workspace only where splits merge through global memory: not with
+    one split, nor in clusters (a capture must not grow a workspace it never reads)."""
+    monkeypatch.setattr(decode_launch, "kernel", lambda *args: SimpleNamespace(smem_bytes=0))
+    cfg = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
+    batch, nq, nheads, headdim = 2, 1, 8, 128
+    cache = SimpleNamespace(shape=(batch, 512, 2, headdim))
+    strides = {name: (512 * 2 * headdim, 2 * headdim, headdim) for name in ("q", "kc", "vc", "o")}
+    launch = decode_launch.DecodeLaunch(cfg, "float16", False, False, score_mods.NONE, (batch, nq, nheads, headdim),
+                                        cache, 0, strides, None, None, num_splits, 0.1, 0, merge_in_cluster=cluster)
+    assert launch.partial_floats == partials * batch * nq * nheads * (headdim + 1)
+    assert launch.merge_in_kernel == (partials > 0)
 
 
 @pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
