@@ -144,9 +144,10 @@ def varlen():
 
 def kvcache():
     """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
-    capacity, split keys merged in thread-block clusters (sm_90: the mma.sync tiles, up to 8 splits),
-    in the kernel through global memory (16-row tiles, 9 splits) and by the combine kernel (MQA, 64-
-    and 128-row tiles: on sm_90 the wgmma tiles), GQA and several queries."""
+    capacity, split keys merged in thread-block clusters (sm_90, the mma.sync tiles: one cluster a row
+    block, or several and the combine kernel), in the kernel through global memory (16-row tiles, 9
+    splits) and by the combine kernel (MQA, 64- and 128-row tiles: on sm_90 the wgmma tiles), GQA and
+    several queries."""
     gen = cupy.random.default_rng(3)
 
     def randn(*shape):
@@ -174,6 +175,11 @@ def kvcache():
                                    return_lse=True)
     # 32 query heads on one kv head, 1 query: the 8-warp tile (16-bit caches).
     cuflash.attention_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=lengths, num_splits=2)
+    # The same over 4160 positions: on sm_90 each row block's splits are two clusters, whose results the
+    # combine kernel merges.
+    long_cache = randn(batch, 4160, 1, headdim), randn(batch, 4160, 1, headdim)
+    cuflash.attention_with_kvcache(q[:, :1], *long_cache, cache_seqlens=cupy.asarray([0, 97, 4210], dtype=cupy.int32),
+                                   return_lse=True)
     # 32 query heads on one kv head, 4 queries at head dim 128, paged, appending: 128 packed rows, on
     # sm_90 the wgmma tile of two warpgroups (the 64 rows above: one).
     pages128 = (randn(21, 32, 1, 128), randn(21, 32, 1, 128))

@@ -192,6 +192,13 @@ __device__ __forceinline__ void store_output(const KVCacheArgs& a, int b, int hk
         a.lse[a.cu_seqlens_q ? (long long)h * a.total_q + q0 + i : ((long long)b * a.nheads + h) * a.nq + i] = lse;
 }
 
+// Split s's partial row of packed row `row` (query row / group, head hk * group + row % group) of batch
+// b: the partials are (splits, B, nq, H) rows of d floats, and gridDim.z is B * Hk.
+__device__ __forceinline__ long long partial_row(const KVCacheArgs& a, int s, int b, int hk, int row) {
+    const int i = row / a.group, h = hk * a.group + row % a.group;
+    return (((long long)s * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
+}
+
 // The end of a split CTA (rows [m0, m0 + BM) of kv head hk, batch b, its partials written)
 // when the host asked for the merge here (a.splits_done set): the last of the row block's split
 // CTAs to count itself merges every split's partials into out and lse. Each CTA's threads
@@ -213,10 +220,7 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
     if (threadIdx.x == 0) *done = 0;
     const int splits = a.num_splits, n_rows = min(BM, rows - m0), warps = blockDim.x / 32;
     const long long l_ss = (long long)(gridDim.z / a.nheads_kv) * a.nq * a.nheads;  // partial rows per split
-    auto split0_row = [&](int r) {  // the partial row of packed row m0 + r in split 0
-        const int row = m0 + r;
-        return ((long long)b * a.nq + row / a.group) * a.nheads + hk * a.group + row % a.group;
-    };
+    auto split0_row = [&](int r) { return partial_row(a, 0, b, hk, m0 + r); };
     float* weights = smem;  // [split][row]: each split's lse, then its weight
     float* row_lse = smem + splits * BM;
     for (int idx = threadIdx.x; idx < splits * n_rows; idx += blockDim.x) {
@@ -246,19 +250,22 @@ __device__ __forceinline__ void merge_splits(const KVCacheArgs& a, float* smem, 
     }
 }
 
-// The end of a split CTA when its row block's splits are one thread-block cluster (a.merge_in_cluster,
-// sm_90): each CTA holds its split's normalised output of packed row r at sO + r * O_STRIDE (its first
-// d columns) and the row's lse in the float after its D columns (the stride's padding). After one
+// The end of a split CTA when its row block's splits are thread-block clusters of a.merge_in_cluster
+// CTAs (sm_90): each CTA holds its split's normalised output of packed row r at sO + r * O_STRIDE (its
+// first d columns) and the row's lse in the float after its D columns (the stride's padding). After one
 // cluster barrier the cluster's CTAs share the rows' column quads and read every split's values from
 // the others' shared memory, all of one quad's loads at once; a second barrier keeps each CTA's shared
 // memory until the others have read it. Against the global merge (merge_splits: stores, a fence, the
-// count's atomic and two rounds of loads, all through L2) this is a round trip within the GPC.
+// count's atomic and two rounds of loads, all through L2) this is a round trip within the GPC. Where
+// a row block has several clusters (more splits than one holds), each writes its merged result as
+// the partial of split blockIdx.x / cluster, which combine_kernel merges.
 template <bool BF16, int BM, int D, int O_STRIDE, int THREADS>
 __device__ __forceinline__ void merge_cluster_splits(const KVCacheArgs& a, const float* sO, int b, int hk, int m0,
                                                      int rows, int q0) {
     static_assert(O_STRIDE > D, "each row's lse sits in its padding");
     cluster_sync();
-    const int splits = a.num_splits, quads = a.d / 4, n_rows = min(BM, rows - m0);
+    const int splits = a.merge_in_cluster, quads = a.d / 4, n_rows = min(BM, rows - m0);
+    const int partial = a.num_splits > splits ? blockIdx.x / splits : -1;  // this cluster's partial, if several
     const u32 base = smem_addr(sO);
     for (int item = cluster_rank() * THREADS + threadIdx.x; item < n_rows * quads; item += splits * THREADS) {
         const int r = item / quads, col = 4 * (item % quads);
@@ -286,7 +293,13 @@ __device__ __forceinline__ void merge_cluster_splits(const KVCacheArgs& a, const
                 o = make_float4(fmaf(w, o_s[s].x, o.x), fmaf(w, o_s[s].y, o.y), fmaf(w, o_s[s].z, o.z),
                                 fmaf(w, o_s[s].w, o.w));
         }
-        store_output<BF16>(a, b, hk, q0, m0 + r, col, o, lse);
+        if (partial < 0) {
+            store_output<BF16>(a, b, hk, q0, m0 + r, col, o, lse);
+        } else {
+            const long long prow = partial_row(a, partial, b, hk, m0 + r);
+            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
+            if (col == 0) a.partial_lse[prow] = lse;
+        }
     }
     cluster_sync();
 }
@@ -712,7 +725,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     const float c = score_log2;
     // The wgmma tiles' copy warps have left: those never merge in a cluster, whose barriers count
     // every thread (the host launches clusters for the mma.sync tiles only).
-    const bool merge_in_cluster = !WGMMA && a.num_splits > 1 && a.merge_in_cluster;
+    const bool merge_in_cluster = !WGMMA && a.num_splits > 1 && a.merge_in_cluster > 1;
     for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {
         const int r = idx / (D / 4), col = 4 * (idx % (D / 4)), row = m0 + r;
         if (row >= rows || col >= a.d) continue;
@@ -739,8 +752,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             *reinterpret_cast<float4*>(sO + r * T::O_STRIDE + col) = o;
             if (col == 0) sO[r * T::O_STRIDE + D] = lse;
         } else {
-            const int i = row / a.group, h = hk * a.group + row % a.group;
-            const long long prow = (((long long)split * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
+            const long long prow = partial_row(a, split, b, hk, row);
             *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
             if (col == 0) a.partial_lse[prow] = lse;
         }

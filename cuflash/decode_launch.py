@@ -3,10 +3,11 @@ kernel (cuda_src/combine.cuh) that merges partial results.
 
 `DecodeLaunch` holds what a call's shapes decide (kernel, grid, the packed
 `KVCacheArgs`); `run` writes the call's addresses and launches. With split
-keys, a row block's split CTAs merge inside a thread-block cluster where
-dispatch chooses it (sm_90, small steps); else the kernel's last split CTA of
-each row block merges the splits for tiles of up to DECODE_MERGE_MAX_ROWS
-rows, and for larger tiles a `CombineLaunch` follows (it also serves
+keys, a row block's split CTAs merge inside thread-block clusters where
+dispatch chooses it (sm_90, small steps), a `CombineLaunch` following where a
+row block has several; else the kernel's last split CTA of each row block
+merges the splits for tiles of up to DECODE_MERGE_MAX_ROWS rows, and for
+larger tiles a `CombineLaunch` follows (it also serves
 `cuflash.combine_partials`).
 """
 
@@ -98,16 +99,13 @@ class CombineLaunch:
         self.kernel.launch(self.grid, COMBINE_ROWS_PER_CTA * 32, args, stream)
 
 
-def largest_cluster(cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, clusters: int,
-                    device_id: int) -> int:
-    """The largest cluster (DECODE_CLUSTER_MAX CTAs, or a smaller power of two down to 2) of which the
-    device holds `clusters` at once with the decoding kernel of `cfg`, or 0 where it holds none."""
+def clusters_held(cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, device_id: int) -> dict:
+    """Cluster size (powers of two from 2 to DECODE_CLUSTER_MAX CTAs) -> how many clusters of the
+    decoding kernel of `cfg` the device holds at once (0 where it cannot launch them)."""
     decode = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits), cfg.smem_bytes(),
                     device_id)
-    size = DECODE_CLUSTER_MAX
-    while size >= 2 and max_active_clusters(decode, cfg.threads, size) < clusters:
-        size //= 2
-    return size if size >= 2 else 0
+    return {size: max_active_clusters(decode, cfg.threads, size)
+            for size in (2 ** k for k in range(1, DECODE_CLUSTER_MAX.bit_length()))}
 
 
 class DecodeLaunch:
@@ -119,29 +117,30 @@ class DecodeLaunch:
 
     def __init__(self, cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, q_shape, k_cache,
                  n_new: int, strides: dict, block_table, rotary, num_splits: int, scale: float, device_id: int,
-                 total_q: int = 0, merge_in_cluster: bool = False):
+                 total_q: int = 0, cluster: int = 0):
         """strides: element strides of "q", "kc", "vc", "o" and, with new keys, "kn", "vn" (as the kernel
         will see those arrays: an aligned copy's where one is made). A packed batch (paged prefill):
-        q_shape (num_seqs, longest, H, D) and total_q, the packed rows; one split. merge_in_cluster:
-        the splits of a row block are one thread-block cluster, which merges them
-        (dispatch.decode_merge_in_cluster)."""
+        q_shape (num_seqs, longest, H, D) and total_q, the packed rows; one split. cluster: the splits
+        of a row block are thread-block clusters of that many CTAs, which merge them; where a row block
+        has several, the combine kernel merges their results (dispatch.decode_cluster_plan)."""
         batch, nq, nheads, headdim = q_shape
         cache_rows, cache_n, nheads_kv = k_cache.shape[:3]
         group = nheads // nheads_kv
         self.kernel = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits),
                              cfg.smem_bytes(), device_id)
-        if merge_in_cluster:
-            self.kernel = LaunchInClusters(self.kernel, (num_splits, 1, 1))
+        if cluster:
+            self.kernel = LaunchInClusters(self.kernel, (cluster, 1, 1))
         self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
         self.threads = cfg.threads
         self.num_splits = num_splits
-        # Partial outputs and their logsumexps in global memory: where the splits merge through it.
-        in_global = num_splits > 1 and not merge_in_cluster
-        partials = num_splits if in_global else 0
-        self.partial_o_floats = partials * batch * nq * nheads * headdim
-        self.partial_floats = self.partial_o_floats + partials * batch * nq * nheads
+        # Partial outputs and their logsumexps in global memory, where results merge through it: each
+        # split's, or each cluster's where a row block has several.
+        partials = num_splits // cluster if cluster else num_splits
+        in_global = partials > 1
+        self.partial_o_floats = partials * batch * nq * nheads * headdim if in_global else 0
+        self.partial_floats = self.partial_o_floats + (partials * batch * nq * nheads if in_global else 0)
         self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
-        self.merge_in_kernel = in_global and cfg.block_m <= DECODE_MERGE_MAX_ROWS
+        self.merge_in_kernel = in_global and not cluster and cfg.block_m <= DECODE_MERGE_MAX_ROWS
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):
@@ -162,14 +161,14 @@ class DecodeLaunch:
             record["rotary_dim"], record["rotary_rows"] = 2 * cos.shape[1], cos.shape[0]
             record["rotary_interleaved"] = int(interleaved)
         record["num_splits"] = num_splits
-        record["merge_in_cluster"] = int(merge_in_cluster)
+        record["merge_in_cluster"] = cluster
         record["scale_log2"] = mods.score_log2(scale)
         self.args = KernelArgs([_words(record), mods.kernel_args(nq, capacity, scale)])
         self.combine = None
         if in_global and not self.merge_in_kernel:
             rows = batch * nq * nheads
             self.combine = CombineLaunch(
-                dtype_name, num_splits, batch, nq, nheads, headdim,
+                dtype_name, partials, batch, nq, nheads, headdim,
                 (rows * headdim, nq * nheads * headdim, nheads * headdim, headdim),
                 (rows, nq * nheads, nheads, 1), tuple(strides["o"][:3]), (nheads * nq, 1, nq), device_id,
                 after_prior=compute_capability(device_id) >= HOPPER)

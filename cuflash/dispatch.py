@@ -478,33 +478,47 @@ MIN_BLOCKS_PER_CLUSTER_SPLIT = 2
 SHORT_CLUSTER_SPLIT = 4  # key blocks a split, up to which clusters pay on any grid
 MAX_BLOCKS_PER_CLUSTER_SPLIT = 16  # ... and up to which on a grid of CLUSTER_GRID_SHARE of the SMs
 CLUSTER_GRID_SHARE = 0.75
-
-
-def decode_cluster_splits(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int, largest: int) -> int:
-    """The split count of a step whose split CTAs merge inside thread-block clusters, for `ctas` CTAs
-    without a split, `key_blocks` key blocks, `sms` SMs and clusters of up to `largest` CTAs that the
-    GPU holds `ctas` of at once (decode_launch.largest_cluster): as many splits as those bounds, the
-    SMs (a CTA each) and MIN_BLOCKS_PER_CLUSTER_SPLIT allow. 0 where the step does not take clusters:
-    not Hopper, a wgmma tile, fewer than two splits, or splits of more than SHORT_CLUSTER_SPLIT blocks
-    on a grid below CLUSTER_GRID_SHARE of the SMs or of more than MAX_BLOCKS_PER_CLUSTER_SPLIT."""
-    if arch != 90 or cfg.wgmma:
-        return 0
-    splits = min(largest, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
-    if splits < 2:
-        return 0
-    blocks = -(-key_blocks // splits)
-    full = ctas * splits >= CLUSTER_GRID_SHARE * sms
-    return splits if blocks <= SHORT_CLUSTER_SPLIT or (full and blocks <= MAX_BLOCKS_PER_CLUSTER_SPLIT) else 0
+# Where one cluster a row block leaves its splits long on a grid of few SMs (MQA, or 32 query heads on
+# 2: one or two row blocks), a row block takes several clusters, as many as bring a split to
+# MIN_BLOCKS_PER_CLUSTER_SPLIT blocks (the clusters the GPU holds and the SMs allowing); each cluster's
+# merged result is a partial that combine_kernel merges. Measured (H100, graph replays, fp16, head dim
+# 128, one cluster a row block -> several, clusters bringing a split to 4 / 2 blocks): MQA batch 1 8k
+# 16.1 -> 14.6 / 13.3 us, 16k 18.6 -> 15.5 / 15.6, 32k 24.7 -> 17.8 / 17.9, batch 2 8k 16.4 -> 15.1 /
+# 14.7; 32 on 2 batch 1 8k 26.9 -> 16.6 / 15.3; 32 on 4 19.8 -> 18.6 / 18.4.
 
 
 def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> bool:
-    """Whether a step of `ctas` row blocks could merge its splits in clusters at all (two splits of each,
-    a CTA an SM): Hopper and an mma.sync tile. decode_launch.largest_cluster is asked only then."""
+    """Whether a step of `ctas` row blocks could merge its splits in clusters (two splits of each, one
+    CTA an SM): Hopper and an mma.sync tile; decode_launch.clusters_held is asked only then."""
     return arch == 90 and not cfg.wgmma and 2 * ctas <= sms
 
 
-def decode_merge_in_cluster(cfg: DecodeConfig, ctas: int, splits: int, sms: int, arch: int, largest: int) -> bool:
-    """Whether `splits` split CTAs of each of `ctas` row blocks merge inside thread-block clusters (one
-    cluster a row block's splits): Hopper, an mma.sync tile, at most `largest` splits (the largest
-    cluster the GPU holds `ctas` of at once), and no more CTAs than `sms` SMs."""
-    return decode_may_cluster(cfg, ctas, sms, arch) and 1 < splits <= largest and ctas * splits <= sms
+def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int, held: dict,
+                        forced: int = 0) -> tuple[int, int]:
+    """(splits, CTAs a cluster) of a step whose split CTAs merge inside thread-block clusters, for `ctas`
+    row blocks of `key_blocks` key blocks on `sms` SMs; (0, 0) where it does not take them. held: cluster
+    size -> clusters the GPU holds at once (decode_launch.clusters_held); a cluster step takes one CTA
+    an SM at most, and the GPU holds all its clusters at once. forced: the caller's split count (0:
+    chosen), one cluster a row block where it fits. Chosen: one cluster a row block, of as many splits
+    as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow, where a split has at most
+    SHORT_CLUSTER_SPLIT blocks, or at most MAX_BLOCKS_PER_CLUSTER_SPLIT on a grid of
+    CLUSTER_GRID_SHARE of the SMs; else several clusters of the largest size, each split of
+    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit."""
+    if not decode_may_cluster(cfg, ctas, sms, arch):
+        return 0, 0
+    largest = max((size for size, count in held.items() if count >= ctas), default=0)
+    if forced:
+        return (forced, forced) if 1 < forced <= largest and ctas * forced <= sms else (0, 0)
+    splits = min(largest, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
+    if splits >= 2:
+        blocks = -(-key_blocks // splits)
+        if blocks <= SHORT_CLUSTER_SPLIT or (ctas * splits >= CLUSTER_GRID_SHARE * sms
+                                             and blocks <= MAX_BLOCKS_PER_CLUSTER_SPLIT):
+            return splits, splits
+    if largest < 2:
+        return 0, 0
+    clusters = min(held[largest] // ctas, sms // (ctas * largest),
+                   -(-key_blocks // (largest * MIN_BLOCKS_PER_CLUSTER_SPLIT)))
+    if clusters >= 2 and -(-key_blocks // (clusters * largest)) <= MAX_BLOCKS_PER_CLUSTER_SPLIT:
+        return clusters * largest, largest
+    return 0, 0

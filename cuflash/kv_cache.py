@@ -17,7 +17,7 @@ import numpy
 from . import dispatch, score_mods, validate
 from .arrays import (aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous,
                      pool_array)
-from .decode_launch import DecodeLaunch, largest_cluster
+from .decode_launch import DecodeLaunch, clusters_held
 from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
 from .fp8 import check_descale, is_e4m3
 from .launch import require_not_capturing, stream_state
@@ -408,11 +408,11 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
     ctas, key_blocks, sms = batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N), sm_count(device_id)
-    largest = (largest_cluster(cfg, name, paged, causal, mods, ctas, device_id)
-               if dispatch.decode_may_cluster(cfg, ctas, sms, arch) else 0)
-    splits = (num_splits or dispatch.decode_cluster_splits(cfg, ctas, key_blocks, sms, arch, largest)
-              or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(cfg, per_sm, sms)))
-    in_cluster = dispatch.decode_merge_in_cluster(cfg, ctas, splits, sms, arch, largest)
+    held = clusters_held(cfg, name, paged, causal, mods, device_id) if dispatch.decode_may_cluster(
+        cfg, ctas, sms, arch) else {}
+    splits, cluster = dispatch.decode_cluster_plan(cfg, ctas, key_blocks, sms, arch, held, num_splits)
+    if not splits:
+        splits = num_splits or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(cfg, per_sm, sms))
 
     def kernel_strides(x, copied: bool):
         return contiguous_strides(x.shape) if copied else elem_strides(x)
@@ -422,7 +422,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if k is not None:
         strides["kn"], strides["vn"] = kernel_strides(k, copy_new), kernel_strides(v, copy_new)
     plan.launch = DecodeLaunch(cfg, name, paged, causal, mods, q.shape, k_cache, n_new, strides, block_table,
-                               rotary, splits, scale, device_id, merge_in_cluster=in_cluster)
+                               rotary, splits, scale, device_id, cluster=cluster)
     return plan
 
 

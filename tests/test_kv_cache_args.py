@@ -30,48 +30,58 @@ def test_decode_splits_bounds():
         assert splits == 1 or blocks // splits >= dispatch.MIN_BLOCKS_PER_SPLIT
 
 
-def test_decode_cluster_splits():
-    """Hopper's mma.sync tiles merge in clusters: as many splits as the largest cluster the GPU holds,
-    the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow; short splits on any grid, longer ones (up to
-    MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid fills CLUSTER_GRID_SHARE of the SMs; else none (0)."""
+def test_decode_cluster_plan():
+    """Hopper's mma.sync tiles merge in clusters the GPU holds at once, one CTA an SM: one cluster a row
+    block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow,
+    short ones on any grid and longer ones (up to MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid
+    fills CLUSTER_GRID_SHARE of the SMs; else several clusters a row block; else none (0, 0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
-    cluster_splits = dispatch.decode_cluster_splits
-    assert cluster_splits(gqa, 8, 16, 132, 90, 16) == 16 // dispatch.MIN_BLOCKS_PER_CLUSTER_SPLIT  # batch 1, 1k keys
-    assert cluster_splits(gqa, 8, 32, 132, 90, 8) == 8  # 2k keys in 8-CTA clusters: short splits, 64 CTAs
-    assert cluster_splits(gqa, 8, 128, 132, 90, 16) == 16  # 8k keys: 128 CTAs of 8 blocks
-    assert cluster_splits(gqa, 8, 128, 132, 90, 8) == 0  # 64 CTAs of 16 blocks: the global merge's 16+ splits
+    h100 = {2: 132, 4: 62, 8: 30, 16: 14}  # the 16-row tile's clusters an H100 holds (cuOccupancyMaxActiveClusters)
+    small = {2: 66, 4: 30, 8: 15, 16: 7}  # the 32-row tile's
+
+    def plan(ctas, key_blocks, held=h100, cfg=gqa, arch=90, forced=0):
+        return dispatch.decode_cluster_plan(cfg, ctas, key_blocks, 132, arch, held, forced)
+
+    assert plan(8, 16) == (8, 8)  # batch 1, 1k keys: splits of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks
+    assert plan(8, 32, {**h100, 16: 7}) == (8, 8)  # 2k keys where the GPU holds 7 clusters of 16
+    assert plan(8, 128) == (16, 16)  # 8k keys: 128 CTAs of 8 blocks
     long_ = 16 * dispatch.MAX_BLOCKS_PER_CLUSTER_SPLIT
-    assert cluster_splits(gqa, 8, long_, 132, 90, 16) == 16
-    assert cluster_splits(gqa, 8, long_ + 1, 132, 90, 16) == 0
-    assert cluster_splits(gqa, 64, 16, 132, 90, 2) == 2  # the SMs hold two splits of 64 row blocks
-    assert cluster_splits(gqa, 100, 16, 132, 90, 16) == 0
-    assert cluster_splits(gqa, 8, 3, 132, 90, 16) == 0  # one split of 2 blocks at most
-    assert cluster_splits(gqa, 8, 16, 132, 90, 0) == 0  # the GPU holds no such clusters
-    assert cluster_splits(gqa, 8, 16, 132, 80, 16) == 0
-    assert cluster_splits(wgmma, 8, 16, 132, 90, 16) == 0
-    for ctas, splits in [(8, 8), (8, 16), (66, 2)]:
-        assert dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90, 16)
-    for ctas, splits in [(8, 1), (8, 17), (67, 2)]:
-        assert not dispatch.decode_merge_in_cluster(gqa, ctas, splits, 132, 90, 16)
-    assert not dispatch.decode_merge_in_cluster(gqa, 8, 16, 132, 90, 8)
-    assert not dispatch.decode_merge_in_cluster(gqa, 8, 8, 132, 80, 16)
-    assert not dispatch.decode_merge_in_cluster(wgmma, 8, 8, 132, 90, 16)
+    assert plan(8, long_) == (16, 16) and plan(8, long_ + 1) == (0, 0)  # past it: the global merge's splits
+    assert plan(64, 16) == (2, 2)  # the SMs hold two splits of 64 row blocks
+    assert plan(100, 16) == (0, 0)
+    assert plan(8, 3) == (0, 0)  # one split of 2 blocks at most
+    # One row block over 8k keys (MQA): 16 CTAs of 8 blocks would idle the SMs; four clusters of 2 blocks.
+    assert plan(1, 64, small) == (16, 16)  # 4k keys: one cluster of 4 blocks a split
+    assert plan(1, 128, small) == (64, 16)
+    assert plan(1, 256, small) == (112, 16)  # the GPU holds 7 clusters of 16: 3 blocks a split
+    assert plan(1, 4096, small) == (0, 0)  # 7 clusters of 16 would take 37 blocks a split
+    assert plan(8, 128, small) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
+    assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)
+    assert plan(8, 16, {**h100, 16: 7}, forced=16) == (0, 0)  # the GPU holds 7 clusters of 16, not 8
+    assert plan(67, 16, forced=2) == (0, 0)  # 134 CTAs: more than the SMs
+    assert plan(8, 16, {}) == (0, 0)  # the GPU holds no clusters
+    assert plan(8, 16, arch=80) == (0, 0) and plan(8, 16, cfg=wgmma) == (0, 0)
 
 
-@pytest.mark.parametrize("num_splits,cluster,partials", [(1, False, 0), (4, True, 0), (4, False, 4)])
-def test_decode_launch_partials(monkeypatch, num_splits, cluster, partials):
-    """A launch asks for a partials workspace only where splits merge through global memory: not with
-    one split, nor in clusters (a capture must not grow a workspace it never reads)."""
-    monkeypatch.setattr(decode_launch, "kernel", lambda *args: SimpleNamespace(smem_bytes=0))
+@pytest.mark.parametrize("num_splits,cluster,partials,in_kernel", [(1, 0, 0, False), (4, 4, 0, False),
+                                                                    (4, 0, 4, True), (32, 16, 2, False)])
+def test_decode_launch_partials(monkeypatch, num_splits, cluster, partials, in_kernel):
+    """A launch asks for a partials workspace only where results merge through global memory: each
+    split's, or each cluster's where a row block has several (the combine kernel merges those); none
+    with one split or one cluster a row block (a capture must not grow a workspace it never reads)."""
+    for name in ("kernel", "LaunchInClusters", "CombineLaunch"):  # no driver here
+        monkeypatch.setattr(decode_launch, name, lambda *args, **kwargs: SimpleNamespace(smem_bytes=0))
+    monkeypatch.setattr(decode_launch, "compute_capability", lambda device_id: 90)
     cfg = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     batch, nq, nheads, headdim = 2, 1, 8, 128
     cache = SimpleNamespace(shape=(batch, 512, 2, headdim))
     strides = {name: (512 * 2 * headdim, 2 * headdim, headdim) for name in ("q", "kc", "vc", "o")}
     launch = decode_launch.DecodeLaunch(cfg, "float16", False, False, score_mods.NONE, (batch, nq, nheads, headdim),
-                                        cache, 0, strides, None, None, num_splits, 0.1, 0, merge_in_cluster=cluster)
+                                        cache, 0, strides, None, None, num_splits, 0.1, 0, cluster=cluster)
     assert launch.partial_floats == partials * batch * nq * nheads * (headdim + 1)
-    assert launch.merge_in_kernel == (partials > 0)
+    assert launch.merge_in_kernel == in_kernel
+    assert (launch.combine is not None) == (partials > 0 and not in_kernel)
 
 
 @pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)

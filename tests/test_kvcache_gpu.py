@@ -14,7 +14,7 @@ import pytest
 
 import cuflash
 from cuflash import dispatch, reference, score_mods
-from cuflash.decode_launch import largest_cluster
+from cuflash.decode_launch import clusters_held
 from cuflash.device import compute_capability, max_smem_per_block, sm_count
 from tests.numerics import (ATOL, DTYPES, FUZZ_CASES, FUZZ_SEED, assert_close_2x, check_lse, fuzz_indices, mentions,
                            paged_prefill_case, randn)
@@ -222,19 +222,40 @@ CLUSTER_CASES = {"gqa": (8, 2, 0, False, None), "mha": (4, 4, 1, False, None), "
 def test_splits_merged_in_clusters(case, num_splits):
     """Hopper: a small step's split CTAs merge inside thread-block clusters; random lengths leave
     some splits without keys (lse -inf: weight 0) and one batch with none at all."""
+    nheads, nheads_kv, n_new, fp8, page_size = CLUSTER_CASES[case]
+    batch, capacity = 2, 700
+    _expect_cluster_plan(nheads // nheads_kv, batch * nheads_kv, capacity, fp8, page_size is not None, n_new > 1,
+                         num_splits, (num_splits, num_splits))
+    run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=capacity, batch=batch,
+             nheads=nheads, nheads_kv=nheads_kv, n_new=n_new, fp8=fp8, page_size=page_size, causal=n_new > 1)
+
+
+@pytest.mark.parametrize("nheads_kv", [1, 2])  # MQA: 32-row tiles; 32 on 2: full 16-row tiles
+@pytest.mark.parametrize("n_new", [0, 1])
+def test_row_blocks_of_several_clusters(nheads_kv, n_new):
+    """Hopper, one kv head or two over 8k keys: each row block's splits are several clusters, whose
+    merged results the combine kernel merges."""
+    batch, capacity = 2, 8192
+    splits, cluster = _expect_cluster_plan(32 // nheads_kv, batch * nheads_kv, capacity, False, False, False, 0, None)
+    assert splits > cluster > 1
+    run_case(np.random.default_rng(n_new), capacity=capacity, batch=batch, nheads=32, nheads_kv=nheads_kv,
+             n_new=n_new)
+
+
+def _expect_cluster_plan(rows, ctas, capacity, fp8, paged, causal, num_splits, expected):
+    """The (splits, cluster) dispatch plans on this GPU for such a step (skips off sm_90, or where the GPU
+    does not hold the clusters), checked against `expected` where given."""
     device_id = cupy.cuda.Device().id
     if compute_capability(device_id) != 90:
         pytest.skip("thread-block clusters: the decoding kernel merges in them on sm_90")
-    nheads, nheads_kv, n_new, fp8, page_size = CLUSTER_CASES[case]
-    batch, capacity = 2, 700
-    cfg = dispatch.decode_config(128, nheads // nheads_kv, max_smem_per_block(device_id), fp8, 90)
-    largest = largest_cluster(cfg, "float16", page_size is not None, n_new > 1, score_mods.NONE,
-                              batch * nheads_kv, device_id)
-    if num_splits > largest:
-        pytest.skip(f"the GPU does not hold {batch * nheads_kv} clusters of {num_splits} CTAs at once")
-    assert dispatch.decode_merge_in_cluster(cfg, batch * nheads_kv, num_splits, sm_count(device_id), 90, largest)
-    run_case(np.random.default_rng(num_splits), num_splits=num_splits, capacity=capacity, batch=batch,
-             nheads=nheads, nheads_kv=nheads_kv, n_new=n_new, fp8=fp8, page_size=page_size, causal=n_new > 1)
+    cfg = dispatch.decode_config(128, rows, max_smem_per_block(device_id), fp8, 90)
+    held = clusters_held(cfg, "float16", paged, causal, score_mods.NONE, device_id)
+    plan = dispatch.decode_cluster_plan(cfg, ctas, -(-capacity // cfg.BLOCK_N), sm_count(device_id), 90, held,
+                                        num_splits)
+    if plan == (0, 0):
+        pytest.skip(f"the GPU does not hold {ctas} row blocks' clusters at once ({held})")
+    assert expected is None or plan == expected
+    return plan
 
 
 def test_leftpad_and_batch_idx():
