@@ -15,8 +15,9 @@
 // online softmax over its keys, and the warps' (max, sum, O) are merged
 // through shared memory at the end. With one split the CTA writes the output
 // and lse; with several, each split's normalised output and lse in fp32:
-// on sm_90, where the host launches a row block's splits as one thread-block
-// cluster, in shared memory, merged by the cluster (merge_cluster_splits);
+// on sm_90, where the host launches a row block's splits as thread-block
+// clusters, in shared memory, merged by the cluster (merge_cluster_splits; a
+// row block of several clusters leaves each cluster's result to combine_kernel);
 // else in global memory, merged by the last of a row block's split CTAs to
 // finish (merge_splits) for tiles of up to DECODE_MERGE_MAX_ROWS rows, by
 // combine_kernel (combine.cuh) for larger ones.

@@ -475,6 +475,9 @@ def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
 # - with more CTAs than SMs the clusters ran slower (GQA batch 8 8k, 4 splits, 256 CTAs: 94.8 ->
 #   113.0): a cluster step takes one CTA an SM at most.
 MIN_BLOCKS_PER_CLUSTER_SPLIT = 2
+# ... but one for the 32-row tile (MQA: 8 warps, twice the rows a block): batch 1 1k 16 splits of one
+# block 8.70 us against 8 of two 9.26, batch 2 8.58 against 9.12 (same process, graph replays).
+MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS = 1
 SHORT_CLUSTER_SPLIT = 4  # key blocks a split, up to which clusters pay on any grid
 MAX_BLOCKS_PER_CLUSTER_SPLIT = 16  # ... and up to which on a grid of CLUSTER_GRID_SHARE of the SMs
 CLUSTER_GRID_SHARE = 0.75
@@ -500,8 +503,8 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     size -> clusters the GPU holds at once (decode_launch.clusters_held); a cluster step takes one CTA
     an SM at most, and the GPU holds all its clusters at once. forced: the caller's split count (0:
     chosen), one cluster a row block where it fits. Chosen: one cluster a row block, of as many splits
-    as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow, where a split has at most
-    SHORT_CLUSTER_SPLIT blocks, or at most MAX_BLOCKS_PER_CLUSTER_SPLIT on a grid of
+    as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT(_32_ROWS) allow, where a split has
+    at most SHORT_CLUSTER_SPLIT blocks, or at most MAX_BLOCKS_PER_CLUSTER_SPLIT on a grid of
     CLUSTER_GRID_SHARE of the SMs; else several clusters of the largest size, each split of
     MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit."""
     if not decode_may_cluster(cfg, ctas, sms, arch):
@@ -509,7 +512,8 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     largest = max((size for size, count in held.items() if count >= ctas), default=0)
     if forced:
         return (forced, forced) if 1 < forced <= largest and ctas * forced <= sms else (0, 0)
-    splits = min(largest, key_blocks // MIN_BLOCKS_PER_CLUSTER_SPLIT, sms // ctas)
+    floor = MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS if cfg.block_m == 32 else MIN_BLOCKS_PER_CLUSTER_SPLIT
+    splits = min(largest, key_blocks // floor, sms // ctas)
     if splits >= 2:
         blocks = -(-key_blocks // splits)
         if blocks <= SHORT_CLUSTER_SPLIT or (ctas * splits >= CLUSTER_GRID_SHARE * sms

@@ -51,12 +51,15 @@ def test_decode_cluster_plan():
     assert plan(64, 16) == (2, 2)  # the SMs hold two splits of 64 row blocks
     assert plan(100, 16) == (0, 0)
     assert plan(8, 3) == (0, 0)  # one split of 2 blocks at most
+    mqa = dispatch.decode_config(128, 32, 227 * 1024, arch=90)  # the 32-row tile
+    assert plan(1, 16, small, cfg=mqa) == (16, 16)  # MQA batch 1, 1k keys: splits of one block
+    assert plan(8, 16, small, cfg=mqa) == (8, 8)  # the GPU holds 15 clusters of 8, 7 of 16
     # One row block over 8k keys (MQA): 16 CTAs of 8 blocks would idle the SMs; four clusters of 2 blocks.
-    assert plan(1, 64, small) == (16, 16)  # 4k keys: one cluster of 4 blocks a split
-    assert plan(1, 128, small) == (64, 16)
-    assert plan(1, 256, small) == (112, 16)  # the GPU holds 7 clusters of 16: 3 blocks a split
-    assert plan(1, 4096, small) == (0, 0)  # 7 clusters of 16 would take 37 blocks a split
-    assert plan(8, 128, small) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
+    assert plan(1, 64, small, cfg=mqa) == (16, 16)  # 4k keys: one cluster of 4 blocks a split
+    assert plan(1, 128, small, cfg=mqa) == (64, 16)
+    assert plan(1, 256, small, cfg=mqa) == (112, 16)  # the GPU holds 7 clusters of 16: 3 blocks a split
+    assert plan(1, 4096, small, cfg=mqa) == (0, 0)  # 7 clusters of 16 would take 37 blocks a split
+    assert plan(8, 128, small, cfg=mqa) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
     assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)
     assert plan(8, 16, {**h100, 16: 7}, forced=16) == (0, 0)  # the GPU holds 7 clusters of 16, not 8
     assert plan(67, 16, forced=2) == (0, 0)  # 134 CTAs: more than the SMs
