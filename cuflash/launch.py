@@ -27,7 +27,6 @@ from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
 from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
 
-# Scores are exponentiated as 2^(s * scale * log2 e): exp2 is one instruction.
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
 # Threads per CTA of the backward's row-wise kernels: the preprocess gives a
