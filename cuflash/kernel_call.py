@@ -178,10 +178,15 @@ class _LaunchWithAttribute:
         self.config = _LaunchConfig(smem=kernel_.smem_bytes, attrs=ctypes.pointer(self.attribute), num_attrs=1)
         self.what = what
 
-    def launch(self, grid, block: int, args: KernelArgs, stream) -> None:
+    def configured(self, grid, block: int):
+        """The launch config (cuLaunchKernelEx's, and the occupancy queries') for `grid` and `block`."""
         config = self.config
         config.grid[0], config.grid[1], config.grid[2] = grid
         config.block[0], config.block[1], config.block[2] = block, 1, 1
+        return config
+
+    def launch(self, grid, block: int, args: KernelArgs, stream) -> None:
+        config = self.configured(grid, block)
         config.stream = stream.value if isinstance(stream, ctypes.c_void_p) else stream
         launch_ex = _driver()[2]
         err = launch_ex(ctypes.byref(config), self.kernel.handle, args.address, None)
@@ -220,13 +225,7 @@ def _allow_large_clusters(kernel_: Kernel) -> None:
 def max_active_clusters(kernel_: Kernel, block: int, size: int) -> int:
     """How many clusters of `size` CTAs (along x) of `block` threads the device holds at once (0 where
     it cannot launch them)."""
-    if size > PORTABLE_CLUSTER_SIZE:
-        _allow_large_clusters(kernel_)
-    attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-    attribute.value[0], attribute.value[1], attribute.value[2] = size, 1, 1
-    config = _LaunchConfig(smem=kernel_.smem_bytes, attrs=ctypes.pointer(attribute), num_attrs=1)
-    config.grid[0], config.grid[1], config.grid[2] = size, 1, 1
-    config.block[0], config.block[1], config.block[2] = block, 1, 1
+    config = LaunchInClusters(kernel_, (size, 1, 1)).configured((size, 1, 1), block)
     count = ctypes.c_int(0)
     err = _driver()[4](ctypes.byref(count), kernel_.handle, ctypes.byref(config))
     return count.value if err == 0 else 0

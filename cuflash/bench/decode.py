@@ -154,6 +154,9 @@ def cupy_graph(calls: timing.Calls, steps: int = GRAPH_STEPS) -> timing.Calls:
     call that replays it on the current stream. Each input set is called once on the capturing stream
     first: a plan's workspaces are made per stream, outside the capture."""
     stream = cupy.cuda.Stream(non_blocking=True)
+    # After the work already queued on the current stream: a non-blocking stream does not wait for it,
+    # and the calls below may write what that work still reads (a caller's copy of an output).
+    stream.wait_event(cupy.cuda.get_current_stream().record())
     with stream:
         for fn in calls.fns:
             fn()
