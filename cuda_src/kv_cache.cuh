@@ -67,7 +67,7 @@ struct KVCacheArgs {
     int page_shift;
     int rotary_dim, rotary_interleaved, rotary_rows;
     int num_splits;
-    int merge_in_cluster;  // sm_90: a row block's splits form clusters of this many CTAs, each merging its own (0: none)
+    int merge_in_cluster;  // sm_90: CTAs a cluster of a row block's splits, which merges them; 0: none
     float scale_log2;
 };
 
