@@ -14,6 +14,7 @@ from typing import Protocol
 
 from .config import (DECODE_MAX_SPLITS, FP8_DTYPE_NAME, SM90_SMEM_LIMIT, BwdConfig, DecodeConfig, FwdConfig,
                      FwdSm90Config, kernel_headdim)
+from .device import HOPPER
 from .score_mods import NONE, ScoreMods
 
 
@@ -196,7 +197,7 @@ HEURISTIC_FP8 = {
 
 
 def fp8_config(problem: FwdProblem) -> FwdSm90Config:
-    if problem.arch != 90:
+    if problem.arch != HOPPER:
         raise RuntimeError("cuflash: fp8 attention needs a Hopper GPU (compute capability 9.0)")
     cfg = HEURISTIC_FP8[128 if problem.headdim <= 128 else 256]
     if cfg.smem_bytes(FP8_DTYPE_NAME) > problem.max_smem:
@@ -215,7 +216,7 @@ def heuristic_fwd_config(problem: FwdProblem) -> FwdConfig | FwdSm90Config:
         return fp8_config(problem)
     sm90 = (heuristic_sm90_config(problem.kernel_headdim, problem.seqlen_k, problem.causal,
                                   problem.mods.dropout is not None, problem.mods.alibi)
-            if problem.arch == 90 else None)
+            if problem.arch == HOPPER else None)
     if sm90 is not None and sm90.smem_bytes(problem.dtype_name, problem.mods.bits) <= problem.max_smem:
         return sm90
     fast, general = HEURISTIC_FWD[problem.kernel_headdim]
@@ -330,7 +331,7 @@ def bwd_tiles(headdim: int, max_smem: int, arch: int = 80, deterministic: bool =
     """The Hopper kernels on compute capability 9.0 where they have the head dim; else the sm_80
     table's tiles, or smaller ones where the device has less shared memory per block."""
     kd = kernel_headdim(headdim)
-    hopper = HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == 90 else None
+    hopper = HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == HOPPER else None
     if hopper is not None and fits(hopper, max_smem):
         # Deterministic mode (dK/dV, then the dQ kernel) measured 2-10% faster
         # with 2 stages than with 3 at head dim 128 (bench/bwd_sweep.py).
@@ -343,7 +344,7 @@ def bwd_tiles(headdim: int, max_smem: int, arch: int = 80, deterministic: bool =
 
 def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
     """(config, deterministic) of every Hopper backward the heuristic can pick: what check compiles."""
-    return [(bwd_tiles(kd, SM90_SMEM_LIMIT, 90, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
+    return [(bwd_tiles(kd, SM90_SMEM_LIMIT, HOPPER, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:
@@ -423,7 +424,7 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     # not fit (small shared memory: 99 KB on sm_86/89), fewer stages, then 4 warps, then fewer row warps.
     tiles = [(warps_m, warps_n, False, ring), (warps_m, 4 // warps_m, False, ring),
              *((m, 4 // m, False, ring) for m in (2, 1) if m < warps_m)]
-    if arch == 90 and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
+    if arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
         tiles[:0] = [(m, 1, True, DECODE_RING_BYTES_WGMMA) for m in ((8, 4) if rows > 64 else (4,))]
     for m, n, wgmma, ring_bytes in tiles:
         for s in range(max(2, min(8, ring_bytes // per_stage)), 1, -1):
@@ -493,7 +494,7 @@ CLUSTER_GRID_SHARE = 0.75
 def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> bool:
     """Whether a step of `ctas` row blocks could merge its splits in clusters (two splits of each, one
     CTA an SM): Hopper and an mma.sync tile; decode_launch.clusters_held is asked only then."""
-    return arch == 90 and not cfg.wgmma and 2 * ctas <= sms
+    return arch == HOPPER and not cfg.wgmma and 2 * ctas <= sms
 
 
 def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int, held: dict,

@@ -14,6 +14,7 @@ import itertools
 from . import dispatch, launch
 from .dispatch import BwdProblem
 from .config import BwdConfig
+from .device import HOPPER
 from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, alibi_slopes, default_scale,
                           length_variants, poison, problem_key, randn)
 
@@ -99,7 +100,7 @@ class BwdTuning(TunedFamily):
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
         hopper_kd = dispatch.hopper_bwd_headdim(kd)
-        if problem.arch == 90 and hopper_kd is not None:
+        if problem.arch == HOPPER and hopper_kd is not None:
             # The Hopper kernels first (the heuristic's choice there), in both ring depths.
             hopper = dispatch.HEURISTIC_BWD_SM90[hopper_kd]
             configs = [dataclasses.replace(hopper, stages=stages) for stages in HOPPER_STAGES] + configs
@@ -159,7 +160,7 @@ class BwdTuning(TunedFamily):
         kd = problem.kernel_headdim
         headdim = dispatch.hopper_bwd_headdim(kd) if cfg.hopper else kd
         usable = (cfg.is_valid() and cfg.headdim == headdim and dispatch.fits(cfg, problem.max_smem)
-                  and (not cfg.hopper or problem.arch == 90))
+                  and (not cfg.hopper or problem.arch == HOPPER))
         return cfg if usable else None
 
 

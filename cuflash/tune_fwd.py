@@ -12,6 +12,7 @@ import itertools
 
 from . import dispatch, launch
 from .config import FwdConfig, FwdSm90Config
+from .device import HOPPER
 from .tune_common import (TILE_ALIGN, CallShape, KernelSpec, TunedFamily, alibi_slopes, default_scale,
                           length_variants, poison, problem_key, randn)
 
@@ -89,7 +90,7 @@ class FwdTuning(TunedFamily):
         space = [FwdConfig(problem.kernel_headdim, **dict(zip(fields, combo)))
                  for combo in itertools.product(*values.values())]
         sm90_d = dispatch.sm90_headdim(problem.kernel_headdim)
-        if problem.arch == 90 and sm90_d is not None:
+        if problem.arch == HOPPER and sm90_d is not None:
             values = QUICK_SPACE_SM90 if quick else SPACE_SM90
             space += [FwdSm90Config(sm90_d, **dict(zip(values, combo))).staged_if_fits()
                       for combo in itertools.product(*values.values())]
@@ -142,7 +143,7 @@ class FwdTuning(TunedFamily):
             except TypeError:  # another family's fields
                 continue
             if config_class is FwdSm90Config:
-                if problem.arch != 90:
+                if problem.arch != HOPPER:
                     return None
                 headdim = dispatch.sm90_headdim(problem.kernel_headdim)
             else:
