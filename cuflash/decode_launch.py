@@ -13,6 +13,7 @@ larger tiles a `CombineLaunch` follows (it also serves
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy
@@ -102,10 +103,16 @@ class CombineLaunch:
 def clusters_held(cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mods, device_id: int) -> dict:
     """Cluster size (powers of two from 2 to DECODE_CLUSTER_MAX CTAs) -> how many clusters of the
     decoding kernel of `cfg` the device holds at once (0 where it cannot launch them)."""
-    decode = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mods.bits), cfg.smem_bytes(),
-                    device_id)
-    return {size: max_active_clusters(decode, cfg.threads, size)
-            for size in (2 ** k for k in range(1, DECODE_CLUSTER_MAX.bit_length()))}
+    return dict(_clusters_held(cfg, dtype_name, paged, causal, mods.bits, device_id))
+
+
+# Memoised per kernel: every call signature that may cluster asks, and a kernel's answer never changes.
+@functools.lru_cache(maxsize=256)
+def _clusters_held(cfg: DecodeConfig, dtype_name: str, paged: bool, causal: bool, mod_bits: int,
+                   device_id: int) -> tuple:
+    decode = kernel(cfg.family, cfg.name_expression(dtype_name, paged, causal, mod_bits), cfg.smem_bytes(), device_id)
+    return tuple((size, max_active_clusters(decode, cfg.threads, size))
+                 for size in (2 ** k for k in range(1, DECODE_CLUSTER_MAX.bit_length())))
 
 
 class DecodeLaunch:
