@@ -8,8 +8,10 @@ the Hopper forward at 256 too, the Hopper backward, the sm_80 backward built
 for sm_80, and the decoding kernel at head dims 64 and 128. Other spills are
 reported.
 
-Template flags that only add code (score options, dtype, a paged cache) compile in full at the
-fast-path head dims and as their extremes elsewhere (score_option_cases, DECODE_FLAGS).
+Template flags that only add code compile as their extremes, whose code holds every other
+combination's, except where a combination can fail the check: score options each alone where a spill
+with one of them fails (SPILL_FREE_ONE_OPTION; score_option_cases), dtype and cache layout in full at
+the fast-path head dims (DECODE_FLAGS).
 
 Each specialisation compiles for the targets dispatch's tables run it on: the
 sm_80 forward and backward tiles of a head dim that a Hopper kernel serves
@@ -63,9 +65,10 @@ VARLEN_VARIANTS = (MOD_VARLEN, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI
 DROPOUT_CASES = ((False, MOD_DROPOUT), (True, MOD_DROPOUT | MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI),
                  (True, MOD_DROPOUT | MOD_DROPOUT_STATE))
 # Score options multiply the count of specialisations (CI compiles each). Every variant above
-# compiles at the fast-path head dims; at the others only the extremes do (every option at once,
-# packed or not, and dropout's two), whose code holds every other variant's: there a variant
-# could only fail to compile on its tile's shape, which the extremes share.
+# compiles where a spill with one option fails the check (SPILL_FREE_ONE_OPTION); elsewhere only the
+# extremes do (every option at once, packed or not, and dropout's two), whose code holds every other
+# variant's: there a variant could only fail to compile on its tile's shape, which the extremes share,
+# and its spills would be reported, not failed (fast_path).
 MODS_EXTREMES = (MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI, MOD_VARLEN | MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI)
 # Kernels with score options -> the position of their MODS template argument (the decoding kernel's
 # WGMMA flag follows it).
@@ -74,9 +77,9 @@ MODS_ARGUMENT = {"fwd_kernel": -1, "fwd_sm90_kernel": -1, "bwd_dkdv_kernel": -1,
 # (packed (query, head) rows per kv head, compute capability) that pick each decoding tile
 # (decode_config): 1, 2 and 4 row warps on mma.sync; on sm_90 the wgmma tiles of 4 and 8 row warps.
 DECODE_TILES = ((1, 80), (32, 80), (64, 80), (64, 90), (128, 90))
-# Head dims whose decoding kernels compile with score options (the others: plain and causal, the
-# options' code being the same template at every head dim): CI's compile time stays in bounds.
-# Every option variant at the fast-path head dims, every option at once at the others.
+# Head dims whose decoding kernels compile with score options, every option at once (the others:
+# plain and causal, the options' code being the same template at every head dim): CI's compile time
+# stays in bounds.
 DECODE_MODS_HEADDIMS = (64, 128, 256)
 # (dtype, paged, causal) of the plain decoding kernels (CI's compile time stays in bounds: the
 # kernel at head dims 64 and 128 takes 2-3.5 s a compile). At the fast-path head dims each dtype
@@ -139,7 +142,7 @@ def shipped_specialisations():
             add(cfg, cfg.name_expression(dtype_name, causal, even_n), cfg.smem_bytes(dtype_name))
     for cfg, dtype_name in sm90:
         fp8 = dtype_name == FP8_DTYPE_NAME
-        for causal, case_dtype_name, even_n, mods in score_option_cases(cfg.headdim, fp8):
+        for causal, case_dtype_name, even_n, mods in score_option_cases(cfg.family, cfg.headdim, fp8):
             if fp8 or case_dtype_name == dtype_name:
                 add(cfg, cfg.name_expression(dtype_name, causal, even_n, mods=mods),
                     cfg.smem_bytes(dtype_name, mods))
@@ -158,12 +161,12 @@ def shipped_specialisations():
     return list(specs.values())
 
 
-def score_option_cases(headdim: int, fp8: bool = False) -> list[tuple[bool, str, bool, int]]:
-    """(causal, dtype name, even_n, MODS) of the score-option specialisations compiled at a head
-    dim: at the fast-path head dims each option, packed batches and dropout's variants, at the
-    others the extremes (MODS_EXTREMES). fp8 (its dtype is the kernel's, not the case's): the same
-    without ALiBi and dropout, which it does not take."""
-    if headdim in FAST_PATH_HEADDIMS:
+def score_option_cases(family: str, headdim: int, fp8: bool = False) -> list[tuple[bool, str, bool, int]]:
+    """(causal, dtype name, even_n, MODS) of the score-option specialisations compiled for a family
+    at a head dim: each option, packed batches and dropout's variants where a spill with one option
+    fails the check (SPILL_FREE_ONE_OPTION), elsewhere the extremes (MODS_EXTREMES). fp8 (its dtype
+    is the kernel's, not the case's): the same without ALiBi and dropout, which it does not take."""
+    if headdim in SPILL_FREE_ONE_OPTION.get(family, ()):
         # Each option alone in the first length variant; in both, all of them at once and ALiBi alone
         # (the Hopper forward's column GEMM, an fp16 k step beside either input dtype's).
         variants = [(MODS_LENGTHS[0], mods) for mods in MODS_VARIANTS]
@@ -185,14 +188,14 @@ def _add_score_option_variants(add) -> None:
     """The 16-bit kernels dispatch runs with score options (varlen's and dropout among them): the
     general sm_80 forward tiles, the backward tables (sm_80 and Hopper)."""
     for _, general in HEURISTIC_FWD.values():
-        for causal, dtype_name, even_n, mods in score_option_cases(general.headdim):
+        for causal, dtype_name, even_n, mods in score_option_cases(general.family, general.headdim):
             add(general, general.name_expression(dtype_name, causal, even_n, True, mods), general.smem_bytes())
     for cfg in HEURISTIC_BWD.values():
-        for causal, dtype_name, even_n, mods in score_option_cases(cfg.headdim):
+        for causal, dtype_name, even_n, mods in score_option_cases(cfg.family, cfg.headdim):
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
             add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
     for cfg, deterministic in hopper_bwd_plans():
-        for causal, dtype_name, even_n, mods in score_option_cases(cfg.headdim):
+        for causal, dtype_name, even_n, mods in score_option_cases(cfg.kernel_family, cfg.headdim):
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
                 cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
             if deterministic:
@@ -202,8 +205,8 @@ def _add_score_option_variants(add) -> None:
 
 def _add_decode_variants(add) -> None:
     """The decoding kernel at every head dim and row tile, with the flags of DECODE_FLAGS at the
-    fast-path head dims and their extremes elsewhere; with score options for one dtype and the paged
-    cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
+    fast-path head dims and their extremes elsewhere; with every score option at once for one dtype and
+    the paged cache (DECODE_MODS_HEADDIMS); over an fp8 cache (DECODE_FP8_HEADDIMS); the combine kernels."""
     for kd, (rows, arch), fp8 in itertools.product(KERNEL_HEADDIMS, DECODE_TILES, (False, True)):
         if fp8 and kd not in DECODE_FP8_HEADDIMS:
             continue
@@ -213,10 +216,8 @@ def _add_decode_variants(add) -> None:
         for dtype_name, paged, causal in flags:
             add(cfg, cfg.name_expression(dtype_name, paged, causal), cfg.smem_bytes())
         if kd in DECODE_MODS_HEADDIMS and (not fp8 or kd == DECODE_FP8_MODS_HEADDIM):
-            # The wgmma tiles share the options' code with the mma.sync ones: every option at once.
-            variants = MODS_VARIANTS if full and not cfg.wgmma else MODS_EXTREMES[:1]
-            for causal, mods in itertools.product((False, True), variants):
-                add(cfg, cfg.name_expression("bfloat16", True, causal, mods), cfg.smem_bytes())
+            for causal in (False, True):
+                add(cfg, cfg.name_expression("bfloat16", True, causal, MODS_EXTREMES[0]), cfg.smem_bytes())
     for out_dtype_name in COMBINE_OUT:
         add(cfg, combine_name(out_dtype_name), 0, family="combine")
 
