@@ -116,3 +116,19 @@ def test_check_spill_rule_of_score_options():
         assert not fast_path("fwd_sm80", headdim, "sm_80", MOD_WINDOW)
     assert fast_path("fwd_sm90", 256, "sm_90a") and not fast_path("fwd_sm90", 256, "sm_90a", MOD_WINDOW)
     assert not fast_path("bwd_sm80", 128, "sm_90")
+
+
+def test_check_compiles_each_score_option_alone_only_where_a_spill_with_it_fails():
+    """Every option combination the spill rule can fail is compiled (each option alone in the Hopper
+    forward at head dims 64 and 128); elsewhere only the extremes, every option at once."""
+    from cuflash.cli.check import MODS_EXTREMES, fast_path, score_mods_of, shipped_specialisations
+    from cuflash.score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
+
+    compiled = {(family, cfg.headdim, score_mods_of(name)) for family, cfg, name, _ in shipped_specialisations()}
+    for headdim in (64, 128):
+        for one in (MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_VARLEN):
+            assert ("fwd_sm90", headdim, one) in compiled
+    dropout = MOD_DROPOUT | MOD_DROPOUT_STATE
+    for family, headdim, mods in compiled:
+        if mods and not mods & dropout and not fast_path(family, headdim, "sm_90a", mods):
+            assert mods in MODS_EXTREMES or family == "fwd_sm90", (family, headdim, mods)
