@@ -186,6 +186,12 @@ def kvcache():
     cuflash.attention_with_kvcache(randn(batch, 4, 32, 128), *pages128, randn(batch, 4, 1, 128),
                                    randn(batch, 4, 1, 128), cache_seqlens=lengths, block_table=table, causal=True,
                                    num_splits=2, return_lse=True)
+    # The same rotated, half-split over half the head dim: the wgmma tiles' batched rotary loads.
+    cos64, sin64 = randn(capacity + 8, 32), randn(capacity + 8, 32)
+    cuflash.attention_with_kvcache(randn(batch, 4, 32, 128), *pages128, randn(batch, 4, 1, 128),
+                                   randn(batch, 4, 1, 128), cache_seqlens=lengths, block_table=table,
+                                   rotary_cos=cos64, rotary_sin=sin64, rotary_interleaved=False, causal=True,
+                                   num_splits=2, return_lse=True)
     # An fp8 (e4m3) cache, contiguous and paged: appends (rotated, quantised) at the same lengths.
     descales = cupy.full((batch, nheads_kv), 0.25, cupy.float32)
     for k_cache, v_cache in (contiguous, paged):
