@@ -200,6 +200,14 @@ __device__ __forceinline__ long long partial_row(const KVCacheArgs& a, int s, in
     return (((long long)s * gridDim.z / a.nheads_kv + b) * a.nq + i) * a.nheads + h;
 }
 
+// Split s's partial of packed row `row`, columns [col, col + 4): o, and the row's lse with column 0.
+__device__ __forceinline__ void store_partial(const KVCacheArgs& a, int s, int b, int hk, int row, int col, float4 o,
+                                              float lse) {
+    const long long prow = partial_row(a, s, b, hk, row);
+    *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
+    if (col == 0) a.partial_lse[prow] = lse;
+}
+
 // The end of a split CTA (rows [m0, m0 + BM) of kv head hk, batch b, its partials written)
 // when the host asked for the merge here (a.splits_done set): the last of the row block's split
 // CTAs to count itself merges every split's partials into out and lse. Each CTA's threads
@@ -297,9 +305,7 @@ __device__ __forceinline__ void merge_cluster_splits(const KVCacheArgs& a, const
         if (partial < 0) {
             store_output<BF16>(a, b, hk, q0, m0 + r, col, o, lse);
         } else {
-            const long long prow = partial_row(a, partial, b, hk, m0 + r);
-            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
-            if (col == 0) a.partial_lse[prow] = lse;
+            store_partial(a, partial, b, hk, m0 + r, col, o, lse);
         }
     }
     cluster_sync();
@@ -784,9 +790,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             *reinterpret_cast<float4*>(sO + r * T::O_STRIDE + col) = o;
             if (col == 0) sO[r * T::O_STRIDE + D] = lse;
         } else {
-            const long long prow = partial_row(a, split, b, hk, row);
-            *reinterpret_cast<float4*>(a.partial_o + prow * a.d + col) = o;
-            if (col == 0) a.partial_lse[prow] = lse;
+            store_partial(a, split, b, hk, row, col, o, lse);
         }
     }
     if (merge_in_cluster) {
