@@ -392,55 +392,86 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         fence_barrier_init();
         __syncthreads();
     }
-    // Where a thread has many Q chunks (8 in the wgmma tiles), unrotated Q takes all their loads
-    // before their stores: a round trip a chunk, one after another, cost those steps 4-7%. Elsewhere,
-    // and rotated, a chunk at a time (batched, the rotated chunks ran 1-2% slower).
+    // Where a thread has many Q chunks (8 in the wgmma tiles), it issues their loads before their
+    // stores: a round trip a chunk, one after another, cost those steps 4-7%. Rotated, ROTARY_BATCH
+    // items at a time (their table values take 8 more registers a chunk). Elsewhere a chunk at a time
+    // (batched, the 16-row tiles ran 1-4% slower).
     constexpr int Q_ITEMS = BM * Q_CHUNKS / Q_GROUP, Q_PER_THREAD = (Q_ITEMS + THREADS - 1) / THREADS;
-    if (Q_PER_THREAD > 2 && !copy_warp && a.rotary_dim == 0) {
+    constexpr int ROTARY_BATCH = 4 / Q_GROUP, ITEMS_A_ROW = Q_CHUNKS / Q_GROUP;
+    // Item c covers Q_GROUP chunks of packed row c / ITEMS_A_ROW; packed row `row` is query row
+    // row / group of head hk * group + row % group.
+    auto item_chunk = [](int c, int g) { return Q_GROUP * (c % ITEMS_A_ROW) + g; };
+    auto q_row_of = [&](int row) {
+        const int i = row / a.group, h = hk * a.group + row % a.group;
+        return a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn + h * a.q_sh;
+    };
+    auto store_q_item = [&](int c, uint4 (&val)[Q_GROUP]) {
+        if constexpr (FP8) permute_q_for_e4m3(val[0], val[1]);
+#pragma unroll
+        for (int g = 0; g < Q_GROUP; ++g)
+            *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(c / ITEMS_A_ROW, item_chunk(c, g))) = val[g];
+    };
+    if (Q_PER_THREAD > 2 && !copy_warp && a.rotary_dim > 0) {
+#pragma unroll
+        for (int k0 = 0; k0 < Q_PER_THREAD; k0 += ROTARY_BATCH) {
+            // Items past the tile's rows (or past Q_ITEMS) load the last row's values and drop them.
+            RotaryLoads loads[ROTARY_BATCH][Q_GROUP];
+#pragma unroll
+            for (int k = 0; k < ROTARY_BATCH; ++k) {
+                const int c = tid + (k0 + k) * THREADS, row = min(m0 + c / ITEMS_A_ROW, rows - 1);
+#pragma unroll
+                for (int g = 0; g < Q_GROUP; ++g)
+                    loads[k][g] =
+                        rotary_loads(a, q_row_of(row), 8 * item_chunk(c, g), span.cache_len + row / a.group);
+            }
+#pragma unroll
+            for (int k = 0; k < ROTARY_BATCH; ++k) {
+                const int c = tid + (k0 + k) * THREADS;
+                if (k0 + k >= Q_PER_THREAD || c >= Q_ITEMS) continue;
+                const bool inside = m0 + c / ITEMS_A_ROW < rows;
+                uint4 val[Q_GROUP];
+#pragma unroll
+                for (int g = 0; g < Q_GROUP; ++g)
+                    val[g] = inside ? rotated_from_loads<BF16>(a, loads[k][g], 8 * item_chunk(c, g))
+                                    : make_uint4(0, 0, 0, 0);
+                store_q_item(c, val);
+            }
+        }
+    } else if (Q_PER_THREAD > 2 && !copy_warp) {
         uint4 val[Q_PER_THREAD][Q_GROUP];
 #pragma unroll
         for (int k = 0; k < Q_PER_THREAD; ++k) {
-            const int c = tid + k * THREADS, row = m0 + c / (Q_CHUNKS / Q_GROUP), i = row / a.group;
-            const u16* q_row = a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn +
-                               (hk * a.group + row % a.group) * a.q_sh;
+            const int c = tid + k * THREADS, row = m0 + c / ITEMS_A_ROW;
+            const u16* q_row = q_row_of(row);
 #pragma unroll
             for (int g = 0; g < Q_GROUP; ++g) {
-                const int chunk = Q_GROUP * (c % (Q_CHUNKS / Q_GROUP)) + g;
+                const int chunk = item_chunk(c, g);
                 val[k][g] = c < Q_ITEMS && row < rows && 8 * chunk < a.d
                                 ? *reinterpret_cast<const uint4*>(q_row + 8 * chunk) : make_uint4(0, 0, 0, 0);
             }
         }
 #pragma unroll
-        for (int k = 0; k < Q_PER_THREAD; ++k) {
-            const int c = tid + k * THREADS, r = c / (Q_CHUNKS / Q_GROUP);
-            if (c >= Q_ITEMS) continue;
-            const int chunk0 = Q_GROUP * (c % (Q_CHUNKS / Q_GROUP));
-            if constexpr (FP8) permute_q_for_e4m3(val[k][0], val[k][1]);
-#pragma unroll
-            for (int g = 0; g < Q_GROUP; ++g)
-                *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(r, chunk0 + g)) = val[k][g];
-        }
+        for (int k = 0; k < Q_PER_THREAD; ++k)
+            if (tid + k * THREADS < Q_ITEMS) store_q_item(tid + k * THREADS, val[k]);
     } else {
-        for (int c = tid; c < (copy_warp ? 0 : BM * Q_CHUNKS / Q_GROUP); c += THREADS) {
-            const int r = c / (Q_CHUNKS / Q_GROUP), chunk0 = Q_GROUP * (c % (Q_CHUNKS / Q_GROUP)), row = m0 + r;
+        // chunk0 + g, not item_chunk: with the lambda the 16-row tiles' code changed.
+        for (int c = tid; c < (copy_warp ? 0 : Q_ITEMS); c += THREADS) {
+            const int chunk0 = Q_GROUP * (c % ITEMS_A_ROW), row = m0 + c / ITEMS_A_ROW;
             uint4 val[Q_GROUP];
 #pragma unroll
             for (int g = 0; g < Q_GROUP; ++g) {
                 const int chunk = chunk0 + g;
                 val[g] = make_uint4(0, 0, 0, 0);
                 if (row < rows) {
-                    const int i = row / a.group, h = hk * a.group + row % a.group;
-                    const u16* q_row = a.q + b * a.q_sb + (long long)(queries.q0 + i) * a.q_sn + h * a.q_sh;
+                    const int i = row / a.group;
+                    const u16* q_row = q_row_of(row);
                     if (a.rotary_dim > 0)
                         val[g] = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
                     else if (8 * chunk < a.d)
                         val[g] = *reinterpret_cast<const uint4*>(q_row + 8 * chunk);
                 }
             }
-            if constexpr (FP8) permute_q_for_e4m3(val[0], val[1]);
-#pragma unroll
-            for (int g = 0; g < Q_GROUP; ++g)
-                *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(r, chunk0 + g)) = val[g];
+            store_q_item(c, val);
         }
     }
 

@@ -161,6 +161,23 @@ __device__ __forceinline__ u16 float_to_half(float x) {
     return (u16)(two & 0xffffu);
 }
 
+// Rotary's arithmetic on one interleaved pair (x[2p], x[2p + 1]) into y, and on one half-split
+// element x with its partner `other` (`first`: x in the first half), at the angle whose cosine and
+// sine are c and s.
+template <bool BF16>
+__device__ __forceinline__ void rotate_pair(const u16* x, int p, float c, float s, u16* y) {
+    const float x0 = half_to_float(x[2 * p], BF16), x1 = half_to_float(x[2 * p + 1], BF16);
+    y[2 * p] = float_to_half<BF16>(x0 * c - x1 * s);
+    y[2 * p + 1] = float_to_half<BF16>(x0 * s + x1 * c);
+}
+template <bool BF16>
+__device__ __forceinline__ u16 rotate_half_split(const u16* x, const u16* other, int e, bool first, float c,
+                                                 float s) {
+    const float xe = half_to_float(x[e], BF16), oe = half_to_float(other[e], BF16);
+    // first half: x cos - x[p + half] sin; second half: x cos + x[p - half] sin
+    return float_to_half<BF16>(first ? xe * c - oe * s : xe * c + oe * s);
+}
+
 // The 8 elements at columns [col, col + 8) of a row, rotated at position `pos`
 // (columns at or past d read as 0). rotary_dim is a multiple of 16, so a chunk
 // lies wholly inside or outside the rotated columns, and a half-split chunk's
@@ -178,10 +195,7 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int f = pos * half + col / 2 + p;
-            const float c = half_to_float(a.rotary_cos[f], BF16), s = half_to_float(a.rotary_sin[f], BF16);
-            const float x0 = half_to_float(x[2 * p], BF16), x1 = half_to_float(x[2 * p + 1], BF16);
-            y[2 * p] = float_to_half<BF16>(x0 * c - x1 * s);
-            y[2 * p + 1] = float_to_half<BF16>(x0 * s + x1 * c);
+            rotate_pair<BF16>(x, p, half_to_float(a.rotary_cos[f], BF16), half_to_float(a.rotary_sin[f], BF16), y);
         }
     } else {
         const bool first = col < half;
@@ -190,11 +204,59 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
         const int f0 = pos * half + (first ? col : col - half);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            const float c = half_to_float(a.rotary_cos[f0 + e], BF16), s = half_to_float(a.rotary_sin[f0 + e], BF16);
-            const float xe = half_to_float(x[e], BF16), oe = half_to_float(other[e], BF16);
-            // first half: x cos - x[p + half] sin; second half: x cos + x[p - half] sin
-            y[e] = float_to_half<BF16>(first ? xe * c - oe * s : xe * c + oe * s);
+            y[e] = rotate_half_split<BF16>(x, other, e, first, half_to_float(a.rotary_cos[f0 + e], BF16),
+                                           half_to_float(a.rotary_sin[f0 + e], BF16));
         }
+    }
+    return *reinterpret_cast<const uint4*>(y);
+}
+
+// A rotated chunk's loads, issued without a branch so that a thread's chunks can go out together:
+// the chunk, its partner (half-split) and its 8 table values (cos and sin as two 4-value halves;
+// interleaved, the first half alone serves). Every address is valid whatever the column (a column
+// past d or rotary_dim reads column 0 and the table's first values); rotated_from_loads discards
+// what it does not need. The tables are 16-byte aligned (kv_cache.py copies them otherwise) and a
+// chunk's table offset is a multiple of 4 values, so the 8-byte loads are aligned.
+struct RotaryLoads {
+    uint4 x, other;
+    uint2 cos[2], sin[2];
+};
+__device__ __forceinline__ RotaryLoads rotary_loads(const KVCacheArgs& a, const u16* row, int col, int pos) {
+    const int half = a.rotary_dim / 2, c = col < a.d ? col : 0;
+    const bool rotated = c < a.rotary_dim, first = c < half;
+    const bool split = rotated && !a.rotary_interleaved;
+    const int table_col = !rotated ? 0 : a.rotary_interleaved ? c / 2 : (first ? c : c - half);
+    const int f = min(pos, a.rotary_rows - 1) * half + table_col, second = split ? 4 : 0;
+    RotaryLoads l;
+    l.x = *reinterpret_cast<const uint4*>(row + c);
+    l.other = *reinterpret_cast<const uint4*>(row + (split ? (first ? c + half : c - half) : c));
+    l.cos[0] = *reinterpret_cast<const uint2*>(a.rotary_cos + f);
+    l.cos[1] = *reinterpret_cast<const uint2*>(a.rotary_cos + f + second);
+    l.sin[0] = *reinterpret_cast<const uint2*>(a.rotary_sin + f);
+    l.sin[1] = *reinterpret_cast<const uint2*>(a.rotary_sin + f + second);
+    return l;
+}
+
+// The chunk at columns [col, col + 8) from its rotary_loads, as load_rotated_chunk gives it.
+template <bool BF16>
+__device__ __forceinline__ uint4 rotated_from_loads(const KVCacheArgs& a, const RotaryLoads& l, int col) {
+    if (col >= a.d) return make_uint4(0, 0, 0, 0);
+    if (col >= a.rotary_dim) return l.x;
+    const u16* x = reinterpret_cast<const u16*>(&l.x);
+    const u16* cos = reinterpret_cast<const u16*>(l.cos);
+    const u16* sin = reinterpret_cast<const u16*>(l.sin);
+    u16 y[8];
+    if (a.rotary_interleaved) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            rotate_pair<BF16>(x, p, half_to_float(cos[p], BF16), half_to_float(sin[p], BF16), y);
+    } else {
+        const bool first = col < a.rotary_dim / 2;
+        const u16* other = reinterpret_cast<const u16*>(&l.other);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            y[e] = rotate_half_split<BF16>(x, other, e, first, half_to_float(cos[e], BF16),
+                                           half_to_float(sin[e], BF16));
     }
     return *reinterpret_cast<const uint4*>(y);
 }

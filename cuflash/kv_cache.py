@@ -15,8 +15,8 @@ import dataclasses
 import numpy
 
 from . import dispatch, score_mods, validate
-from .arrays import (aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned, last_dim_contiguous,
-                     pool_array)
+from .arrays import (ALIGN_BYTES, aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned,
+                     last_dim_contiguous, pool_array)
 from .decode_launch import DecodeLaunch, clusters_held
 from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
 from .fp8 import check_descale, is_e4m3
@@ -377,7 +377,9 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
                 raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, "
                                  f"got shape {rotary_cos.shape}")
         rotary = (rotary_cos, bool(rotary_interleaved))
-        copy_rotary = not (rotary_cos.flags.c_contiguous and rotary_sin.flags.c_contiguous)
+        # The kernels read the tables' rows as 8-byte vectors where a thread rotates several chunks at once.
+        copy_rotary = not all(x.flags.c_contiguous and x.data.ptr % ALIGN_BYTES == 0
+                              for x in (rotary_cos, rotary_sin))
 
     causal, mods, scale = _score_options(q, batch, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                          seqlen_q, capacity)

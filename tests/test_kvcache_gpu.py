@@ -40,7 +40,7 @@ def _e4m3_code_distance(a, b):
 
 def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, headdim=128, capacity=300,
              n_new=1, page_size=None, rotary=None, leftpad=False, batch_idx=False, lengths="random",
-             num_splits=0, host_lengths=False, fp8=False, **options):
+             num_splits=0, host_lengths=False, fp8=False, misaligned_tables=False, **options):
     group_rows = batch + 2 if batch_idx else batch
     q = randn(rng, (batch, seqlen_q, nheads, headdim), dtype)
     if page_size is None:
@@ -90,6 +90,11 @@ def run_case(rng, *, dtype=np.float16, batch=3, seqlen_q=1, nheads=8, nheads_kv=
     dev = {name: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in host.items()}
     if host_lengths:
         dev["cache_seqlens"] = seqlens
+    if misaligned_tables:  # contiguous, one element past a 16-byte boundary
+        for name in ("rotary_cos", "rotary_sin"):
+            flat = cupy.empty(host[name].size + 1, dtype)
+            dev[name] = flat[1:].reshape(host[name].shape)
+            dev[name][...] = cupy.asarray(host[name])
     kc, vc = cupy.asarray(k_cache), cupy.asarray(v_cache)
     out = cupy.full(q.shape, POISON, dtype)
     result, lse = cuflash.attention_with_kvcache(
@@ -161,6 +166,23 @@ def test_wgmma_tiles(headdim, case):
     cfg = dispatch.decode_config(headdim, rows, max_smem_per_block(device_id), arch=compute_capability(device_id))
     assert cfg.wgmma == (compute_capability(device_id) == 90)
     run_case(np.random.default_rng(headdim + rows), headdim=headdim, capacity=333, n_new=2, **case)
+
+
+# The tiles where a thread rotates several Q chunks at once (the wgmma tiles, the 64-row tile over an
+# e4m3 cache): both rotary modes over the whole and half the head dim, and tables not 16-byte aligned.
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("rotary", ["full", "half"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_wgmma_tiles_rotary(headdim, rotary, interleaved):
+    run_case(np.random.default_rng(headdim + len(rotary) + interleaved), headdim=headdim, rotary=rotary,
+             interleaved=interleaved, seqlen_q=5, n_new=5, nheads=32, nheads_kv=1, causal=True, capacity=200,
+             misaligned_tables=rotary == "full")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_row_tile_64_fp8_rotary(interleaved):
+    run_case(np.random.default_rng(64 + interleaved), fp8=True, rotary="half", interleaved=interleaved, seqlen_q=8,
+             n_new=8, nheads=16, nheads_kv=2, causal=True, capacity=333, misaligned_tables=interleaved)
 
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
