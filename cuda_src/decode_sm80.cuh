@@ -538,10 +538,13 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                 store_shared(k_dst, new_chunk_e4m3<BF16>(a, k_row, col, j, true, k_desc));
                 store_shared(v_dst, new_chunk_e4m3<BF16>(a, v_row, col, j, false, v_desc));
             } else {
-                if (a.rotary_dim > 0)
+                if constexpr (WGMMA) {
+                    if (a.rotary_dim == 0) cp_async_16(k_dst, k_row + col, true);  // rotated: issue_new_keys
+                } else if (a.rotary_dim > 0) {
                     store_shared(k_dst, load_rotated_chunk<BF16>(a, k_row, col, j));
-                else
+                } else {
                     cp_async_16(k_dst, k_row + col, true);
+                }
                 cp_async_16(v_dst, v_row + col, true);
             }
         }
@@ -593,6 +596,35 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             }
         }
     };
+    // New key rows, rotated (16-bit caches), in the wgmma tiles: the copy warps put them into a
+    // block's stage after load_block's cp.async copies, a chunk a thread (issue_new_keys issues its
+    // loads, finish_new_key rotates and stores it; a thread's next chunk stores the one before).
+    // Inside load_block's copies a thread's new chunks were loaded and rotated one after another, a
+    // round trip each: with new keys and rotary, MQA steps of 4 and 8 queries took 1.16-1.21 of the
+    // plain time, now 1.08-1.09 (bench/PERFLOG.md). The mma.sync tiles keep load_block's
+    // chunk-at-a-time path: there the same split, with the rotation left until after the block's S
+    // GEMM, made plain small steps up to 5.6% slower.
+    RotaryLoads new_loads;
+    u32 new_dst = 0;
+    int new_col = -1;  // -1: none waiting
+    auto finish_new_key = [&]() {
+        if (new_col >= 0) store_shared(new_dst, rotated_from_loads<BF16>(a, new_loads, new_col));
+        new_col = -1;
+    };
+    auto issue_new_keys = [&](int blk, int stage) {
+        if (FP8 || a.rotary_dim == 0) return;
+        const int first = blk * BN + span.leftpad;  // the block's first cache position
+        const int r0 = max(span.cache_len - first, 0), r1 = min(span.end - first, BN);
+        const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
+        for (int c = ctid; c < (r1 - r0) * CHUNKS; c += COPY_THREADS) {
+            const int r = r0 + c / CHUNKS, chunk = c % CHUNKS, col = T::CHUNK_ELEMS * chunk;
+            if (col >= a.d) continue;  // zeros, from load_block
+            finish_new_key();
+            new_loads = rotary_loads(a, new_row(a, true, b, first + r - span.cache_len, hk), col, first + r);
+            new_dst = k_base + ring_offset(r, chunk);
+            new_col = col;
+        }
+    };
     // An fp8 cache: ring stage `stage`'s e4m3 V tile widened into the 16-bit tile the P V MMAs read
     // (each thread a 16-byte chunk of e4m3 at a time, two swizzled chunks out).
     auto widen_values = [&](int stage) {
@@ -619,6 +651,8 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                 const int stage = n % STAGES;
                 if (n >= STAGES) mbar_wait(empty_bar + 8 * stage, (n / STAGES - 1) & 1);
                 load_block(blk0 + n, stage);
+                issue_new_keys(blk0 + n, stage);
+                finish_new_key();
                 cp_async_arrive_noinc(full_bar + 8 * stage);
                 if (n + 1 < n_steps) fetch_pages(blk0 + n + 1);
             }
