@@ -476,7 +476,8 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     }
 
     // Keys and values of block `blk` into ring stage `stage`: cached positions by cp.async, new
-    // ones from k_new / v_new (keys rotated by this thread when rotary is on), zeros past the end.
+    // ones from k_new / v_new (keys rotated when rotary is on: by this thread, or in the wgmma tiles
+    // after the block's copies by issue_new_keys), zeros past the end.
     // Each thread owns one 16-byte chunk column of every ROW_STEP-th row (when the threads cover
     // whole rows). A paged cache's page ids of those rows are read one block ahead, while the
     // block before is computed: read just before the copies that need them, their round trip
