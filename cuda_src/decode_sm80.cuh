@@ -359,19 +359,41 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     const bool descale_in_scale = FP8 && !Mods::ANY && k_desc > 0.f;
     const float score_log2 = descale_in_scale ? a.scale_log2 * k_desc : a.scale_log2;
     const float v_desc = FP8 ? descale_of(a.v_descale, a, b, hk) : 1.f;
-    if (a.k_new != nullptr && blockIdx.y == 0)
-        append_new_keys<BF16, FP8, PAGED>(a, b, hk, span, split, a.num_splits, tid, ALL_THREADS, k_desc, v_desc);
 
     const QuerySpan queries = query_span(a, b);
     const int rows = queries.nq * a.group;
-    if (m0 >= rows) return;  // a packed batch's shorter sequence
+    const bool attends = m0 < rows;  // false: a packed batch's shorter sequence
     const int nk = span.end - span.leftpad;  // attended keys; key column c is cache position leftpad + c
     Mods mods(mod_args, queries.nq, nk);
     const int i_first = m0 / a.group, i_last = (min(m0 + BM, rows) - 1) / a.group;
     const KeyBlocks blocks = mods.template key_blocks<BN>(i_first, i_last - i_first + 1);
     const int per_split = (blocks.end - blocks.begin + a.num_splits - 1) / a.num_splits;
     const int blk0 = blocks.begin + split * per_split;
-    const int n_steps = max(min(blocks.end, blk0 + per_split) - blk0, 0);
+    const int n_steps = attends ? max(min(blocks.end, blk0 + per_split) - blk0, 0) : 0;
+
+    // New keys (rotated) and values go into the cache first; the ring then copies them as it copies
+    // cached rows. Rotated by the ring's copies instead, a new key row cost a synchronous round trip
+    // among the block's asynchronous copies (bench/PERFLOG.md). A CTA writes the new rows of its own
+    // key blocks, so that its copies read its own writes (the CTAs of other row blocks write the same
+    // values); the first split of the first row block writes those its row block does not attend
+    // too (a window can leave some, a packed batch's empty sequence all).
+    auto append_new = [&](int thread, int threads) {
+        if (a.k_new == nullptr) return;
+        const int own0 = max(span.leftpad + blk0 * BN, span.cache_len);
+        const int own1 = min(span.leftpad + (blk0 + n_steps) * BN, span.end);
+        const bool rest = blockIdx.y == 0 && split == 0;
+        const int seen0 = attends ? min(span.leftpad + blocks.begin * BN, span.end) : span.end;
+        const int seen1 = attends ? max(span.leftpad + blocks.end * BN, span.cache_len) : span.end;
+        const AppendRows new_rows{own0, max(own1 - own0, 0), span.cache_len,
+                                  rest ? max(seen0 - span.cache_len, 0) : 0, seen1, rest ? max(span.end - seen1, 0) : 0};
+        append_new_rows<BF16, FP8, PAGED>(a, b, hk, span, new_rows, thread, threads, k_desc, v_desc);
+    };
+    if constexpr (!WGMMA) {
+        // The last threads append, so that where a tile's rows are few their round trips overlap Q's
+        // loads by the first threads. (The wgmma tiles: the copy warps, beside the row warps' Q.)
+        append_new(ALL_THREADS - 1 - tid, ALL_THREADS);
+        if (!attends) return;
+    }
 
     // Q, rotated at positions cache_len + i; with an fp8 cache in the key GEMM's column order, so
     // each thread takes the two chunks of a 16-column group.
@@ -391,6 +413,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         }
         fence_barrier_init();
         __syncthreads();
+        if (!attends && !copy_warp) return;  // the copy warps append
     }
     // Where a thread has many Q chunks (8 in the wgmma tiles), it issues their loads before their
     // stores: a round trip a chunk, one after another, cost those steps 4-7%. Rotated, ROTARY_BATCH
@@ -475,9 +498,8 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         }
     }
 
-    // Keys and values of block `blk` into ring stage `stage`: cached positions by cp.async, new
-    // ones from k_new / v_new (keys rotated when rotary is on: by this thread, or in the wgmma tiles
-    // after the block's copies by issue_new_keys), zeros past the end.
+    // Keys and values of block `blk` into ring stage `stage`: positions before the end by cp.async
+    // from the cache (new rows included: append_new wrote them), zeros past it.
     // Each thread owns one 16-byte chunk column of every ROW_STEP-th row (when the threads cover
     // whole rows). A paged cache's page ids of those rows are read one block ahead, while the
     // block before is computed: read just before the copies that need them, their round trip
@@ -500,7 +522,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
     auto page_at = [&](int blk, int r) {
         const int j = span.leftpad + blk * BN + r;
-        return PAGED && j < span.cache_len ? page_of(a, b, j) : 0;
+        return PAGED && j < span.end ? page_of(a, b, j) : 0;
     };
     int pages[PAGE_IDS];
     auto fetch_pages = [&](int blk) {
@@ -515,39 +537,16 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     const int own_chunk_bytes = ROW_RUNS ? 16 * (ctid % HALF) : ROW_OWNER ? 16 * (ctid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
     const unsigned char* v_head = head_of<PAGED, T::CACHE_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, own_chunk_bytes);
-    auto store_shared = [](u32 dst, uint4 val) {
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(val.x), "r"(val.y), "r"(val.z),
-                     "r"(val.w)
-                     : "memory");
-    };
     auto load_row_chunk = [&](int blk, int r, int chunk, u32 k_dst, u32 v_dst, int page) {
         const int j = span.leftpad + blk * BN + r;  // cache position
-        const int col = T::CHUNK_ELEMS * chunk;
-        if (j >= span.end || col >= a.d) {
+        if (j >= span.end || T::CHUNK_ELEMS * chunk >= a.d) {
             cp_async_16(k_dst, a.k_cache, false);
             cp_async_16(v_dst, a.v_cache, false);
-        } else if (j < span.cache_len) {
+        } else {
             const CachePos pos = cache_pos<PAGED>(a, span, j, page);
             const int chunk_bytes = 16 * chunk - own_chunk_bytes;  // k_head and v_head point at the own chunk
             cp_async_16(k_dst, row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn) + chunk_bytes, true);
             cp_async_16(v_dst, row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn) + chunk_bytes, true);
-        } else {
-            const int t = j - span.cache_len;
-            const u16* k_row = new_row(a, true, b, t, hk);
-            const u16* v_row = new_row(a, false, b, t, hk);
-            if constexpr (FP8) {  // as the append stores them: rotated, then quantised
-                store_shared(k_dst, new_chunk_e4m3<BF16>(a, k_row, col, j, true, k_desc));
-                store_shared(v_dst, new_chunk_e4m3<BF16>(a, v_row, col, j, false, v_desc));
-            } else {
-                if constexpr (WGMMA) {
-                    if (a.rotary_dim == 0) cp_async_16(k_dst, k_row + col, true);  // rotated: issue_new_keys
-                } else if (a.rotary_dim > 0) {
-                    store_shared(k_dst, load_rotated_chunk<BF16>(a, k_row, col, j));
-                } else {
-                    cp_async_16(k_dst, k_row + col, true);
-                }
-                cp_async_16(v_dst, v_row + col, true);
-            }
         }
     };
     // Byte offset of row r's chunk in a ring stage: swizzled 16-bit or e4m3 tiles.
@@ -560,7 +559,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         const u32 v_base = smem_addr(smem_raw + T::OFF_V + stage * T::STAGE_BYTES);
         if constexpr (ROW_RUNS) {
             const int chunk = ctid % HALF, r0 = ctid / HALF * RUN, j0 = (PAGED ? 0 : span.leftpad) + blk * BN + r0;
-            if (j0 + RUN <= span.cache_len) {  // every row of the run cached: in page pages[0]
+            if (j0 + RUN <= span.end) {  // every row of the run in the cache: in page pages[0]
                 const CachePos pos = cache_pos<PAGED>(a, span, j0, pages[0]);
                 const unsigned char* k_row = row_at<PAGED, T::CACHE_BYTES>(k_head, pos, a.kc_sb, a.kc_sn);
                 const unsigned char* v_row = row_at<PAGED, T::CACHE_BYTES>(v_head, pos, a.vc_sb, a.vc_sn);
@@ -597,35 +596,6 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             }
         }
     };
-    // New key rows, rotated (16-bit caches), in the wgmma tiles: the copy warps put them into a
-    // block's stage after load_block's cp.async copies, a chunk a thread (issue_new_keys issues its
-    // loads, finish_new_key rotates and stores it; a thread's next chunk stores the one before).
-    // Inside load_block's copies a thread's new chunks were loaded and rotated one after another, a
-    // round trip each: with new keys and rotary, MQA steps of 4 and 8 queries took 1.16-1.21 of the
-    // plain time, now 1.08-1.09 (bench/PERFLOG.md). The mma.sync tiles keep load_block's
-    // chunk-at-a-time path: there the same split, with the rotation left until after the block's S
-    // GEMM, made plain small steps up to 5.6% slower.
-    RotaryLoads new_loads;
-    u32 new_dst = 0;
-    int new_col = -1;  // -1: none waiting
-    auto finish_new_key = [&]() {
-        if (new_col >= 0) store_shared(new_dst, rotated_from_loads<BF16>(a, new_loads, new_col));
-        new_col = -1;
-    };
-    auto issue_new_keys = [&](int blk, int stage) {
-        if (FP8 || a.rotary_dim == 0) return;
-        const int first = blk * BN + span.leftpad;  // the block's first cache position
-        const int r0 = max(span.cache_len - first, 0), r1 = min(span.end - first, BN);
-        const u32 k_base = smem_addr(smem_raw + T::OFF_K + stage * T::STAGE_BYTES);
-        for (int c = ctid; c < (r1 - r0) * CHUNKS; c += COPY_THREADS) {
-            const int r = r0 + c / CHUNKS, chunk = c % CHUNKS, col = T::CHUNK_ELEMS * chunk;
-            if (col >= a.d) continue;  // zeros, from load_block
-            finish_new_key();
-            new_loads = rotary_loads(a, new_row(a, true, b, first + r - span.cache_len, hk), col, first + r);
-            new_dst = k_base + ring_offset(r, chunk);
-            new_col = col;
-        }
-    };
     // An fp8 cache: ring stage `stage`'s e4m3 V tile widened into the 16-bit tile the P V MMAs read
     // (each thread a 16-byte chunk of e4m3 at a time, two swizzled chunks out).
     auto widen_values = [&](int stage) {
@@ -647,13 +617,15 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         // page ids read while the block before is copied.
         if (copy_warp) {
             if constexpr (T::SPLIT_REGS) setmaxnreg_dec<T::COPY_REGS>();
+            if (a.k_new != nullptr) {
+                append_new(ctid, COPY_THREADS);
+                named_bar_sync<COPY_THREADS>(DECODE_COPY_WARPS_APPENDED);  // the new rows seen by every copy
+            }
             if (n_steps > 0) fetch_pages(blk0);
             for (int n = 0; n < n_steps; ++n) {
                 const int stage = n % STAGES;
                 if (n >= STAGES) mbar_wait(empty_bar + 8 * stage, (n / STAGES - 1) & 1);
                 load_block(blk0 + n, stage);
-                issue_new_keys(blk0 + n, stage);
-                finish_new_key();
                 cp_async_arrive_noinc(full_bar + 8 * stage);
                 if (n + 1 < n_steps) fetch_pages(blk0 + n + 1);
             }
@@ -662,6 +634,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         }
         if constexpr (T::SPLIT_REGS) setmaxnreg_inc<T::ROW_REGS>();
     } else {
+        if (a.k_new != nullptr) __syncthreads();  // the new rows appended before any thread's copies read them
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) {
             if (s < n_steps) {

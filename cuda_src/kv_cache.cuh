@@ -321,37 +321,45 @@ __device__ __forceinline__ float descale_of(const float* descale, const KVCacheA
     return descale != nullptr ? __ldg(descale + b * a.nheads_kv + hk) : 1.f;
 }
 
-// Writes batch b's new keys (rotated) and values of kv head hk into the cache:
-// new rows t = first, first + step, ... (one CTA's share), skipping positions
-// at or past the capacity. An fp8 cache takes them quantised by the caller's k_desc and v_desc
-// (descale_of), 16 to a chunk.
+// The new rows one CTA appends: cache positions [own0, own0 + n_own) and [low0, low0 + n_low),
+// [high0, high0 + n_high) (parts of [cache_len, end)), numbered in that order.
+struct AppendRows {
+    int own0, n_own, low0, n_low, high0, n_high;
+    __device__ __forceinline__ int count() const { return n_own + n_low + n_high; }
+    __device__ __forceinline__ int position(int t) const {
+        if (t < n_own) return own0 + t;
+        t -= n_own;
+        return t < n_low ? low0 + t : high0 + t - n_low;
+    }
+};
+
+// Writes batch b's new keys (rotated) and values of kv head hk at the positions of `rows` into the
+// cache, a 16-byte chunk of a row at a time among `threads` threads. An fp8 cache takes them
+// quantised by the caller's k_desc and v_desc (descale_of), 16 to a chunk.
 template <bool BF16, bool FP8, bool PAGED>
-__device__ __forceinline__ void append_new_keys(const KVCacheArgs& a, int b, int hk, const CacheSpan& span, int first,
-                                                int step, int tid, int threads, float k_desc, float v_desc) {
+__device__ __forceinline__ void append_new_rows(const KVCacheArgs& a, int b, int hk, const CacheSpan& span,
+                                                const AppendRows& rows, int tid, int threads, float k_desc,
+                                                float v_desc) {
     constexpr int ELEMS = FP8 ? 16 : 8;  // per 16-byte chunk of a cache row
     constexpr int ELEM_BYTES = FP8 ? 1 : 2;
     const int chunks = (a.d + ELEMS - 1) / ELEMS;
-    const int rows = span.end - span.cache_len;
     const unsigned char* k_head = head_of<PAGED, ELEM_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, 0);
     const unsigned char* v_head = head_of<PAGED, ELEM_BYTES>(a.v_cache, a.vc_sb, a.vc_sh, hk, span, 0);
-    for (int t = first; t < rows; t += step) {
-        const int j = span.cache_len + t;
-        const u16* k_row = new_row(a, true, b, t, hk);
-        const u16* v_row = new_row(a, false, b, t, hk);
+    for (int c = tid; c < rows.count() * 2 * chunks; c += threads) {
+        const int j = rows.position(c / (2 * chunks)), kc = c % (2 * chunks);
+        const bool key = kc < chunks;
+        const int col = ELEMS * (key ? kc : kc - chunks);
+        const u16* row = new_row(a, key, b, j - span.cache_len, hk);
         const CachePos pos = cache_pos<PAGED>(a, span, j, PAGED ? page_of(a, b, j) : 0);
-        unsigned char* k_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(k_head, pos, a.kc_sb, a.kc_sn));
-        unsigned char* v_dst = const_cast<unsigned char*>(row_at<PAGED, ELEM_BYTES>(v_head, pos, a.vc_sb, a.vc_sn));
-        for (int c = tid; c < 2 * chunks; c += threads) {
-            const bool key = c < chunks;
-            const int col = ELEMS * (key ? c : c - chunks);
-            uint4 chunk;
-            if constexpr (FP8) {
-                chunk = new_chunk_e4m3<BF16>(a, key ? k_row : v_row, col, j, key, key ? k_desc : v_desc);
-            } else {
-                chunk = key ? load_rotated_chunk<BF16>(a, k_row, col, j) : *reinterpret_cast<const uint4*>(v_row + col);
-            }
-            *reinterpret_cast<uint4*>((key ? k_dst : v_dst) + ELEM_BYTES * col) = chunk;
+        unsigned char* dst = const_cast<unsigned char*>(key ? row_at<PAGED, ELEM_BYTES>(k_head, pos, a.kc_sb, a.kc_sn)
+                                                            : row_at<PAGED, ELEM_BYTES>(v_head, pos, a.vc_sb, a.vc_sn));
+        uint4 chunk;
+        if constexpr (FP8) {
+            chunk = new_chunk_e4m3<BF16>(a, row, col, j, key, key ? k_desc : v_desc);
+        } else {
+            chunk = key ? load_rotated_chunk<BF16>(a, row, col, j) : *reinterpret_cast<const uint4*>(row + col);
         }
+        *reinterpret_cast<uint4*>(dst + ELEM_BYTES * col) = chunk;
     }
 }
 

@@ -27,8 +27,10 @@ enum BwdNamedBarrier : int {
 enum DecodeNamedBarrier : int {
     // The row warps' threads, not the copy warps': Q's tile written, then read.
     DECODE_ROW_WARPS = 1,
-    // Ping-pong of two row warpgroups: c may issue its GEMMs (256 threads).
+    // Ping-pong of two row warpgroups: c may issue its GEMMs (256 threads; IDs 2 and 3).
     DECODE_GEMM_TURN = 2,
+    // The copy warps' threads: the new rows they appended are in the cache.
+    DECODE_COPY_WARPS_APPENDED = 4,
 };
 
 __device__ __forceinline__ int own_barrier(int first, int c) { return first + c; }

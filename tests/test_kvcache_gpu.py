@@ -223,6 +223,23 @@ def test_score_options(name, options, group):
              **options)
 
 
+# The new rows go into the cache before the ring copies them: a CTA appends those of its own key
+# blocks, and the first split of the first row block those its row block does not attend. Here a
+# window leaves new rows that no query attends, and in the two-tile cases (256 rows a kv head on
+# Hopper) the first row block does not attend the last ones; rotated, paged and e4m3 caches.
+@pytest.mark.parametrize("case", [
+    dict(seqlen_q=1, n_new=40, nheads=8, nheads_kv=2, window_size=(6, -1), causal=True),
+    dict(seqlen_q=2, n_new=40, nheads=8, nheads_kv=2, window_size=(6, -1), causal=True, rotary="half",
+         interleaved=False, page_size=16),
+    dict(seqlen_q=2, n_new=30, nheads=8, nheads_kv=2, window_size=(3, 1), fp8=True, rotary="full"),
+    dict(seqlen_q=8, n_new=8, nheads=32, nheads_kv=1, window_size=(2, -1), causal=True, rotary="full",
+         num_splits=4),
+    dict(seqlen_q=8, n_new=20, nheads=32, nheads_kv=1, window_size=(4, -1), causal=True, page_size=16),
+], ids=["unattended", "unattended_paged_rotary", "unattended_e4m3", "two_row_blocks", "two_row_blocks_paged"])
+def test_new_rows_outside_the_attended_keys(case):
+    run_case(np.random.default_rng(case["n_new"] + case["seqlen_q"]), capacity=300, batch=3, **case)
+
+
 @pytest.mark.parametrize("headdim", [16, 128, 136])  # 16, 136: the combine's last column pass is partial
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 17])
 # 8 packed rows per kv head: a 16-row tile, whose last split CTA merges the splits in the kernel;
