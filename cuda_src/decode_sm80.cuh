@@ -388,6 +388,43 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                                   rest ? max(seen0 - span.cache_len, 0) : 0, seen1, rest ? max(span.end - seen1, 0) : 0};
         append_new_rows<BF16, FP8, PAGED>(a, b, hk, span, new_rows, thread, threads, k_desc, v_desc);
     };
+    // The ring's copies: each thread owns one 16-byte chunk column of every ROW_STEP-th row (when the
+    // threads cover whole rows). A paged cache's page ids of those rows are read one block ahead,
+    // while the block before is computed: read just before the copies that need them, their round
+    // trip (long, under a saturated memory system) halved the paged kernel's bandwidth. Pages hold
+    // a multiple of 16 positions, so one id serves the GROUP owned rows of a 16-row group.
+    constexpr bool ROW_OWNER = COPY_THREADS % CHUNKS == 0;
+    constexpr int ROW_STEP = ROW_OWNER ? COPY_THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
+    constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+    // Row runs, where the shapes allow: each thread copies chunks c and c + HALF of RUN consecutive
+    // rows (of one page: a paged cache has no leftpad, so 16-row groups are whole pages' parts), so
+    // one page id, one page division and one row address per cache serve 2 RUN copies. A paged
+    // cache takes them (the per-row page arithmetic made the paged MQA tile issue-bound); a
+    // contiguous one in the 64-row tile, whose MMAs leave the copies few issue slots (MQA with
+    // Nq = 8: 6-12% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
+    // and GQA (bench/PERFLOG.md, "page runs", "row runs").
+    constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * COPY_THREADS);
+    constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && COPY_THREADS % HALF == 0 && RUN >= 1 &&
+                               16 % RUN == 0 && 2 * RUN * COPY_THREADS == BN * CHUNKS;
+    static_assert(!WGMMA || ROW_RUNS, "the copy warps copy row runs");
+    constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
+    auto page_at = [&](int blk, int r) {
+        const int j = span.leftpad + blk * BN + r;
+        return PAGED && j < span.end ? page_of(a, b, j) : 0;
+    };
+    int pages[PAGE_IDS];
+    auto fetch_pages = [&](int blk) {
+        if constexpr (ROW_RUNS) {
+            pages[0] = page_at(blk, ctid / HALF * RUN);
+        } else if constexpr (PAGED && ROW_OWNER) {
+#pragma unroll
+            for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, ctid / CHUNKS + g * GROUP * ROW_STEP);
+        }
+    };
+    // The mma.sync tiles: the first block's page ids before the append and Q's loads, so that their
+    // round trips overlap (a split of one block paid them one after another: paged MQA batch 1 1k
+    // took 1.07 of the contiguous step's time). The copy warps read them first thing.
+    if (PAGED && !WGMMA && n_steps > 0) fetch_pages(blk0);
     if constexpr (!WGMMA) {
         // The last threads append, so that where a tile's rows are few their round trips overlap Q's
         // loads by the first threads. (The wgmma tiles: the copy warps, beside the row warps' Q.)
@@ -500,39 +537,11 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
 
     // Keys and values of block `blk` into ring stage `stage`: positions before the end by cp.async
     // from the cache (new rows included: append_new wrote them), zeros past it.
-    // Each thread owns one 16-byte chunk column of every ROW_STEP-th row (when the threads cover
-    // whole rows). A paged cache's page ids of those rows are read one block ahead, while the
-    // block before is computed: read just before the copies that need them, their round trip
-    // (long, under a saturated memory system) halved the paged kernel's bandwidth. Pages hold
-    // a multiple of 16 positions, so one id serves the GROUP owned rows of a 16-row group.
-    constexpr bool ROW_OWNER = COPY_THREADS % CHUNKS == 0;
-    constexpr int ROW_STEP = ROW_OWNER ? COPY_THREADS / CHUNKS : 1, OWNED_ROWS = ROW_OWNER ? BN / ROW_STEP : 1;
-    constexpr int GROUP = ROW_OWNER && ROW_STEP < 16 ? 16 / ROW_STEP : 1;
-    // Row runs, where the shapes allow: each thread copies chunks c and c + HALF of RUN consecutive
-    // rows (of one page: a paged cache has no leftpad, so 16-row groups are whole pages' parts), so
-    // one page id, one page division and one row address per cache serve 2 RUN copies. A paged
-    // cache takes them (the per-row page arithmetic made the paged MQA tile issue-bound); a
-    // contiguous one in the 64-row tile, whose MMAs leave the copies few issue slots (MQA with
-    // Nq = 8: 6-12% faster); elsewhere it keeps the owned rows' whole-row copies, faster for MHA
-    // and GQA (bench/PERFLOG.md, "page runs", "row runs").
-    constexpr int HALF = CHUNKS / 2, RUN = BN * CHUNKS / (2 * COPY_THREADS);
-    constexpr bool ROW_RUNS = (PAGED || WARPS_M >= 4) && CHUNKS % 2 == 0 && COPY_THREADS % HALF == 0 && RUN >= 1 &&
-                               16 % RUN == 0 && 2 * RUN * COPY_THREADS == BN * CHUNKS;
-    static_assert(!WGMMA || ROW_RUNS, "the copy warps copy row runs");
-    constexpr int PAGE_IDS = ROW_RUNS ? 1 : OWNED_ROWS / GROUP;
-    auto page_at = [&](int blk, int r) {
-        const int j = span.leftpad + blk * BN + r;
-        return PAGED && j < span.end ? page_of(a, b, j) : 0;
-    };
-    int pages[PAGE_IDS];
-    auto fetch_pages = [&](int blk) {
-        if constexpr (ROW_RUNS) {
-            pages[0] = page_at(blk, ctid / HALF * RUN);
-        } else if constexpr (PAGED && ROW_OWNER) {
-#pragma unroll
-            for (int g = 0; g < PAGE_IDS; ++g) pages[g] = page_at(blk, ctid / CHUNKS + g * GROUP * ROW_STEP);
-        }
-    };
+    // The copies of this CTA's first block holding new rows wait for a barrier after the append (the
+    // copy warps' named barrier, or __syncthreads): the blocks before it go out while the append's
+    // round trip runs. -1: no such block.
+    const int new_blk = (span.cache_len - span.leftpad) / BN;  // the block of the first new row
+    const int first_new_blk = a.k_new != nullptr && new_blk < blk0 + n_steps ? max(new_blk, blk0) : -1;
     // The cached rows of this kv head: with owned rows or row runs, at this thread's (first) chunk.
     const int own_chunk_bytes = ROW_RUNS ? 16 * (ctid % HALF) : ROW_OWNER ? 16 * (ctid % CHUNKS) : 0;
     const unsigned char* k_head = head_of<PAGED, T::CACHE_BYTES>(a.k_cache, a.kc_sb, a.kc_sh, hk, span, own_chunk_bytes);
@@ -617,14 +626,12 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         // page ids read while the block before is copied.
         if (copy_warp) {
             if constexpr (T::SPLIT_REGS) setmaxnreg_dec<T::COPY_REGS>();
-            if (a.k_new != nullptr) {
-                append_new(ctid, COPY_THREADS);
-                named_bar_sync<COPY_THREADS>(DECODE_COPY_WARPS_APPENDED);  // the new rows seen by every copy
-            }
             if (n_steps > 0) fetch_pages(blk0);
+            append_new(ctid, COPY_THREADS);
             for (int n = 0; n < n_steps; ++n) {
                 const int stage = n % STAGES;
                 if (n >= STAGES) mbar_wait(empty_bar + 8 * stage, (n / STAGES - 1) & 1);
+                if (blk0 + n == first_new_blk) named_bar_sync<COPY_THREADS>(DECODE_COPY_WARPS_APPENDED);
                 load_block(blk0 + n, stage);
                 cp_async_arrive_noinc(full_bar + 8 * stage);
                 if (n + 1 < n_steps) fetch_pages(blk0 + n + 1);
@@ -634,11 +641,11 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         }
         if constexpr (T::SPLIT_REGS) setmaxnreg_inc<T::ROW_REGS>();
     } else {
-        if (a.k_new != nullptr) __syncthreads();  // the new rows appended before any thread's copies read them
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) {
             if (s < n_steps) {
-                fetch_pages(blk0 + s);
+                if (blk0 + s == first_new_blk) __syncthreads();  // later blocks: after the loop's barriers
+                if (!PAGED || s > 0) fetch_pages(blk0 + s);
                 load_block(blk0 + s, s);
             }
             cp_async_commit();
