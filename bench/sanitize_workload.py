@@ -143,8 +143,8 @@ def varlen():
 
 
 def kvcache():
-    """Decoding over contiguous and paged caches: appends (rotated), device lengths at and past the
-    capacity, split keys merged in thread-block clusters (sm_90, the mma.sync tiles: one cluster a row
+    """Decoding over contiguous and paged caches: appends (rotated; new rows outside every query's
+    window), device lengths at and past the capacity, split keys merged in thread-block clusters (sm_90, the mma.sync tiles: one cluster a row
     block, or several and the combine kernel), in the kernel through global memory (16-row tiles, 9
     splits) and by the combine kernel (MQA, 64- and 128-row tiles: on sm_90 the wgmma tiles), GQA and
     several queries."""
@@ -202,6 +202,17 @@ def kvcache():
         cuflash.attention_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=lengths, block_table=pages,
                                        rotary_cos=cos, rotary_sin=sin, causal=True, k_descale=descales,
                                        v_descale=descales, num_splits=2, return_lse=True)
+    # New rows that no query of a row block attends (a window), which the first split of the first row
+    # block appends: one row block (GQA), and two (256 packed rows on one kv head: on sm_90 two wgmma
+    # tiles), contiguous and paged, at the same lengths.
+    for (k_cache, v_cache), pages in ((contiguous, None), (paged, table)):
+        cuflash.attention_with_kvcache(randn(batch, 1, nheads, headdim), k_cache, v_cache,
+                                       randn(batch, 12, nheads_kv, headdim), randn(batch, 12, nheads_kv, headdim),
+                                       cache_seqlens=lengths, block_table=pages, rotary_cos=cos, rotary_sin=sin,
+                                       window_size=(3, -1), causal=True, num_splits=3, return_lse=True)
+    cuflash.attention_with_kvcache(randn(batch, 8, 32, 128), *pages128, randn(batch, 8, 1, 128),
+                                   randn(batch, 8, 1, 128), cache_seqlens=lengths, block_table=table,
+                                   window_size=(2, -1), causal=True, num_splits=2, return_lse=True)
 
 
 def dropout():
