@@ -454,10 +454,13 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     }
     // Where a thread has many Q chunks (8 in the wgmma tiles), it issues their loads before their
     // stores: a round trip a chunk, one after another, cost those steps 4-7%. Rotated, ROTARY_BATCH
-    // items at a time (their table values take 8 more registers a chunk). Elsewhere a chunk at a time
-    // (batched, the 16-row tiles ran 1-4% slower).
+    // items at a time (their table values take 8 more registers a chunk). The 32-row tile's two
+    // chunks a thread too (MQA steps 1-3% faster, paged ones up to 5%); the 16-row tiles' two a
+    // chunk at a time (batched, they ran 1-4% slower).
     constexpr int Q_ITEMS = BM * Q_CHUNKS / Q_GROUP, Q_PER_THREAD = (Q_ITEMS + THREADS - 1) / THREADS;
-    constexpr int ROTARY_BATCH = 4 / Q_GROUP, ITEMS_A_ROW = Q_CHUNKS / Q_GROUP;
+    constexpr bool Q_BATCHED = Q_PER_THREAD > 2 || (Q_PER_THREAD == 2 && BM == 32);
+    constexpr int ROTARY_BATCH = 4 / Q_GROUP < Q_PER_THREAD ? 4 / Q_GROUP : Q_PER_THREAD;
+    constexpr int ITEMS_A_ROW = Q_CHUNKS / Q_GROUP;
     // Item c covers Q_GROUP chunks of packed row c / ITEMS_A_ROW; packed row `row` is query row
     // row / group of head hk * group + row % group.
     auto item_chunk = [](int c, int g) { return Q_GROUP * (c % ITEMS_A_ROW) + g; };
@@ -471,7 +474,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         for (int g = 0; g < Q_GROUP; ++g)
             *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(c / ITEMS_A_ROW, item_chunk(c, g))) = val[g];
     };
-    if (Q_PER_THREAD > 2 && !copy_warp && a.rotary_dim > 0) {
+    if (Q_BATCHED && !copy_warp && a.rotary_dim > 0) {
 #pragma unroll
         for (int k0 = 0; k0 < Q_PER_THREAD; k0 += ROTARY_BATCH) {
             // Items past the tile's rows (or past Q_ITEMS) load the last row's values and drop them.
@@ -497,7 +500,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                 store_q_item(c, val);
             }
         }
-    } else if (Q_PER_THREAD > 2 && !copy_warp) {
+    } else if (Q_BATCHED && !copy_warp) {
         uint4 val[Q_PER_THREAD][Q_GROUP];
 #pragma unroll
         for (int k = 0; k < Q_PER_THREAD; ++k) {
