@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     // among the block's asynchronous copies (bench/PERFLOG.md). A CTA writes the new rows of its own
     // key blocks, so that its copies read its own writes (the CTAs of other row blocks write the same
     // values); the first split of the first row block writes those its row block does not attend
-    // too (a window can leave some, a packed batch's empty sequence all).
+    // too (a window can leave some).
     auto append_new = [&](int thread, int threads) {
         if (a.k_new == nullptr) return;
         const int own0 = max(span.leftpad + blk0 * BN, span.cache_len);

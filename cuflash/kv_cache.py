@@ -207,6 +207,8 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     nheads, headdim = q.shape[2:]
     if headdim % 8 != 0 or not 8 <= headdim <= validate.MAX_HEADDIM:
         raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {validate.MAX_HEADDIM}, got {headdim}")
+    if q.shape[1] == 0:
+        raise ValueError(f"q must hold at least one query, got shape {q.shape}")
     if not last_dim_contiguous(q):
         raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
     fp8_cache = is_e4m3(k_cache.dtype)

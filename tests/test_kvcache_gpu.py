@@ -442,6 +442,7 @@ def test_fp8_cache_options(name, options):
     (dict(rotary_sin=None), "rotary_sin"),
     (dict(k_descale=lambda _: cupy.ones((2, 2), np.float32)), "k_descale"),  # an fp16 cache
     (dict(k_cache=lambda c: c.view(np.uint8)[..., :64]), "v_cache"),  # fp8 keys, fp16 values
+    (dict(q=lambda q: q[:, :0]), "q"),  # no query
 ])
 def test_bad_input(change, arg):
     rng = np.random.default_rng(10)
