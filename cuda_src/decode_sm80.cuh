@@ -422,8 +422,8 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         }
     };
     // The mma.sync tiles: the first block's page ids before the append and Q's loads, so that their
-    // round trips overlap (a split of one block paid them one after another: paged MQA batch 1 1k
-    // took 1.07 of the contiguous step's time). The copy warps read them first thing.
+    // round trips overlap (paged small steps 1-2% faster, bench/PERFLOG.md). The copy warps read
+    // them first thing.
     if (PAGED && !WGMMA && n_steps > 0) fetch_pages(blk0);
     if constexpr (!WGMMA) {
         // The last threads append, so that where a tile's rows are few their round trips overlap Q's
