@@ -552,6 +552,8 @@ def draw_fuzz_case(index):
                 capacity=int(rng.integers(1, 1500)), num_splits=int(rng.choice([0, 0, 1, int(rng.integers(2, 20))])),
                 host_lengths=bool(rng.random() < 0.3))
     case["n_new"] = int(rng.integers(0, min(seqlen_q, case["capacity"]) + 1))
+    if rng.random() < 0.25:  # more new keys than queries: with a window, new rows no query attends
+        case["n_new"] = int(rng.integers(0, min(seqlen_q + 32, case["capacity"]) + 1))
     if paged:
         case["page_size"] = 16 * int(rng.integers(1, 17))
     else:
