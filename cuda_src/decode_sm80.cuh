@@ -474,30 +474,47 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         for (int g = 0; g < Q_GROUP; ++g)
             *reinterpret_cast<uint4*>(sQ + tile_offset<BM, D>(c / ITEMS_A_ROW, item_chunk(c, g))) = val[g];
     };
+    // Rotated Q, ROTARY_BATCH items at a time: all their loads, then their rotation and stores.
+    // Items past the tile's rows (or past Q_ITEMS) load the last row's values and drop them.
+    using RotatedQLoads = RotaryLoads[ROTARY_BATCH][Q_GROUP];
+    auto load_rotated_q = [&](RotatedQLoads& loads, int k0) {
+#pragma unroll
+        for (int k = 0; k < ROTARY_BATCH; ++k) {
+            const int c = tid + (k0 + k) * THREADS, row = min(m0 + c / ITEMS_A_ROW, rows - 1);
+#pragma unroll
+            for (int g = 0; g < Q_GROUP; ++g)
+                loads[k][g] = rotary_loads(a, q_row_of(row), 8 * item_chunk(c, g), span.cache_len + row / a.group);
+        }
+    };
+    auto store_rotated_q = [&](const RotatedQLoads& loads, int k0) {
+#pragma unroll
+        for (int k = 0; k < ROTARY_BATCH; ++k) {
+            const int c = tid + (k0 + k) * THREADS;
+            if (k0 + k >= Q_PER_THREAD || c >= Q_ITEMS) continue;
+            const bool inside = m0 + c / ITEMS_A_ROW < rows;
+            uint4 val[Q_GROUP];
+#pragma unroll
+            for (int g = 0; g < Q_GROUP; ++g)
+                val[g] = inside ? rotated_from_loads<BF16>(a, loads[k][g], 8 * item_chunk(c, g)) : make_uint4(0, 0, 0, 0);
+            store_q_item(c, val);
+        }
+    };
+    // The 32-row tile over a contiguous cache (MQA at Nq = 1: 32 rows of one position, two items a
+    // thread) rotates its Q after issuing the ring's first copies, so that the rotation runs under
+    // their round trip; its loads stay here (MQA steps with new keys and rotary 1-4% faster; the paged
+    // tile's plain steps ran up to 2% slower with it, bench/PERFLOG.md).
+    constexpr bool Q_ROTATED_LATE = !WGMMA && !PAGED && BM == 32 && Q_PER_THREAD == ROTARY_BATCH;
+    RotatedQLoads late_q;
+    const bool q_late = Q_ROTATED_LATE && Q_BATCHED && a.rotary_dim > 0;
     if (Q_BATCHED && !copy_warp && a.rotary_dim > 0) {
+        if constexpr (Q_ROTATED_LATE) {
+            load_rotated_q(late_q, 0);
+        } else {
 #pragma unroll
-        for (int k0 = 0; k0 < Q_PER_THREAD; k0 += ROTARY_BATCH) {
-            // Items past the tile's rows (or past Q_ITEMS) load the last row's values and drop them.
-            RotaryLoads loads[ROTARY_BATCH][Q_GROUP];
-#pragma unroll
-            for (int k = 0; k < ROTARY_BATCH; ++k) {
-                const int c = tid + (k0 + k) * THREADS, row = min(m0 + c / ITEMS_A_ROW, rows - 1);
-#pragma unroll
-                for (int g = 0; g < Q_GROUP; ++g)
-                    loads[k][g] =
-                        rotary_loads(a, q_row_of(row), 8 * item_chunk(c, g), span.cache_len + row / a.group);
-            }
-#pragma unroll
-            for (int k = 0; k < ROTARY_BATCH; ++k) {
-                const int c = tid + (k0 + k) * THREADS;
-                if (k0 + k >= Q_PER_THREAD || c >= Q_ITEMS) continue;
-                const bool inside = m0 + c / ITEMS_A_ROW < rows;
-                uint4 val[Q_GROUP];
-#pragma unroll
-                for (int g = 0; g < Q_GROUP; ++g)
-                    val[g] = inside ? rotated_from_loads<BF16>(a, loads[k][g], 8 * item_chunk(c, g))
-                                    : make_uint4(0, 0, 0, 0);
-                store_q_item(c, val);
+            for (int k0 = 0; k0 < Q_PER_THREAD; k0 += ROTARY_BATCH) {
+                RotatedQLoads loads;
+                load_rotated_q(loads, k0);
+                store_rotated_q(loads, k0);
             }
         }
     } else if (Q_BATCHED && !copy_warp) {
@@ -654,6 +671,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             cp_async_commit();
         }
         if (AHEAD < n_steps) fetch_pages(blk0 + AHEAD);
+        if (q_late) store_rotated_q(late_q, 0);
     }
 
     // This lane's two rows (lane / 4 and + 8 of the warp's 16): query index and ALiBi slope.
