@@ -503,9 +503,9 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
     // thread) rotates its Q after issuing the ring's first copies, so that the rotation runs under
     // their round trip; its loads stay here (MQA steps with new keys and rotary 1-4% faster; the paged
     // tile's plain steps ran up to 2% slower with it, bench/PERFLOG.md).
-    constexpr bool Q_ROTATED_LATE = !WGMMA && !PAGED && BM == 32 && Q_PER_THREAD == ROTARY_BATCH;
+    constexpr bool Q_ROTATED_LATE = !WGMMA && !PAGED && BM == 32 && Q_BATCHED && Q_PER_THREAD == ROTARY_BATCH;
     RotatedQLoads late_q;
-    const bool q_late = Q_ROTATED_LATE && Q_BATCHED && a.rotary_dim > 0;
+    const bool q_late = Q_ROTATED_LATE && a.rotary_dim > 0;
     if (Q_BATCHED && !copy_warp && a.rotary_dim > 0) {
         if constexpr (Q_ROTATED_LATE) {
             load_rotated_q(late_q, 0);

@@ -185,6 +185,20 @@ def test_row_tile_64_fp8_rotary(interleaved):
              n_new=8, nheads=16, nheads_kv=2, causal=True, capacity=333, misaligned_tables=interleaved)
 
 
+# The 32-row tile over a contiguous cache (17-32 packed rows a kv head) loads rotated Q before the
+# ring's first copies and rotates it after them: MQA at Nq = 1, GQA groups of 16 at Nq = 2, both rotary
+# modes, 16-bit and e4m3 caches, with new keys and forced splits.
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("case", [
+    dict(nheads=32, nheads_kv=1, seqlen_q=1, n_new=1, rotary="full"),
+    dict(nheads=32, nheads_kv=1, seqlen_q=1, n_new=1, rotary="half", dtype=DTYPES[1], num_splits=5),
+    dict(nheads=32, nheads_kv=2, seqlen_q=2, n_new=2, rotary="full", causal=True),
+    dict(nheads=32, nheads_kv=1, seqlen_q=1, n_new=1, rotary="half", fp8=True),
+], ids=["mqa", "mqa_bf16_splits", "gqa16_nq2", "mqa_e4m3"])
+def test_row_tile_32_rotary(interleaved, case):
+    run_case(np.random.default_rng(32 + interleaved + len(case)), interleaved=interleaved, capacity=777, **case)
+
+
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_paged(page_size, dtype):
