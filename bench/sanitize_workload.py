@@ -31,7 +31,7 @@ import sys
 import cupy
 
 import cuflash
-from cuflash import tail_split
+from cuflash import dispatch, tail_split
 from cuflash.bench.inputs import cupy_dtype
 
 
@@ -147,7 +147,15 @@ def kvcache():
     window), device lengths at and past the capacity, split keys merged in thread-block clusters (sm_90, the mma.sync tiles: one cluster a row
     block, or several and the combine kernel), in the kernel through global memory (16-row tiles, 9
     splits) and by the combine kernel (MQA, 64- and 128-row tiles: on sm_90 the wgmma tiles), GQA and
-    several queries."""
+    several queries. The steps run twice: as dispatched (on sm_90 these small steps with more than 32
+    packed rows a kv head take the 32-row tile, several row blocks of it), then on the tiles of large
+    steps (the wgmma tiles)."""
+    kvcache_steps()
+    with dispatch.large_step_tiles():
+        kvcache_steps()
+
+
+def kvcache_steps():
     gen = cupy.random.default_rng(3)
 
     def randn(*shape):

@@ -412,10 +412,57 @@ WGMMA_MIN_ROWS = 33
 DECODE_RING_BYTES_WGMMA = 128 * 1024
 
 
-def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arch: int = 80) -> DecodeConfig:
+# ... except in small steps: there the wgmma tiles' fixed costs (a 64- or 128-row chain a CTA, the
+# splits merged through global memory by a second kernel) outweigh their tensor cores, and the 32-row
+# mma.sync tile (8 warps, its splits merged in thread-block clusters) runs the rows as row blocks of 32.
+# A step's size: its 32-row x 64-key units of work per SM, batch x kv heads x ceil(rows / 32) x key
+# blocks / SMs. Same process, H100, fp16, head dim 128, 32 query heads on 1, 2 or 4, causal, Nq 2-16,
+# batch 1-16, caches of 1k-16k, device time of CUDA-graph replays (225 steps; bench/PERFLOG.md, "the
+# 32-row tile for small steps"), 32-row tile over wgmma time: up to 8 units an SM 0.47-0.95 on every step
+# (MQA batch 1 1k Nq 8 17.8 -> 8.6 us); at 15.5 units 0.72-1.00 with 64 rows a kv head, 0.76-1.08 with
+# 128 (geometric mean 0.90), 0.80-1.15 with more; at 31 units 0.84-1.00 with 64 rows, 1.04-1.46 with
+# more; at 62 units and more 0.96-3.2. So the tile takes steps of up to SMALL_STEP_UNITS_PER_SM units an
+# SM at 64 rows, halved as the rows double, and never fewer than MIN_SMALL_STEP_UNITS_PER_SM.
+SMALL_STEP_UNITS_PER_SM = 32
+MIN_SMALL_STEP_UNITS_PER_SM = 8
+_small_step_tiles = True
+
+
+def decode_small_step(rows: int, kv_blocks_per_sm: float) -> bool:
+    """Whether a Hopper step of `rows` (> 32) packed rows a kv head over kv_blocks_per_sm 64-key cache
+    blocks (of one batch and kv head) per SM runs on the 32-row mma.sync tile rather than the wgmma tiles."""
+    units = kv_blocks_per_sm * -(-rows // 32)
+    limit = max(MIN_SMALL_STEP_UNITS_PER_SM, SMALL_STEP_UNITS_PER_SM * 64 / max(rows, 64))
+    return _small_step_tiles and units <= limit
+
+
+def small_step_tiles() -> bool:
+    """Whether small steps take the 32-row tile (part of the decoding launch plans' keys)."""
+    return _small_step_tiles
+
+
+@contextlib.contextmanager
+def large_step_tiles():
+    """Within the block every decoding step takes the tiles of large steps (on Hopper the wgmma tiles),
+    whatever its size: the tests of those tiles run small steps."""
+    global _small_step_tiles
+    saved, _small_step_tiles = _small_step_tiles, False
+    try:
+        yield
+    finally:
+        _small_step_tiles = saved
+
+
+def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arch: int = 80,
+                  kv_blocks_per_sm: float = float("inf")) -> DecodeConfig:
     """The decoding kernel's tiles for `rows` packed (query, head) rows per kv head (fp8: an e4m3
-    cache) on a GPU of compute capability `arch` (major * 10 + minor)."""
+    cache) on a GPU of compute capability `arch` (major * 10 + minor), for a step of kv_blocks_per_sm
+    64-key blocks of cache (of one batch and kv head) per SM (decode_small_step; by default a large step)."""
     kd = kernel_headdim(headdim)
+    wgmma = (arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0
+             and kd <= MAX_HEADDIM_4_ROW_WARPS)
+    if wgmma and decode_small_step(rows, kv_blocks_per_sm):
+        rows, wgmma = 32, False  # the 32-row tile, ceil(rows / 32) row blocks of it
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
     warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS and not fp8 else 4 // warps_m
@@ -424,7 +471,7 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     # not fit (small shared memory: 99 KB on sm_86/89), fewer stages, then 4 warps, then fewer row warps.
     tiles = [(warps_m, warps_n, False, ring), (warps_m, 4 // warps_m, False, ring),
              *((m, 4 // m, False, ring) for m in (2, 1) if m < warps_m)]
-    if arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0 and kd <= MAX_HEADDIM_4_ROW_WARPS:
+    if wgmma:
         tiles[:0] = [(m, 1, True, DECODE_RING_BYTES_WGMMA) for m in ((8, 4) if rows > 64 else (4,))]
     for m, n, wgmma, ring_bytes in tiles:
         for s in range(max(2, min(8, ring_bytes // per_stage)), 1, -1):

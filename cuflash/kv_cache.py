@@ -17,6 +17,7 @@ import numpy
 from . import dispatch, score_mods, validate
 from .arrays import (ALIGN_BYTES, aligned_copy, contiguous_strides, dtype_name, elem_strides, is_aligned,
                      last_dim_contiguous, pool_array)
+from .config import DecodeConfig
 from .decode_launch import DecodeLaunch, clusters_held
 from .device import SMEM_RESERVED_PER_CTA, compute_capability, cupy, max_smem_per_block, max_smem_per_sm, sm_count
 from .fp8 import check_descale, is_e4m3
@@ -405,13 +406,15 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
     arch = compute_capability(device_id)
-    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache, arch)
+    key_blocks, sms = -(-capacity // DecodeConfig.BLOCK_N), sm_count(device_id)
+    cfg = dispatch.decode_config(headdim, max(rows, 1), max_smem_per_block(device_id), fp8_cache, arch,
+                                 batch * nheads_kv * key_blocks / sms)
     row_blocks = -(-max(rows, 1) // cfg.block_m)
     if row_blocks > validate.MAX_GRID_YZ or batch * nheads_kv > validate.MAX_GRID_YZ:
         raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
     per_sm = max(1, max_smem_per_sm(device_id) // (cfg.smem_bytes() + SMEM_RESERVED_PER_CTA))
-    ctas, key_blocks, sms = batch * nheads_kv * row_blocks, -(-capacity // cfg.BLOCK_N), sm_count(device_id)
+    ctas = batch * nheads_kv * row_blocks
     held = clusters_held(cfg, name, paged, causal, mods, device_id) if dispatch.decode_may_cluster(
         cfg, ctas, sms, arch) else {}
     splits, cluster = dispatch.decode_cluster_plan(cfg, ctas, key_blocks, sms, arch, held, num_splits)
@@ -456,7 +459,7 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
         else:
             return None
     arrays = tuple(arrays)
-    return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits)
+    return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits, dispatch.small_step_tiles())
 
 
 @dataclasses.dataclass(frozen=True)

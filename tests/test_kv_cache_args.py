@@ -188,3 +188,26 @@ def test_cache_row_strides(paged, shape, strides, what):
     else:
         with pytest.raises(ValueError, match=f"k_cache: its {what} stride"):
             kv_cache._check_row_strides("k_cache", cache, paged)
+
+
+@pytest.mark.parametrize("rows", [33, 64, 100, 128, 256, 512])
+def test_decode_config_small_steps(rows):
+    """On sm_90, a step of few 32-row x 64-key units per SM (decode_small_step) takes the 32-row
+    mma.sync tile for its rows instead of the wgmma tiles; large steps, other GPUs, fp8 caches and
+    large_step_tiles() keep the tiles of before."""
+    limit = max(dispatch.MIN_SMALL_STEP_UNITS_PER_SM, dispatch.SMALL_STEP_UNITS_PER_SM * 64 / max(rows, 64))
+    row_blocks = -(-rows // 32)
+    small, large = 0.99 * limit / row_blocks, 1.01 * limit / row_blocks  # kv blocks per SM
+    thirty_two = dispatch.decode_config(128, 32, 227 * 1024, arch=90)
+    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small) == thirty_two
+    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=large).wgmma
+    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90) == dispatch.decode_config(128, rows, 227 * 1024,
+                                                                                            arch=90, kv_blocks_per_sm=large)
+    assert dispatch.decode_config(128, rows, 227 * 1024, arch=80, kv_blocks_per_sm=small) == \
+        dispatch.decode_config(128, rows, 227 * 1024, arch=80)
+    assert dispatch.decode_config(128, rows, 227 * 1024, True, 90, small) == dispatch.decode_config(128, rows,
+                                                                                                   227 * 1024, True, 90)
+    with dispatch.large_step_tiles():
+        assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small).wgmma
+        assert not dispatch.small_step_tiles()
+    assert dispatch.small_step_tiles()

@@ -150,8 +150,10 @@ def test_row_tile_64_head_dims(headdim, fp8):
 
 
 # On sm_90 more than 32 packed rows per kv head over a 16-bit cache at head dims 64 and 128 take the
-# wgmma tiles (one warpgroup up to 64 rows, two past it): row counts that fill neither a warpgroup nor
-# a tile, with leftpad, new keys, rotary, paging, forced splits and every score option.
+# wgmma tiles (one warpgroup up to 64 rows, two past it) in steps too large for the 32-row tile
+# (dispatch.decode_small_step; these small ones are held to the wgmma tiles): row counts that fill
+# neither a warpgroup nor a tile, with leftpad, new keys, rotary, paging, forced splits and every
+# score option.
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("case", [
     dict(seqlen_q=3, nheads=32, nheads_kv=2, causal=True),  # 48 rows: one warpgroup
@@ -165,7 +167,29 @@ def test_wgmma_tiles(headdim, case):
     device_id = cupy.cuda.Device().id
     cfg = dispatch.decode_config(headdim, rows, max_smem_per_block(device_id), arch=compute_capability(device_id))
     assert cfg.wgmma == (compute_capability(device_id) == 90)
-    run_case(np.random.default_rng(headdim + rows), headdim=headdim, capacity=333, n_new=2, **case)
+    with dispatch.large_step_tiles():
+        run_case(np.random.default_rng(headdim + rows), headdim=headdim, capacity=333, n_new=2, **case)
+
+
+# Small steps with more than 32 packed rows a kv head take the 32-row tile on sm_90, their rows as row
+# blocks of 32 (dispatch.decode_small_step): MQA with 8 queries (8 row blocks), GQA groups of 16 with
+# 3 (48 rows: a partial second block), with new keys, rotary, leftpad, paging, bf16, splits and options.
+@pytest.mark.parametrize("case", [
+    dict(seqlen_q=8, nheads=32, nheads_kv=1, causal=True, rotary="half", n_new=8),
+    dict(seqlen_q=3, nheads=32, nheads_kv=2, causal=True, leftpad=True, n_new=2),
+    dict(seqlen_q=5, nheads=32, nheads_kv=1, dtype=DTYPES[1], page_size=16, rotary="full", n_new=5),
+    dict(seqlen_q=4, nheads=32, nheads_kv=1, causal=True, num_splits=3, window_size=(70, -1), softcap=4.0,
+         alibi=True),
+], ids=["mqa_nq8_rotary", "gqa16_48rows_leftpad", "mqa_bf16_paged", "mqa_splits_options"])
+def test_small_steps_row_tile_32(case):
+    device_id = cupy.cuda.Device().id
+    if compute_capability(device_id) != 90:
+        pytest.skip("the 32-row tile replaces the wgmma tiles in small steps on sm_90")
+    rows = case["seqlen_q"] * case["nheads"] // case["nheads_kv"]
+    cfg = dispatch.decode_config(128, rows, max_smem_per_block(device_id), arch=90,
+                                 kv_blocks_per_sm=3 * case["nheads_kv"] * 6 / sm_count(device_id))
+    assert (cfg.block_m, cfg.wgmma) == (32, False)
+    run_case(np.random.default_rng(rows), capacity=333, **case)
 
 
 # The tiles where a thread rotates several Q chunks at once (the wgmma tiles, the 64-row tile over an
@@ -174,9 +198,10 @@ def test_wgmma_tiles(headdim, case):
 @pytest.mark.parametrize("rotary", ["full", "half"])
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_wgmma_tiles_rotary(headdim, rotary, interleaved):
-    run_case(np.random.default_rng(headdim + len(rotary) + interleaved), headdim=headdim, rotary=rotary,
-             interleaved=interleaved, seqlen_q=5, n_new=5, nheads=32, nheads_kv=1, causal=True, capacity=200,
-             misaligned_tables=rotary == "full")
+    with dispatch.large_step_tiles():
+        run_case(np.random.default_rng(headdim + len(rotary) + interleaved), headdim=headdim, rotary=rotary,
+                 interleaved=interleaved, seqlen_q=5, n_new=5, nheads=32, nheads_kv=1, causal=True, capacity=200,
+                 misaligned_tables=rotary == "full")
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
