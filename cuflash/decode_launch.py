@@ -53,7 +53,13 @@ COMBINE_ROWS_PER_CTA = 4  # one warp a row
 # A/B against the combine kernel (bench/decode_merge_ab.py; bench/PERFLOG.md): 1-5% more GB/s with
 # 16-row tiles (GQA batch 8 8k 2666 against 2562 GB/s, H100, fp16, head dim 128); with 32-row tiles
 # one CTA's merge of 32 rows was slower than the combine kernel's 8-64 CTAs (MQA batch 64 8k 2242
-# against 2362, MQA batch 8 128k 2205 against 2511).
+# against 2362, MQA batch 8 128k 2205 against 2511). Up to DECODE_MERGE_MAX_SPLITS splits: the last split
+# CTA of a row block reads every split's partial output, a chain that grows with their count, where the
+# combine kernel spreads the rows over CTAs. Same process, H100, fp16, head dim 128, batch 1, 128k cache,
+# graph replays (bench/PERFLOG.md, "Many splits merged by the combine kernel"): 32 heads on 2, 122
+# splits, 98.5 -> 65.0 us; batch 2, 63 splits, 127.2 -> 104.7; 32 on 4, 63 splits, 110.7 -> 103.8;
+# steps of 32 splits or fewer kept their merge (the same time).
+DECODE_MERGE_MAX_SPLITS = 32
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -147,7 +153,8 @@ class DecodeLaunch:
         self.partial_o_floats = partials * batch * nq * nheads * headdim if in_global else 0
         self.partial_floats = self.partial_o_floats + (partials * batch * nq * nheads if in_global else 0)
         self.row_blocks = self.grid[1] * self.grid[2]  # one splits_done count each
-        self.merge_in_kernel = in_global and not cluster and cfg.block_m <= DECODE_MERGE_MAX_ROWS
+        self.merge_in_kernel = (in_global and not cluster and cfg.block_m <= DECODE_MERGE_MAX_ROWS
+                                and partials <= DECODE_MERGE_MAX_SPLITS)
         record = numpy.zeros((), KV_CACHE_ARGS_DTYPE)
         for prefix, array_strides in strides.items():
             for suffix, s in zip(("sb", "sn", "sh"), array_strides[:3]):

@@ -416,24 +416,28 @@ DECODE_RING_BYTES_WGMMA = 128 * 1024
 # splits merged through global memory by a second kernel) outweigh their tensor cores, and the 32-row
 # mma.sync tile (8 warps, its splits merged in thread-block clusters) runs the rows as row blocks of 32.
 # A step's size: its 32-row x 64-key units of work per SM, batch x kv heads x ceil(rows / 32) x key
-# blocks / SMs. Same process, H100, fp16, head dim 128, 32 query heads on 1, 2 or 4, causal, Nq 2-16,
-# batch 1-16, caches of 1k-16k, device time of CUDA-graph replays (225 steps; bench/PERFLOG.md, "the
-# 32-row tile for small steps"), 32-row tile over wgmma time: up to 8 units an SM 0.47-0.95 on every step
-# (MQA batch 1 1k Nq 8 17.8 -> 8.6 us); at 15.5 units 0.72-1.00 with 64 rows a kv head, 0.76-1.08 with
-# 128 (geometric mean 0.90), 0.80-1.15 with more; at 31 units 0.84-1.00 with 64 rows, 1.04-1.46 with
-# more; at 62 units and more 0.96-3.2. So the tile takes steps of up to SMALL_STEP_UNITS_PER_SM units an
-# SM at 64 rows, halved as the rows double, and never fewer than MIN_SMALL_STEP_UNITS_PER_SM.
-SMALL_STEP_UNITS_PER_SM = 32
-MIN_SMALL_STEP_UNITS_PER_SM = 8
+# blocks / SMs. Same process, H100, device time of CUDA-graph replays, 32 query heads on 1, 2 or 4,
+# causal, Nq 2-16 (bench/PERFLOG.md, "The 32-row tile for small steps"); 32-row tile over wgmma time:
+# - fp16, head dim 128, batch 1-16, caches of 1k-16k (225 steps): up to 8 units an SM 0.47-0.95 on every
+#   step (MQA batch 1 1k Nq 8 17.8 -> 8.6 us); at 15.5 units 0.72-1.00 with 64 rows a kv head, 0.76-1.08
+#   with 128, 0.80-1.15 with more; at 31 units 0.84-1.00 with 64 rows, 1.04-1.46 with more; at 62 and
+#   more 0.96-3.2;
+# - 44 steps of head dim 64, bf16, pages of 16 and new keys with rotary: up to 8 units 0.48-0.99; at
+#   15.5 and 31 units with 64 rows a kv head 0.81-1.03 at head dim 128, 0.89-1.19 at 64; 128 rows at
+#   15.5 units 0.99-1.24.
+# So the tile takes steps of up to SMALL_STEP_UNITS_PER_SM units an SM, and at head dim 128 with one
+# warpgroup's rows (64) up to WIDE_SMALL_STEP_UNITS_PER_SM.
+SMALL_STEP_UNITS_PER_SM = 8
+WIDE_SMALL_STEP_UNITS_PER_SM = 32
 _small_step_tiles = True
 
 
-def decode_small_step(rows: int, kv_blocks_per_sm: float) -> bool:
+def decode_small_step(kernel_headdim: int, rows: int, kv_blocks_per_sm: float) -> bool:
     """Whether a Hopper step of `rows` (> 32) packed rows a kv head over kv_blocks_per_sm 64-key cache
     blocks (of one batch and kv head) per SM runs on the 32-row mma.sync tile rather than the wgmma tiles."""
     units = kv_blocks_per_sm * -(-rows // 32)
-    limit = max(MIN_SMALL_STEP_UNITS_PER_SM, SMALL_STEP_UNITS_PER_SM * 64 / max(rows, 64))
-    return _small_step_tiles and units <= limit
+    wide = kernel_headdim == 128 and rows <= 64
+    return _small_step_tiles and units <= (WIDE_SMALL_STEP_UNITS_PER_SM if wide else SMALL_STEP_UNITS_PER_SM)
 
 
 def small_step_tiles() -> bool:
@@ -461,7 +465,7 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     kd = kernel_headdim(headdim)
     wgmma = (arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0
              and kd <= MAX_HEADDIM_4_ROW_WARPS)
-    if wgmma and decode_small_step(rows, kv_blocks_per_sm):
+    if wgmma and decode_small_step(kd, rows, kv_blocks_per_sm):
         rows, wgmma = 32, False  # the 32-row tile, ceil(rows / 32) row blocks of it
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)

@@ -68,11 +68,13 @@ def test_decode_cluster_plan():
 
 
 @pytest.mark.parametrize("num_splits,cluster,partials,in_kernel", [(1, 0, 0, False), (4, 4, 0, False),
-                                                                    (4, 0, 4, True), (32, 16, 2, False)])
+                                                                    (4, 0, 4, True), (32, 16, 2, False),
+                                                                    (32, 0, 32, True), (33, 0, 33, False)])
 def test_decode_launch_partials(monkeypatch, num_splits, cluster, partials, in_kernel):
     """A launch asks for a partials workspace only where results merge through global memory: each
     split's, or each cluster's where a row block has several (the combine kernel merges those); none
-    with one split or one cluster a row block (a capture must not grow a workspace it never reads)."""
+    with one split or one cluster a row block (a capture must not grow a workspace it never reads).
+    The kernel merges up to DECODE_MERGE_MAX_SPLITS splits itself, the combine kernel more."""
     for name in ("kernel", "LaunchInClusters", "CombineLaunch"):  # no driver here
         monkeypatch.setattr(decode_launch, name, lambda *args, **kwargs: SimpleNamespace(smem_bytes=0))
     monkeypatch.setattr(decode_launch, "compute_capability", lambda device_id: 90)
@@ -190,24 +192,27 @@ def test_cache_row_strides(paged, shape, strides, what):
             kv_cache._check_row_strides("k_cache", cache, paged)
 
 
+@pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("rows", [33, 64, 100, 128, 256, 512])
-def test_decode_config_small_steps(rows):
-    """On sm_90, a step of few 32-row x 64-key units per SM (decode_small_step) takes the 32-row
-    mma.sync tile for its rows instead of the wgmma tiles; large steps, other GPUs, fp8 caches and
-    large_step_tiles() keep the tiles of before."""
-    limit = max(dispatch.MIN_SMALL_STEP_UNITS_PER_SM, dispatch.SMALL_STEP_UNITS_PER_SM * 64 / max(rows, 64))
+def test_decode_config_small_steps(headdim, rows):
+    """On sm_90, a step of few 32-row x 64-key units per SM (decode_small_step: more at head dim 128 with
+    64 rows or fewer) takes the 32-row mma.sync tile for its rows instead of the wgmma tiles; large
+    steps, other GPUs, fp8 caches and large_step_tiles() keep the tiles of before."""
+    wide = headdim == 128 and rows <= 64
+    limit = dispatch.WIDE_SMALL_STEP_UNITS_PER_SM if wide else dispatch.SMALL_STEP_UNITS_PER_SM
     row_blocks = -(-rows // 32)
     small, large = 0.99 * limit / row_blocks, 1.01 * limit / row_blocks  # kv blocks per SM
-    thirty_two = dispatch.decode_config(128, 32, 227 * 1024, arch=90)
-    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small) == thirty_two
-    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=large).wgmma
-    assert dispatch.decode_config(128, rows, 227 * 1024, arch=90) == dispatch.decode_config(128, rows, 227 * 1024,
-                                                                                            arch=90, kv_blocks_per_sm=large)
-    assert dispatch.decode_config(128, rows, 227 * 1024, arch=80, kv_blocks_per_sm=small) == \
-        dispatch.decode_config(128, rows, 227 * 1024, arch=80)
-    assert dispatch.decode_config(128, rows, 227 * 1024, True, 90, small) == dispatch.decode_config(128, rows,
-                                                                                                   227 * 1024, True, 90)
+    assert dispatch.decode_small_step(headdim, rows, small) and not dispatch.decode_small_step(headdim, rows, large)
+    thirty_two = dispatch.decode_config(headdim, 32, 227 * 1024, arch=90)
+    assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small) == thirty_two
+    assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=90, kv_blocks_per_sm=large).wgmma
+    assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=90) == \
+        dispatch.decode_config(headdim, rows, 227 * 1024, arch=90, kv_blocks_per_sm=large)
+    assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=80, kv_blocks_per_sm=small) == \
+        dispatch.decode_config(headdim, rows, 227 * 1024, arch=80)
+    assert dispatch.decode_config(headdim, rows, 227 * 1024, True, 90, small) == \
+        dispatch.decode_config(headdim, rows, 227 * 1024, True, 90)
     with dispatch.large_step_tiles():
-        assert dispatch.decode_config(128, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small).wgmma
+        assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small).wgmma
         assert not dispatch.small_step_tiles()
     assert dispatch.small_step_tiles()

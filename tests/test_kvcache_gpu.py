@@ -289,6 +289,14 @@ def test_forced_splits(num_splits, headdim, nheads, nheads_kv):
              n_new=2, causal=True, headdim=headdim, nheads=nheads, nheads_kv=nheads_kv)
 
 
+# More splits than the kernel merges itself (DECODE_MERGE_MAX_SPLITS): the 16-row tile's splits go to
+# the combine kernel, paged and contiguous.
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_many_splits_16_row_tile(page_size):
+    run_case(np.random.default_rng(40), num_splits=40, capacity=2700, batch=2, seqlen_q=2, n_new=2, causal=True,
+             nheads=8, nheads_kv=2, page_size=page_size)
+
+
 # (nheads, nheads_kv, n_new, fp8, page_size): 16-row tiles (GQA, MHA), the 32-row tile (MQA, merged by
 # the combine kernel outside clusters), an e4m3 cache, a paged cache with new keys.
 CLUSTER_CASES = {"gqa": (8, 2, 0, False, None), "mha": (4, 4, 1, False, None), "mqa": (32, 1, 0, False, None),
