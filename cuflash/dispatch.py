@@ -540,6 +540,13 @@ CLUSTER_GRID_SHARE = 0.75
 # 128, one cluster a row block -> several, clusters bringing a split to 4 / 2 blocks): MQA batch 1 8k
 # 16.1 -> 14.6 / 13.3 us, 16k 18.6 -> 15.5 / 15.6, 32k 24.7 -> 17.8 / 17.9, batch 2 8k 16.4 -> 15.1 /
 # 14.7; 32 on 2 batch 1 8k 26.9 -> 16.6 / 15.3; 32 on 4 19.8 -> 18.6 / 18.4.
+# Several clusters keep splits of up to SEVERAL_CLUSTERS_MAX_BLOCKS blocks: past 16 they still beat the
+# global merge's splits, whose one merge of every split's partial is a chain (H100, fp16, head dim 128,
+# graph replays, limit 16 -> 48; bench/results/decode_clusters_long_ab_h100.txt): MQA batch 1 128k
+# 42.6 -> 35.6 us (7 clusters of 16, 19 blocks a split), batch 2 64k 39.3 -> 34.6, batch 2 128k
+# 60.5 -> 57.5; 32 on 2 batch 1 128k 65.4 -> 60.8; 24 and 32 took part of it; shorter caches and more
+# row blocks unchanged.
+SEVERAL_CLUSTERS_MAX_BLOCKS = 48
 
 
 def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> bool:
@@ -558,7 +565,7 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT(_32_ROWS) allow, where a split has
     at most SHORT_CLUSTER_SPLIT blocks, or at most MAX_BLOCKS_PER_CLUSTER_SPLIT on a grid of
     CLUSTER_GRID_SHARE of the SMs; else several clusters of the largest size, each split of
-    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit."""
+    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit, of SEVERAL_CLUSTERS_MAX_BLOCKS at most."""
     if not decode_may_cluster(cfg, ctas, sms, arch):
         return 0, 0
     largest = max((size for size, count in held.items() if count >= ctas), default=0)
@@ -575,6 +582,6 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
         return 0, 0
     clusters = min(held[largest] // ctas, sms // (ctas * largest),
                    -(-key_blocks // (largest * MIN_BLOCKS_PER_CLUSTER_SPLIT)))
-    if clusters >= 2 and -(-key_blocks // (clusters * largest)) <= MAX_BLOCKS_PER_CLUSTER_SPLIT:
+    if clusters >= 2 and -(-key_blocks // (clusters * largest)) <= SEVERAL_CLUSTERS_MAX_BLOCKS:
         return clusters * largest, largest
     return 0, 0

@@ -34,7 +34,8 @@ def test_decode_cluster_plan():
     """Hopper's mma.sync tiles merge in clusters the GPU holds at once, one CTA an SM: one cluster a row
     block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow,
     short ones on any grid and longer ones (up to MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid
-    fills CLUSTER_GRID_SHARE of the SMs; else several clusters a row block; else none (0, 0)."""
+    fills CLUSTER_GRID_SHARE of the SMs; else several clusters a row block (up to
+    SEVERAL_CLUSTERS_MAX_BLOCKS blocks a split); else none (0, 0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
     h100 = {2: 132, 4: 62, 8: 30, 16: 14}  # the 16-row tile's clusters an H100 holds (cuOccupancyMaxActiveClusters)
@@ -58,7 +59,9 @@ def test_decode_cluster_plan():
     assert plan(1, 64, small, cfg=mqa) == (16, 16)  # 4k keys: one cluster of 4 blocks a split
     assert plan(1, 128, small, cfg=mqa) == (64, 16)
     assert plan(1, 256, small, cfg=mqa) == (112, 16)  # the GPU holds 7 clusters of 16: 3 blocks a split
-    assert plan(1, 4096, small, cfg=mqa) == (0, 0)  # 7 clusters of 16 would take 37 blocks a split
+    assert plan(1, 2048, small, cfg=mqa) == (112, 16)  # 128k keys: 7 clusters of 16, 19 blocks a split
+    many = 112 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS
+    assert plan(1, many, small, cfg=mqa) == (112, 16) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
     assert plan(8, 128, small, cfg=mqa) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
     assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)
     assert plan(8, 16, {**h100, 16: 7}, forced=16) == (0, 0)  # the GPU holds 7 clusters of 16, not 8
