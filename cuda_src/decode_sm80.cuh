@@ -28,10 +28,11 @@
 // 16-bit tile per stage (widen_values); the descales scale the scores and the
 // output.
 //
-// The new keys of the call are read from k_new / v_new (rotated on the way
-// into shared memory), never from the cache: the CTAs of row block 0 write
-// them into the cache (kv_cache.cuh), split s taking new rows s, s + splits, ...,
-// and no CTA reads a position another writes.
+// The new keys and values of the call go into the cache first (append_new_rows,
+// kv_cache.cuh): each CTA writes those of its own key blocks (keys rotated; an
+// e4m3 cache's quantised), and its ring then copies them as cached rows; the
+// first split of the first row block also writes those its row block does not
+// attend. CTAs of other row blocks that write the same rows write the same values.
 #pragma once
 #include "combine.cuh"
 #include "common.cuh"
