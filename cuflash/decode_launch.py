@@ -56,7 +56,7 @@ COMBINE_ROWS_PER_CTA = 4  # one warp a row
 # against 2362, MQA batch 8 128k 2205 against 2511). Up to DECODE_MERGE_MAX_SPLITS splits: the last split
 # CTA of a row block reads every split's partial output, a chain that grows with their count, where the
 # combine kernel spreads the rows over CTAs. Same process, H100, fp16, head dim 128, batch 1, 128k cache,
-# graph replays (bench/PERFLOG.md, "Many splits merged by the combine kernel"): 32 heads on 2, 122
+# graph replays (bench/results/decode_merge_splits_ab_h100.txt): 32 heads on 2, 122
 # splits, 98.5 -> 65.0 us; batch 2, 63 splits, 127.2 -> 104.7; 32 on 4, 63 splits, 110.7 -> 103.8;
 # steps of 32 splits or fewer kept their merge (the same time).
 DECODE_MERGE_MAX_SPLITS = 32

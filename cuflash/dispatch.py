@@ -463,10 +463,10 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     cache) on a GPU of compute capability `arch` (major * 10 + minor), for a step of kv_blocks_per_sm
     64-key blocks of cache (of one batch and kv head) per SM (decode_small_step; by default a large step)."""
     kd = kernel_headdim(headdim)
-    wgmma = (arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0
-             and kd <= MAX_HEADDIM_4_ROW_WARPS)
-    if wgmma and decode_small_step(kd, rows, kv_blocks_per_sm):
-        rows, wgmma = 32, False  # the 32-row tile, ceil(rows / 32) row blocks of it
+    takes_wgmma = (arch == HOPPER and not fp8 and rows >= WGMMA_MIN_ROWS and kd % 64 == 0
+                   and kd <= MAX_HEADDIM_4_ROW_WARPS)
+    if takes_wgmma and decode_small_step(kd, rows, kv_blocks_per_sm):
+        rows, takes_wgmma = 32, False  # the 32-row tile, ceil(rows / 32) row blocks of it
     per_stage = 2 * DecodeConfig.BLOCK_N * kd * (1 if fp8 else 2)
     warps_m = 1 if rows <= 16 else (2 if rows <= 32 or kd > MAX_HEADDIM_4_ROW_WARPS else 4)
     warps_n = 4 if warps_m == 2 and kd <= MAX_HEADDIM_8_WARPS and not fp8 else 4 // warps_m
@@ -475,7 +475,7 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     # not fit (small shared memory: 99 KB on sm_86/89), fewer stages, then 4 warps, then fewer row warps.
     tiles = [(warps_m, warps_n, False, ring), (warps_m, 4 // warps_m, False, ring),
              *((m, 4 // m, False, ring) for m in (2, 1) if m < warps_m)]
-    if wgmma:
+    if takes_wgmma:
         tiles[:0] = [(m, 1, True, DECODE_RING_BYTES_WGMMA) for m in ((8, 4) if rows > 64 else (4,))]
     for m, n, wgmma, ring_bytes in tiles:
         for s in range(max(2, min(8, ring_bytes // per_stage)), 1, -1):
