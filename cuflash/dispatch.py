@@ -384,6 +384,14 @@ MAX_HEADDIM_4_ROW_WARPS = 160
 # cache read (copy rate 2975): MQA batch 64 8k 2574 (2 splits) against 2345 (4 splits); MQA batch 8
 # 128k 2810 (16) against 2611 (32); GQA 8 queries, batch 8 8k 2629 (2) against 2358 (4).
 DECODE_WARPS_PER_SM = 8
+# ... but over a 16-bit cache the mma.sync tiles count one CTA an SM: the 4-warp 16-row tiles' steps of
+# fewer row blocks than SMs, split into half as many CTAs, ran faster (fewer partials to merge, and the
+# memory pipes no emptier). Same process, H100, fp16, head dim 128, graph replays, 32 query heads
+# (bench/results/decode_slots_ab_h100.txt): 32 on 8 batch 1 32k 53.0 -> 51.0 us, 128k 182.4 -> 179.5,
+# batch 8 8k 94.0 -> 93.1; 32 on 4 batch 2 64k 102.6 -> 97.9, batch 1 128k 103.1 -> 100.4; 32 on 2
+# batch 4 64k 113.6 -> 104.2; MHA batch 1 8k 50.6 -> 49.7, 32k 180.3 -> 178.2; the other steps the same
+# plans. Over an e4m3 cache the same halving ran 1.10-1.30x slower (its widening wants the warps).
+DECODE_WARPS_PER_SM_16BIT = 4
 # The 8-warp tile's merge of its warps' outputs (4 x 32 rows x (D + 2) floats) fits its K/V ring
 # up to this head dim. Over an fp8 cache 32-row tiles keep 4 warps, three CTAs an SM: MQA batch 64
 # 8k 83 us against 101 with 8 warps (H100, head dim 128, same run; bench/PERFLOG.md).
@@ -487,9 +495,11 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
 
 def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
     """CTAs of `cfg` that fill the GPU's memory pipes: per SM, as many as bring DECODE_WARPS_PER_SM
-    warps, at most `resident_per_sm` (what shared memory lets reside)."""
+    warps (DECODE_WARPS_PER_SM_16BIT for the mma.sync tiles over a 16-bit cache), at least one, at most
+    `resident_per_sm` (what shared memory lets reside)."""
     warps = cfg.warps_m * cfg.warps_n
-    return sms * max(1, min(resident_per_sm, DECODE_WARPS_PER_SM // warps))
+    per_sm = DECODE_WARPS_PER_SM_16BIT if not cfg.fp8 and not cfg.wgmma else DECODE_WARPS_PER_SM
+    return sms * max(1, min(resident_per_sm, per_sm // warps))
 
 
 def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:

@@ -160,12 +160,15 @@ def test_decode_wgmma_tiles_copy_warps_and_barriers():
 
 
 def test_decode_slots_count_warps():
-    """A GPU is full at DECODE_WARPS_PER_SM warps an SM, or what shared memory lets reside."""
+    """A GPU is full at DECODE_WARPS_PER_SM warps an SM (DECODE_WARPS_PER_SM_16BIT for the mma.sync tiles
+    over a 16-bit cache), one CTA at least, or what shared memory lets reside."""
     four = dispatch.decode_config(128, 8, 227 * 1024)
     eight = dispatch.decode_config(128, 32, 227 * 1024)
-    per_sm = dispatch.DECODE_WARPS_PER_SM
-    assert dispatch.decode_slots(four, 2, 132) == 132 * min(2, per_sm // 4)
-    assert dispatch.decode_slots(eight, 2, 132) == 132 * max(1, per_sm // 8)
+    fp8 = dispatch.decode_config(128, 8, 227 * 1024, fp8=True)
+    per_sm, per_sm_16 = dispatch.DECODE_WARPS_PER_SM, dispatch.DECODE_WARPS_PER_SM_16BIT
+    assert dispatch.decode_slots(four, 2, 132) == 132 * max(1, min(2, per_sm_16 // 4))
+    assert dispatch.decode_slots(eight, 2, 132) == 132 * max(1, per_sm_16 // 8)
+    assert dispatch.decode_slots(fp8, 3, 132) == 132 * max(1, min(3, per_sm // (fp8.warps_m * fp8.warps_n)))
     assert dispatch.decode_slots(four, 1, 132) == 132
 
 
