@@ -215,8 +215,9 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
 // the chunk, its partner (half-split) and its 8 table values (cos and sin as two 4-value halves;
 // interleaved, the first half alone serves). Every address is valid whatever the column (a column
 // past d reads column 0; one past rotary_dim reads its own chunk and the table's first values);
-// rotated_from_loads discards what it does not need. The tables are 16-byte aligned (kv_cache.py copies them otherwise) and a
-// chunk's table offset is a multiple of 4 values, so the 8-byte loads are aligned.
+// rotated_from_loads discards what it does not need. The tables are 16-byte aligned (kv_cache.py
+// copies them otherwise) and a chunk's table offset is a multiple of 4 values, so the 8-byte loads
+// are aligned.
 struct RotaryLoads {
     uint4 x, other;
     uint2 cos[2], sin[2];

@@ -14,6 +14,7 @@ import pytest
 
 import cuflash
 from cuflash import dispatch, reference, score_mods
+from cuflash.config import DecodeConfig
 from cuflash.decode_launch import clusters_held
 from cuflash.device import compute_capability, max_smem_per_block, sm_count
 from tests.numerics import (ATOL, DTYPES, FUZZ_CASES, FUZZ_SEED, assert_close_2x, check_lse, fuzz_indices, mentions,
@@ -185,11 +186,13 @@ def test_small_steps_row_tile_32(case):
     device_id = cupy.cuda.Device().id
     if compute_capability(device_id) != 90:
         pytest.skip("the 32-row tile replaces the wgmma tiles in small steps on sm_90")
+    batch, capacity = 3, 333
     rows = case["seqlen_q"] * case["nheads"] // case["nheads_kv"]
+    key_blocks = -(-capacity // DecodeConfig.BLOCK_N)
     cfg = dispatch.decode_config(128, rows, max_smem_per_block(device_id), arch=90,
-                                 kv_blocks_per_sm=3 * case["nheads_kv"] * 6 / sm_count(device_id))
+                                 kv_blocks_per_sm=batch * case["nheads_kv"] * key_blocks / sm_count(device_id))
     assert (cfg.block_m, cfg.wgmma) == (32, False)
-    run_case(np.random.default_rng(rows), capacity=333, **case)
+    run_case(np.random.default_rng(rows), batch=batch, capacity=capacity, **case)
 
 
 # The tiles where a thread rotates several Q chunks at once (the wgmma tiles, the 64-row tile over an
