@@ -540,9 +540,21 @@ MIN_BLOCKS_PER_CLUSTER_SPLIT = 2
 # ... but one for the 32-row tile (MQA: 8 warps, twice the rows a block): batch 1 1k 16 splits of one
 # block 8.70 us against 8 of two 9.26, batch 2 8.58 against 9.12 (same process, graph replays).
 MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS = 1
-SHORT_CLUSTER_SPLIT = 4  # key blocks a split, up to which clusters pay on any grid
-MAX_BLOCKS_PER_CLUSTER_SPLIT = 16  # ... and up to which on a grid of CLUSTER_GRID_SHARE of the SMs
-CLUSTER_GRID_SHARE = 0.75
+# One cluster a row block takes splits of up to this many key blocks, by the share of the SMs its grid
+# fills: (share, blocks) pairs, the first whose share the grid reaches. A longer split's chain of key
+# blocks costs more than what the alternative adds: the combine kernel after several clusters (3-4 us
+# in a graph) on grids of up to half the SMs; past three quarters, where no row block takes several,
+# the global merge inside the kernel, which long splits do not beat. The 16-row tile's blocks are half
+# the 32-row tile's work, so it takes longer splits. Same process, H100, fp16, head dim 128, 32 query
+# heads, graph replays, before -> after (bench/PERFLOG.md, "one cluster a row block"):
+# - 16-row tile: 32 on 4 batch 1 8k (64 CTAs of 8 blocks) 16.1 -> 12.7 us, 32 on 2 batch 1 8k (32
+#   CTAs) 15.1 -> 13.1, batch 2 8k 17.4 -> 13.9; 32 blocks a split on 64 CTAs: 32 on 2 batch 2 32k 35.9
+#   -> 31.5, 32 on 4 batch 1 32k 34.5 -> 31.7; on 128 (32 on 8 batch 1 32k) 51.0 -> 55.7, and on 32
+#   (32 on 2 batch 1 32k) 23.2 -> 27.8;
+# - 32-row tile (MQA): batch 4 8k (64 CTAs of 8 blocks) 17.6 -> 15.8, batch 8 4k (clusters of 8)
+#   16.0 -> 15.4; 16 CTAs of 8 blocks (batch 1 8k) 13.6 -> 15.1, 32 (batch 2) 14.3 -> 15.1.
+ONE_CLUSTER_SPLIT_BLOCKS_16_ROWS = ((0.75, 16), (0.45, 32), (0.24, 8), (0.0, 4))
+ONE_CLUSTER_SPLIT_BLOCKS = ((0.75, 16), (0.45, 8), (0.0, 4))
 # Where one cluster a row block leaves its splits long on a grid of few SMs (MQA, or 32 query heads on
 # 2: one or two row blocks), a row block takes several clusters, as many as bring a split to
 # MIN_BLOCKS_PER_CLUSTER_SPLIT blocks (the clusters the GPU holds and the SMs allowing); each cluster's
@@ -557,6 +569,16 @@ CLUSTER_GRID_SHARE = 0.75
 # 60.5 -> 57.5; 32 on 2 batch 1 128k 65.4 -> 60.8; 24 and 32 took part of it; shorter caches and more
 # row blocks unchanged.
 SEVERAL_CLUSTERS_MAX_BLOCKS = 48
+# Several clusters a row block are of 8 CTAs, over at most SEVERAL_CLUSTERS_GRID_SHARE of the SMs (more
+# where splits would pass SEVERAL_CLUSTERS_MAX_BLOCKS), for the 16-row tile and the 32-row tile's lone
+# row block (MQA batch 1); the 32-row tile's row blocks take the largest clusters otherwise. Same
+# process, H100, fp16, head dim 128, graph replays, 7 clusters of 16 -> 11 of 8 (bench/PERFLOG.md, "one
+# cluster a row block"): MQA batch 1 16k 15.4 -> 14.9 us, 32k 17.9 -> 17.6, 128k 35.5 -> 34.9; 4 of 16
+# -> 8 of 8 at 8k 13.6 -> 12.7; 32 on 2 batch 1, 4 of 16 -> 5 of 8, 16k 18.1 -> 16.6, 32k 24.0 -> 22.2.
+# Over the whole grid (15 clusters of 8, 120 CTAs) MQA batch 1 16k took 15.5 us: fewer, longer splits
+# merge faster. MQA batch 2 in clusters of 8 ran 1.02-1.03x slower at 8k-32k.
+SEVERAL_CLUSTERS_SIZE = 8
+SEVERAL_CLUSTERS_GRID_SHARE = 0.67
 
 
 def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> bool:
@@ -572,10 +594,11 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     size -> clusters the GPU holds at once (decode_launch.clusters_held); a cluster step takes one CTA
     an SM at most, and the GPU holds all its clusters at once. forced: the caller's split count (0:
     chosen), one cluster a row block where it fits. Chosen: one cluster a row block, of as many splits
-    as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT(_32_ROWS) allow, where a split has
-    at most SHORT_CLUSTER_SPLIT blocks, or at most MAX_BLOCKS_PER_CLUSTER_SPLIT on a grid of
-    CLUSTER_GRID_SHARE of the SMs; else several clusters of the largest size, each split of
-    MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit, of SEVERAL_CLUSTERS_MAX_BLOCKS at most."""
+    as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT(_32_ROWS) allow, where a split is no
+    longer than one_cluster_split_blocks allows on its grid; else several clusters a row block
+    (SEVERAL_CLUSTERS_SIZE CTAs over SEVERAL_CLUSTERS_GRID_SHARE of the SMs for the 16-row tile and a
+    lone row block, the largest otherwise), each split of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they
+    fit, of SEVERAL_CLUSTERS_MAX_BLOCKS at most."""
     if not decode_may_cluster(cfg, ctas, sms, arch):
         return 0, 0
     largest = max((size for size, count in held.items() if count >= ctas), default=0)
@@ -583,15 +606,26 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
         return (forced, forced) if 1 < forced <= largest and ctas * forced <= sms else (0, 0)
     floor = MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS if cfg.block_m == 32 else MIN_BLOCKS_PER_CLUSTER_SPLIT
     splits = min(largest, key_blocks // floor, sms // ctas)
-    if splits >= 2:
-        blocks = -(-key_blocks // splits)
-        if blocks <= SHORT_CLUSTER_SPLIT or (ctas * splits >= CLUSTER_GRID_SHARE * sms
-                                             and blocks <= MAX_BLOCKS_PER_CLUSTER_SPLIT):
-            return splits, splits
-    if largest < 2:
+    if splits >= 2 and -(-key_blocks // splits) <= one_cluster_split_blocks(cfg, ctas * splits / sms):
+        return splits, splits
+    eight_ctas = cfg.block_m <= 16 or ctas == 1
+    size = min(largest, SEVERAL_CLUSTERS_SIZE) if eight_ctas else largest
+    if size < 2:
         return 0, 0
-    clusters = min(held[largest] // ctas, sms // (ctas * largest),
-                   -(-key_blocks // (largest * MIN_BLOCKS_PER_CLUSTER_SPLIT)))
-    if clusters >= 2 and -(-key_blocks // (clusters * largest)) <= SEVERAL_CLUSTERS_MAX_BLOCKS:
-        return clusters * largest, largest
+    most = min(held[size] // ctas, sms // (ctas * size))  # clusters a row block the GPU holds at once
+    grid_sms = int(SEVERAL_CLUSTERS_GRID_SHARE * sms) if eight_ctas else sms
+    clusters = min(most, grid_sms // (ctas * size), -(-key_blocks // (size * MIN_BLOCKS_PER_CLUSTER_SPLIT)))
+    if clusters < 2:
+        return 0, 0
+    # ... more, up to `most`, where splits would be longer than SEVERAL_CLUSTERS_MAX_BLOCKS
+    clusters = max(clusters, min(most, -(-key_blocks // (size * SEVERAL_CLUSTERS_MAX_BLOCKS))))
+    if -(-key_blocks // (clusters * size)) <= SEVERAL_CLUSTERS_MAX_BLOCKS:
+        return clusters * size, size
     return 0, 0
+
+
+def one_cluster_split_blocks(cfg: DecodeConfig, grid_share: float) -> int:
+    """The longest split (key blocks) of a step whose row blocks take one cluster each, on a grid of
+    grid_share of the SMs (ONE_CLUSTER_SPLIT_BLOCKS(_16_ROWS))."""
+    limits = ONE_CLUSTER_SPLIT_BLOCKS_16_ROWS if cfg.block_m <= 16 else ONE_CLUSTER_SPLIT_BLOCKS
+    return next(blocks for share, blocks in limits if grid_share >= share)

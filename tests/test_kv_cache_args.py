@@ -32,10 +32,11 @@ def test_decode_splits_bounds():
 
 def test_decode_cluster_plan():
     """Hopper's mma.sync tiles merge in clusters the GPU holds at once, one CTA an SM: one cluster a row
-    block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow,
-    short ones on any grid and longer ones (up to MAX_BLOCKS_PER_CLUSTER_SPLIT blocks) where the grid
-    fills CLUSTER_GRID_SHARE of the SMs; else several clusters a row block (up to
-    SEVERAL_CLUSTERS_MAX_BLOCKS blocks a split); else none (0, 0)."""
+    block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow, with
+    splits no longer than one_cluster_split_blocks allows on the grid (the 16-row tile's longer than the
+    32-row tile's); else several clusters a row block (of 8 CTAs over two thirds of the SMs for the
+    16-row tile and a lone row block, the largest otherwise; up to SEVERAL_CLUSTERS_MAX_BLOCKS blocks a
+    split); else none (0, 0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
     h100 = {2: 132, 4: 62, 8: 30, 16: 14}  # the 16-row tile's clusters an H100 holds (cuOccupancyMaxActiveClusters)
@@ -47,21 +48,25 @@ def test_decode_cluster_plan():
     assert plan(8, 16) == (8, 8)  # batch 1, 1k keys: splits of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks
     assert plan(8, 32, {**h100, 16: 7}) == (8, 8)  # 2k keys where the GPU holds 7 clusters of 16
     assert plan(8, 128) == (16, 16)  # 8k keys: 128 CTAs of 8 blocks
-    long_ = 16 * dispatch.MAX_BLOCKS_PER_CLUSTER_SPLIT
-    assert plan(8, long_) == (16, 16) and plan(8, long_ + 1) == (0, 0)  # past it: the global merge's splits
+    assert plan(8, 256) == (16, 16) and plan(8, 257) == (0, 0)  # 128 CTAs: 16 blocks, then the global merge
+    assert plan(2, 128) == (16, 16)  # 32 CTAs of 8 blocks
+    assert plan(2, 256) == (40, 8)  # 16 blocks on 32 CTAs: 5 clusters of 8 a row block (88 SMs), 7 blocks a split
+    assert plan(4, 512) == (16, 16)  # 64 CTAs take 32 blocks a split
     assert plan(64, 16) == (2, 2)  # the SMs hold two splits of 64 row blocks
     assert plan(100, 16) == (0, 0)
     assert plan(8, 3) == (0, 0)  # one split of 2 blocks at most
     mqa = dispatch.decode_config(128, 32, 227 * 1024, arch=90)  # the 32-row tile
     assert plan(1, 16, small, cfg=mqa) == (16, 16)  # MQA batch 1, 1k keys: splits of one block
     assert plan(8, 16, small, cfg=mqa) == (8, 8)  # the GPU holds 15 clusters of 8, 7 of 16
-    # One row block over 8k keys (MQA): 16 CTAs of 8 blocks would idle the SMs; four clusters of 2 blocks.
     assert plan(1, 64, small, cfg=mqa) == (16, 16)  # 4k keys: one cluster of 4 blocks a split
-    assert plan(1, 128, small, cfg=mqa) == (64, 16)
-    assert plan(1, 256, small, cfg=mqa) == (112, 16)  # the GPU holds 7 clusters of 16: 3 blocks a split
-    assert plan(1, 2048, small, cfg=mqa) == (112, 16)  # 128k keys: 7 clusters of 16, 19 blocks a split
-    many = 112 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS
-    assert plan(1, many, small, cfg=mqa) == (112, 16) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
+    # One row block over 8k keys: 16 CTAs of 8 blocks would idle the SMs; clusters of 8 of 2 blocks a split.
+    assert plan(1, 128, small, cfg=mqa) == (64, 8)
+    assert plan(1, 256, small, cfg=mqa) == (88, 8)  # 11 clusters of 8 over two thirds of the SMs
+    assert plan(1, 2048, small, cfg=mqa) == (88, 8)  # 128k keys: 24 blocks a split
+    many = 120 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS  # past 11 clusters' splits: up to the 15 the GPU holds
+    assert plan(1, many, small, cfg=mqa) == (120, 8) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
+    assert plan(2, 128, small, cfg=mqa) == (48, 16)  # two row blocks keep clusters of 16
+    assert plan(4, 128, small, cfg=mqa) == (16, 16)  # 64 CTAs of 8 blocks
     assert plan(8, 128, small, cfg=mqa) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
     assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)
     assert plan(8, 16, {**h100, 16: 7}, forced=16) == (0, 0)  # the GPU holds 7 clusters of 16, not 8

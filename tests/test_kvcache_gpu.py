@@ -319,19 +319,21 @@ def test_splits_merged_in_clusters(case, num_splits):
              nheads=nheads, nheads_kv=nheads_kv, n_new=n_new, fp8=fp8, page_size=page_size, causal=n_new > 1)
 
 
-# (nheads_kv, seqlen_q, fp8, page_size): MQA (the 32-row tile), 32 on 2 (full 16-row tiles), MQA with
-# two queries over an e4m3 cache (64 rows: the 64-row tile), MQA paged.
-SEVERAL_CLUSTER_CASES = {"mqa": (1, 1, False, None), "gqa16": (2, 1, False, None), "mqa_e4m3_64rows": (1, 2, True, None),
-                         "mqa_paged": (1, 1, False, 16)}
+# (nheads_kv, seqlen_q, fp8, page_size, batch, capacity): MQA (the 32-row tile; a lone row block takes
+# clusters of 8), 32 on 2 (full 16-row tiles, clusters of 8), MQA with two queries over an e4m3 cache
+# (64 rows: the 64-row tile), MQA paged.
+SEVERAL_CLUSTER_CASES = {"mqa": (1, 1, False, None, 2, 8192), "mqa_lone": (1, 1, False, None, 1, 8192),
+                         "gqa16": (2, 1, False, None, 1, 16384), "mqa_e4m3_64rows": (1, 2, True, None, 2, 8192),
+                         "mqa_paged": (1, 1, False, 16, 2, 8192)}
 
 
 @pytest.mark.parametrize("case", SEVERAL_CLUSTER_CASES)
 @pytest.mark.parametrize("n_new", [0, 1])
 def test_row_blocks_of_several_clusters(case, n_new):
-    """Hopper, one kv head or two over 8k keys: each row block's splits are several clusters, whose
+    """Hopper, one kv head or two over 8k-16k keys: each row block's splits are several clusters, whose
     merged results the combine kernel merges."""
-    nheads_kv, seqlen_q, fp8, page_size = SEVERAL_CLUSTER_CASES[case]
-    batch, capacity, rows = 2, 8192, seqlen_q * 32 // nheads_kv
+    nheads_kv, seqlen_q, fp8, page_size, batch, capacity = SEVERAL_CLUSTER_CASES[case]
+    rows = seqlen_q * 32 // nheads_kv
     splits, cluster = _expect_cluster_plan(rows, batch * nheads_kv, capacity, fp8, page_size is not None,
                                            seqlen_q > 1, 0, None)
     assert splits > cluster > 1
