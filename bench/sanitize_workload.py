@@ -188,6 +188,8 @@ def kvcache_steps():
     long_cache = randn(batch, 4160, 1, headdim), randn(batch, 4160, 1, headdim)
     cuflash.attention_with_kvcache(q[:, :1], *long_cache, cache_seqlens=cupy.asarray([0, 97, 4210], dtype=cupy.int32),
                                    return_lse=True)
+    # One row block (batch 1) over them: on sm_90 clusters of 8, five of them.
+    cuflash.attention_with_kvcache(q[:1, :1], *(x[:1] for x in long_cache), cache_seqlens=4160, return_lse=True)
     # 32 query heads on one kv head, 4 queries at head dim 128, paged, appending: 128 packed rows, on
     # sm_90 the wgmma tile of two warpgroups (the 64 rows above: one).
     pages128 = (randn(21, 32, 1, 128), randn(21, 32, 1, 128))
