@@ -53,16 +53,29 @@ __device__ __forceinline__ float warp_merged_lse(const float* lse_row, long long
     return merged_lse(m, sum);
 }
 
+// Splits whose outputs (a lane's first 4 columns) combine_row<OUT, true> loads before it merges the
+// logsumexps, so that the outputs' round trip to memory overlaps the logsumexps' instead of following
+// it: a decoding step's partials (its clusters', or its splits') are mostly this few. The registers
+// that hold them (107-109 a thread on sm_90, against 78-80) leave 4 CTAs an SM, so the host takes
+// this form for grids of few rows (decode_launch.COMBINE_PREFETCH_MAX_CTAS_PER_SM).
+constexpr int COMBINE_PREFETCH_SPLITS = 8;
+
 // One row's merge by one warp: lse_row[s * l_ss] and o_row[s * o_ss + col] are split s's
 // logsumexp and output (d columns); writes d columns at out_row (OUT: fp16, bf16 or fp32)
 // and, where lse_out is not null, the row's lse. A decoding step combines few rows over many
 // splits, so this is latency-bound: each lane turns one split's lse into its weight, and the
 // loop over the splits' outputs takes the weights by shuffle and has no load that depends on
 // another (unrolled, the loads of 8 splits are in flight at once; a loop that read each split's
-// lse before its output took ~1 us a split).
-template <int OUT>
+// lse before its output took ~1 us a split). PREFETCH: the first COMBINE_PREFETCH_SPLITS splits'
+// first 128 columns are loaded before the lse merge.
+template <int OUT, bool PREFETCH>
 __device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss, const float* o_row, long long o_ss,
                                             int num_splits, int d, void* out_row, float* lse_out, int lane) {
+    float4 ahead[PREFETCH ? COMBINE_PREFETCH_SPLITS : 1];
+#pragma unroll
+    for (int j = 0; j < (PREFETCH ? COMBINE_PREFETCH_SPLITS : 0); ++j)
+        ahead[j] = j < num_splits && 4 * lane < d ? *reinterpret_cast<const float4*>(o_row + j * o_ss + 4 * lane)
+                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
     const float lse = warp_merged_lse(lse_row, l_ss, num_splits, lane);
 
     // Every lane runs every pass of the column loop, since the weights travel by full-warp
@@ -76,8 +89,21 @@ __device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss
             const float weight = mine < num_splits ? split_weight(lse_row[mine * l_ss], lse) : 0.f;
             const int count = min(32, num_splits - base);
             const float* o_split = o_row + (long long)base * o_ss + col;
+            int first = 0;  // splits taken from `ahead`
+            if constexpr (PREFETCH) {
+                if (col0 == 0 && base == 0) {
+#pragma unroll
+                    for (int j = 0; j < COMBINE_PREFETCH_SPLITS; ++j) {
+                        const float w = __shfl_sync(0xffffffffu, weight, j);  // 0 past num_splits
+                        const float4 os = ahead[j];
+                        if (w != 0.f)
+                            o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
+                    }
+                    first = COMBINE_PREFETCH_SPLITS;
+                }
+            }
 #pragma unroll 8
-            for (int j = 0; j < count; ++j) {
+            for (int j = first; j < count; ++j) {
                 const float w = __shfl_sync(0xffffffffu, weight, j);
                 const float4 os = active ? *reinterpret_cast<const float4*>(o_split + j * o_ss)
                                          : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -97,7 +123,7 @@ __device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss
 }
 
 // One warp per row, 4 rows per CTA of 128 threads.
-template <int OUT>
+template <int OUT, bool PREFETCH>
 __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
     wait_prior_grid();  // the partials' writer, where this launch follows it programmatically (sm_90)
     const int lane = threadIdx.x & 31;
@@ -106,7 +132,7 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const CombineArgs a) {
     const int h = row % a.nheads, n = (row / a.nheads) % a.seqlen, b = row / ((long long)a.nheads * a.seqlen);
     constexpr int OUT_BYTES = OUT == COMBINE_OUT_F32 ? 4 : 2;
     char* out_row = static_cast<char*>(a.out) + (b * a.o_sb + n * a.o_sn + h * a.o_sh) * OUT_BYTES;
-    combine_row<OUT>(a.partial_lse + b * a.pl_sb + n * a.pl_sn + h * a.pl_sh, a.pl_ss,
+    combine_row<OUT, PREFETCH>(a.partial_lse + b * a.pl_sb + n * a.pl_sn + h * a.pl_sh, a.pl_ss,
                      a.partial_o + b * a.po_sb + n * a.po_sn + h * a.po_sh, a.po_ss, a.num_splits, a.d, out_row,
                      a.lse != nullptr ? a.lse + b * a.l_sb + n * a.l_sn + h * a.l_sh : nullptr, lane);
 }

@@ -541,5 +541,7 @@ COMBINE_OUT = {"float16": cpp_int_constant("combine.cuh", "COMBINE_OUT_F16"),
                "float32": cpp_int_constant("combine.cuh", "COMBINE_OUT_F32")}
 
 
-def combine_name(out_dtype_name: str) -> str:
-    return f"cuflash::combine_kernel<{COMBINE_OUT[out_dtype_name]}>"
+def combine_name(out_dtype_name: str, prefetch: bool) -> str:
+    """combine_kernel for an output dtype; prefetch: the form that loads its first splits' outputs
+    before it merges their logsumexps (cuda_src/combine.cuh, COMBINE_PREFETCH_SPLITS)."""
+    return f"cuflash::combine_kernel<{COMBINE_OUT[out_dtype_name]}, {'true' if prefetch else 'false'}>"

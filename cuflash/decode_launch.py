@@ -19,7 +19,7 @@ import threading
 import numpy
 
 from .config import DECODE_CLUSTER_MAX, DECODE_MERGE_MAX_ROWS, DecodeConfig, combine_name
-from .device import HOPPER, compute_capability
+from .device import HOPPER, compute_capability, sm_count
 from .kernel_call import KernelArgs, LaunchAfterPrior, LaunchInClusters, kernel, max_active_clusters
 from .score_mods import ALIBI_SLOPES_WORD
 
@@ -48,6 +48,13 @@ COMBINE_ARGS_DTYPE = numpy.dtype([
     ("num_splits", "<i4"), ("batch", "<i4"), ("seqlen", "<i4"), ("nheads", "<i4"), ("d", "<i4"),
 ], align=True)
 COMBINE_ROWS_PER_CTA = 4  # one warp a row
+# combine_kernel's prefetching form (its first splits' outputs loaded beside their logsumexps) holds
+# 4 CTAs an SM, the plain form 6: the first takes grids of up to this many CTAs an SM, one wave. Same
+# process, H100, fp16, head dim 128, 32 query heads, graph replays, plain -> prefetching
+# (bench/results/decode_combine_prefetch_ab_h100.txt): MQA batch 1 8k 12.4 -> 12.0 us (8 CTAs), 32 on 2
+# batch 1 16k 16.6 -> 15.4, MQA batch 8 8k with 8 queries 33.4 -> 32.6 (512 CTAs); with every grid
+# prefetching, batch 64 (4096 CTAs) ran 151.7 -> 155.8.
+COMBINE_PREFETCH_MAX_CTAS_PER_SM = 4
 
 # The decoding kernel merges its splits itself in tiles of up to DECODE_MERGE_MAX_ROWS rows. Same-run
 # A/B against the combine kernel (bench/decode_merge_ab.py; bench/PERFLOG.md): 1-5% more GB/s with
@@ -82,11 +89,12 @@ class CombineLaunch:
         scheduled while the stream's previous kernel (the decoding kernel that wrote the partials)
         finishes; the kernel waits for it before it reads them (LaunchAfterPrior). Only for a launch
         site that holds a lock, as DecodeLaunch.run does."""
-        self.kernel = kernel("combine", combine_name(out_dtype_name), 0, device_id)
-        if after_prior:
-            self.kernel = LaunchAfterPrior(self.kernel)
         rows = batch * seqlen * nheads
         self.grid = (-(-rows // COMBINE_ROWS_PER_CTA), 1, 1)
+        prefetch = self.grid[0] <= COMBINE_PREFETCH_MAX_CTAS_PER_SM * sm_count(device_id)
+        self.kernel = kernel("combine", combine_name(out_dtype_name, prefetch), 0, device_id)
+        if after_prior:
+            self.kernel = LaunchAfterPrior(self.kernel)
         record = numpy.zeros((), COMBINE_ARGS_DTYPE)
         for prefix, strides in (("po", po_strides), ("pl", pl_strides)):
             for suffix, s in zip(("ss", "sb", "sn", "sh"), strides):

@@ -219,7 +219,8 @@ def _add_decode_variants(add) -> None:
             for causal in (False, True):
                 add(cfg, cfg.name_expression("bfloat16", True, causal, MODS_EXTREMES[0]), cfg.smem_bytes())
     for out_dtype_name in COMBINE_OUT:
-        add(cfg, combine_name(out_dtype_name), 0, family="combine")
+        for prefetch in (False, True):
+            add(cfg, combine_name(out_dtype_name, prefetch), 0, family="combine")
 
 
 def score_mods_of(name: str) -> int:
