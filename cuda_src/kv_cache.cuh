@@ -178,6 +178,14 @@ __device__ __forceinline__ u16 rotate_half_split(const u16* x, const u16* other,
     return float_to_half<BF16>(first ? xe * c - oe * s : xe * c + oe * s);
 }
 
+// The cos/sin tables' index of the first value that rotates the chunk at columns [col, col + 8)
+// (col < rotary_dim) at position `pos` (positions past the tables' rows take the last row):
+// interleaved, pair p of the chunk takes index + p; half-split, element e takes index + e.
+__device__ __forceinline__ int rotary_table_index(const KVCacheArgs& a, int col, int pos) {
+    const int half = a.rotary_dim / 2;
+    return min(pos, a.rotary_rows - 1) * half + (a.rotary_interleaved ? col / 2 : (col < half ? col : col - half));
+}
+
 // The 8 elements at columns [col, col + 8) of a row, rotated at position `pos`
 // (columns at or past d read as 0). rotary_dim is a multiple of 16, so a chunk
 // lies wholly inside or outside the rotated columns, and a half-split chunk's
@@ -187,25 +195,21 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
     if (col >= a.d) return make_uint4(0, 0, 0, 0);
     const uint4 raw = *reinterpret_cast<const uint4*>(row + col);
     if (col >= a.rotary_dim) return raw;
-    pos = min(pos, a.rotary_rows - 1);
-    const int half = a.rotary_dim / 2;
+    const int half = a.rotary_dim / 2, f = rotary_table_index(a, col, pos);
     const u16* x = reinterpret_cast<const u16*>(&raw);
     u16 y[8];
     if (a.rotary_interleaved) {
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int f = pos * half + col / 2 + p;
-            rotate_pair<BF16>(x, p, half_to_float(a.rotary_cos[f], BF16), half_to_float(a.rotary_sin[f], BF16), y);
-        }
+        for (int p = 0; p < 4; ++p)
+            rotate_pair<BF16>(x, p, half_to_float(a.rotary_cos[f + p], BF16), half_to_float(a.rotary_sin[f + p], BF16), y);
     } else {
         const bool first = col < half;
         const uint4 other_raw = *reinterpret_cast<const uint4*>(row + (first ? col + half : col - half));
         const u16* other = reinterpret_cast<const u16*>(&other_raw);
-        const int f0 = pos * half + (first ? col : col - half);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            y[e] = rotate_half_split<BF16>(x, other, e, first, half_to_float(a.rotary_cos[f0 + e], BF16),
-                                           half_to_float(a.rotary_sin[f0 + e], BF16));
+            y[e] = rotate_half_split<BF16>(x, other, e, first, half_to_float(a.rotary_cos[f + e], BF16),
+                                           half_to_float(a.rotary_sin[f + e], BF16));
         }
     }
     return *reinterpret_cast<const uint4*>(y);
@@ -226,8 +230,7 @@ __device__ __forceinline__ RotaryLoads rotary_loads(const KVCacheArgs& a, const 
     const int half = a.rotary_dim / 2, c = col < a.d ? col : 0;
     const bool rotated = c < a.rotary_dim, first = c < half;
     const bool split = rotated && !a.rotary_interleaved;
-    const int table_col = !rotated ? 0 : a.rotary_interleaved ? c / 2 : (first ? c : c - half);
-    const int f = min(pos, a.rotary_rows - 1) * half + table_col, second = split ? 4 : 0;
+    const int f = rotary_table_index(a, rotated ? c : 0, pos), second = split ? 4 : 0;
     RotaryLoads l;
     l.x = *reinterpret_cast<const uint4*>(row + c);
     l.other = *reinterpret_cast<const uint4*>(row + (split ? (first ? c + half : c - half) : c));
