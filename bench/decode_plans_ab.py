@@ -3,10 +3,12 @@ another checkout's (a dispatch.py given with --base), on the same steps, device 
 replays (cuflash.bench.decode's steps: fp16, head dim 128, 32 query heads).
 
 Usage (on a GPU):  PYTHONPATH=. python bench/decode_plans_ab.py --base OLD/cuflash/dispatch.py [--rounds 4]
+                                                                 [--page-size N]
 
 Each step is planned with either rule; where the plans differ both are captured in a graph of
 GRAPH_STEPS calls (rotating over input sets that together hold twice the L2 cache) and timed with
-torch-cudnn over the same contiguous cache (16-bit steps) in interleaved rounds (cuflash.timing).
+torch-cudnn over the same contiguous cache (16-bit steps) in interleaved rounds (cuflash.timing); with
+--page-size, over a paged copy of each cache (pages of N tokens, the table shuffled; 16-bit steps only).
 Prints each plan (splits, CTAs a cluster, whether the combine kernel runs), µs per step, the largest
 difference from the base plan's output, and the tree's time over the base's.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 
 import cupy
@@ -42,7 +45,10 @@ def base_rule(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.decode_cluster_plan
+    rule = module.decode_cluster_plan
+    if "paged" in inspect.signature(rule).parameters:
+        return rule
+    return lambda *a, paged=False: rule(*a[:7])  # a rule from before the plan took the cache's layout
 
 
 def main() -> None:
@@ -50,8 +56,11 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the dispatch.py whose decode_cluster_plan is the base")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", default=None, help="comma-separated indices into STEPS (default: all)")
+    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
     args = parser.parse_args()
     steps_to_run = STEPS if args.steps is None else [STEPS[int(i)] for i in args.steps.split(",")]
+    if args.page_size:
+        steps_to_run = [step for step in steps_to_run if not step[4]]
     rules = {"base": base_rule(args.base), "tree": dispatch.decode_cluster_plan}
     chosen = {"rule": "tree", "plan": None}
 
@@ -71,7 +80,7 @@ def main() -> None:
         for rule in rules:
             chosen["rule"] = rule
             kv_cache._plans.clear()  # the next call plans its launch with this rule
-            fns = [s.fp8() if fp8 else s.contiguous() for s in steps]
+            fns = [s.fp8() if fp8 else s.paged(args.page_size) if args.page_size else s.contiguous() for s in steps]
             fns[0]()
             launch = next(iter(kv_cache._plans.plans.values())).launch
             plans[rule] = (launch.num_splits, chosen["plan"][1], launch.combine is not None)
@@ -79,7 +88,8 @@ def main() -> None:
             if rule == "base" or plans[rule] != plans["base"]:
                 entries[rule] = cupy_graph(timing.Calls(fns))
         chosen["rule"] = "tree"
-        name = f"{nheads_kv} kv heads, batch {batch}, cache {cache}, {nq} queries{', e4m3' if fp8 else ''}"
+        name = (f"{nheads_kv} kv heads, batch {batch}, cache {cache}, {nq} queries{', e4m3' if fp8 else ''}"
+                f"{f', pages of {args.page_size}' if args.page_size else ''}")
         if len(entries) == 1:
             print(f"{name}: the same plan {plans['base']}", flush=True)
             continue

@@ -553,6 +553,11 @@ MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS = 1
 #   (32 on 2 batch 1 32k) 23.2 -> 27.8;
 # - 32-row tile (MQA): batch 4 8k (64 CTAs of 8 blocks) 17.6 -> 15.8, batch 8 4k (clusters of 8)
 #   16.0 -> 15.4; 16 CTAs of 8 blocks (batch 1 8k) 13.6 -> 15.1, 32 (batch 2) 14.3 -> 15.1.
+# - over pages of 16 (their copies cost more a block) the 16-row tile takes the 32-row tile's limits:
+#   its 32-block splits lost (32 on 4 batch 1 32k 29.3 -> 35.0 us, 32 on 2 batch 2 32k 35.1 -> 36.0),
+#   16 blocks on 64 CTAs read 0.96-1.09x the time in two runs, 8 blocks on 32 CTAs 1.00-1.06x, 8 on 64
+#   CTAs 0.89-0.96x (bench/results/decode_plans_paged_ab_h100.txt); the 32-row tile's 8 blocks on 64
+#   CTAs 0.94x (MQA batch 4 8k) and 1.04-1.05x (batch 8 4k, clusters of 8).
 ONE_CLUSTER_SPLIT_BLOCKS_16_ROWS = ((0.75, 16), (0.45, 32), (0.24, 8), (0.0, 4))
 ONE_CLUSTER_SPLIT_BLOCKS = ((0.75, 16), (0.45, 8), (0.0, 4))
 # Where one cluster a row block leaves its splits long on a grid of few SMs (MQA, or 32 query heads on
@@ -576,7 +581,9 @@ SEVERAL_CLUSTERS_MAX_BLOCKS = 48
 # cluster a row block"): MQA batch 1 16k 15.4 -> 14.9 us, 32k 17.9 -> 17.6, 128k 35.5 -> 34.9; 4 of 16
 # -> 8 of 8 at 8k 13.6 -> 12.7; 32 on 2 batch 1, 4 of 16 -> 5 of 8, 16k 18.1 -> 16.6, 32k 24.0 -> 22.2.
 # Over the whole grid (15 clusters of 8, 120 CTAs) MQA batch 1 16k took 15.5 us: fewer, longer splits
-# merge faster. MQA batch 2 in clusters of 8 ran 1.02-1.03x slower at 8k-32k.
+# merge faster. MQA batch 2 in clusters of 8 ran 1.02-1.03x slower at 8k-32k. A paged cache's copies
+# cost more a block (its page ids), and its steps kept the largest clusters over every SM: MQA batch 1
+# over pages of 16, 7 clusters of 16 against 11 of 8, 32k 17.1 against 18.0 us, 128k 34.6 against 36.5.
 SEVERAL_CLUSTERS_SIZE = 8
 SEVERAL_CLUSTERS_GRID_SHARE = 0.67
 
@@ -588,7 +595,7 @@ def decode_may_cluster(cfg: DecodeConfig, ctas: int, sms: int, arch: int) -> boo
 
 
 def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int, arch: int, held: dict,
-                        forced: int = 0) -> tuple[int, int]:
+                        forced: int = 0, paged: bool = False) -> tuple[int, int]:
     """(splits, CTAs a cluster) of a step whose split CTAs merge inside thread-block clusters, for `ctas`
     row blocks of `key_blocks` key blocks on `sms` SMs; (0, 0) where it does not take them. held: cluster
     size -> clusters the GPU holds at once (decode_launch.clusters_held); a cluster step takes one CTA
@@ -596,9 +603,10 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     chosen), one cluster a row block where it fits. Chosen: one cluster a row block, of as many splits
     as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT(_32_ROWS) allow, where a split is no
     longer than one_cluster_split_blocks allows on its grid; else several clusters a row block
-    (SEVERAL_CLUSTERS_SIZE CTAs over SEVERAL_CLUSTERS_GRID_SHARE of the SMs for the 16-row tile and a
-    lone row block, the largest otherwise), each split of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they
-    fit, of SEVERAL_CLUSTERS_MAX_BLOCKS at most."""
+    (SEVERAL_CLUSTERS_SIZE CTAs over SEVERAL_CLUSTERS_GRID_SHARE of the SMs for a contiguous cache's
+    16-row tile and lone row block, the largest over all the SMs otherwise: `paged`, a paged cache),
+    each split of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks where they fit, of SEVERAL_CLUSTERS_MAX_BLOCKS at
+    most."""
     if not decode_may_cluster(cfg, ctas, sms, arch):
         return 0, 0
     largest = max((size for size, count in held.items() if count >= ctas), default=0)
@@ -606,9 +614,9 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
         return (forced, forced) if 1 < forced <= largest and ctas * forced <= sms else (0, 0)
     floor = MIN_BLOCKS_PER_CLUSTER_SPLIT_32_ROWS if cfg.block_m == 32 else MIN_BLOCKS_PER_CLUSTER_SPLIT
     splits = min(largest, key_blocks // floor, sms // ctas)
-    if splits >= 2 and -(-key_blocks // splits) <= one_cluster_split_blocks(cfg, ctas * splits / sms):
+    if splits >= 2 and -(-key_blocks // splits) <= one_cluster_split_blocks(cfg, ctas * splits / sms, paged):
         return splits, splits
-    eight_ctas = cfg.block_m <= 16 or ctas == 1
+    eight_ctas = not paged and (cfg.block_m <= 16 or ctas == 1)
     size = min(largest, SEVERAL_CLUSTERS_SIZE) if eight_ctas else largest
     if size < 2:
         return 0, 0
@@ -624,8 +632,8 @@ def decode_cluster_plan(cfg: DecodeConfig, ctas: int, key_blocks: int, sms: int,
     return 0, 0
 
 
-def one_cluster_split_blocks(cfg: DecodeConfig, grid_share: float) -> int:
+def one_cluster_split_blocks(cfg: DecodeConfig, grid_share: float, paged: bool = False) -> int:
     """The longest split (key blocks) of a step whose row blocks take one cluster each, on a grid of
-    grid_share of the SMs (ONE_CLUSTER_SPLIT_BLOCKS(_16_ROWS))."""
-    limits = ONE_CLUSTER_SPLIT_BLOCKS_16_ROWS if cfg.block_m <= 16 else ONE_CLUSTER_SPLIT_BLOCKS
+    grid_share of the SMs, over a paged cache or not (ONE_CLUSTER_SPLIT_BLOCKS(_16_ROWS))."""
+    limits = ONE_CLUSTER_SPLIT_BLOCKS_16_ROWS if cfg.block_m <= 16 and not paged else ONE_CLUSTER_SPLIT_BLOCKS
     return next(blocks for share, blocks in limits if grid_share >= share)

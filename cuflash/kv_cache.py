@@ -417,7 +417,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     ctas = batch * nheads_kv * row_blocks
     held = clusters_held(cfg, name, paged, causal, mods, device_id) if dispatch.decode_may_cluster(
         cfg, ctas, sms, arch) else {}
-    splits, cluster = dispatch.decode_cluster_plan(cfg, ctas, key_blocks, sms, arch, held, num_splits)
+    splits, cluster = dispatch.decode_cluster_plan(cfg, ctas, key_blocks, sms, arch, held, num_splits, paged)
     if not splits:
         splits = num_splits or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(cfg, per_sm, sms))
 

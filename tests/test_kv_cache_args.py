@@ -35,8 +35,8 @@ def test_decode_cluster_plan():
     block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow, with
     splits no longer than one_cluster_split_blocks allows on the grid (the 16-row tile's longer than the
     32-row tile's); else several clusters a row block (of 8 CTAs over two thirds of the SMs for the
-    16-row tile and a lone row block, the largest otherwise; up to SEVERAL_CLUSTERS_MAX_BLOCKS blocks a
-    split); else none (0, 0)."""
+    16-row tile and a lone row block over a contiguous cache, the largest otherwise; up to
+    SEVERAL_CLUSTERS_MAX_BLOCKS blocks a split); else none (0, 0)."""
     gqa = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 64, 227 * 1024, arch=90)
     h100 = {2: 132, 4: 62, 8: 30, 16: 14}  # the 16-row tile's clusters an H100 holds (cuOccupancyMaxActiveClusters)
@@ -66,6 +66,11 @@ def test_decode_cluster_plan():
     many = 120 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS  # past 11 clusters' splits: up to the 15 the GPU holds
     assert plan(1, many, small, cfg=mqa) == (120, 8) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
     assert plan(2, 128, small, cfg=mqa) == (48, 16)  # two row blocks keep clusters of 16
+    paged = dispatch.decode_cluster_plan(mqa, 1, 256, 132, 90, small, paged=True)
+    assert paged == (112, 16)  # a paged cache's lone row block: the largest clusters over every SM
+    assert dispatch.decode_cluster_plan(gqa, 2, 256, 132, 90, h100, paged=True) == (64, 16)
+    assert dispatch.decode_cluster_plan(gqa, 4, 128, 132, 90, h100, paged=True) == (16, 16)  # 8 blocks on 64 CTAs
+    assert dispatch.decode_cluster_plan(gqa, 4, 256, 132, 90, h100, paged=True) == (32, 16)  # 16: two clusters
     assert plan(4, 128, small, cfg=mqa) == (16, 16)  # 64 CTAs of 8 blocks
     assert plan(8, 128, small, cfg=mqa) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
     assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)

@@ -350,7 +350,7 @@ def _expect_cluster_plan(rows, ctas, capacity, fp8, paged, causal, num_splits, e
     cfg = dispatch.decode_config(128, rows, max_smem_per_block(device_id), fp8, 90)
     held = clusters_held(cfg, "float16", paged, causal, score_mods.NONE, device_id)
     plan = dispatch.decode_cluster_plan(cfg, ctas, -(-capacity // cfg.BLOCK_N), sm_count(device_id), 90, held,
-                                        num_splits)
+                                        num_splits, paged)
     if plan == (0, 0):
         pytest.skip(f"the GPU does not hold {ctas} row blocks' clusters at once ({held})")
     assert expected is None or plan == expected
