@@ -23,7 +23,7 @@ import sys
 import cupy
 
 from cuflash import dispatch, kv_cache, timing
-from cuflash.bench.decode import GRAPH_STEPS, Step, _torch_sdpa, cupy_graph, torch_graph
+from cuflash.bench.decode import GRAPH_STEPS, MAX_INPUT_SETS, Step, _torch_sdpa, cupy_graph, torch_graph
 from cuflash.bench.libs import TorchEvents
 from cuflash.bench.measure import device_info, optional_torch
 
@@ -36,7 +36,6 @@ STEPS += [(hk, b, c, 1, False) for hk, b, c in ((2, 1, 131072), (8, 1, 32768), (
 STEPS += [(1, 1, 1024, 8, False), (1, 1, 8192, 8, False), (1, 2, 4096, 8, False), (1, 32, 1024, 1, False)]
 STEPS += [(1, 1, 8192, 1, True), (1, 4, 8192, 1, True), (4, 1, 8192, 1, True), (2, 2, 8192, 1, True),
           (1, 1, 32768, 1, True)]
-INPUT_SET_LIMIT = 64
 
 
 def base_rule(path: str):
@@ -74,7 +73,7 @@ def main() -> None:
     print(f"device: {device['name']} (NVRTC {device['nvrtc']})", flush=True)
     for nheads_kv, batch, cache, nq, fp8 in steps_to_run:
         cache_bytes = batch * nheads_kv * cache * 128 * 2 * (1 if fp8 else 2)
-        sets = min(INPUT_SET_LIMIT, timing.input_set_count(cache_bytes, device["l2_bytes"]))
+        sets = min(MAX_INPUT_SETS, timing.input_set_count(cache_bytes, device["l2_bytes"]))
         steps = [Step(batch, cache, nheads_kv, nq, cupy.float16, seed=s) for s in range(sets)]
         plans, outs, entries = {}, {}, {}
         for rule in rules:
