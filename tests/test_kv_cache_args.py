@@ -42,8 +42,8 @@ def test_decode_cluster_plan():
     h100 = {2: 132, 4: 62, 8: 30, 16: 14}  # the 16-row tile's clusters an H100 holds (cuOccupancyMaxActiveClusters)
     small = {2: 66, 4: 30, 8: 15, 16: 7}  # the 32-row tile's
 
-    def plan(ctas, key_blocks, held=h100, cfg=gqa, arch=90, forced=0):
-        return dispatch.decode_cluster_plan(cfg, ctas, key_blocks, 132, arch, held, forced)
+    def plan(ctas, key_blocks, held=h100, cfg=gqa, arch=90, forced=0, paged=False):
+        return dispatch.decode_cluster_plan(cfg, ctas, key_blocks, 132, arch, held, forced, paged)
 
     assert plan(8, 16) == (8, 8)  # batch 1, 1k keys: splits of MIN_BLOCKS_PER_CLUSTER_SPLIT blocks
     assert plan(8, 32, {**h100, 16: 7}) == (8, 8)  # 2k keys where the GPU holds 7 clusters of 16
@@ -66,11 +66,10 @@ def test_decode_cluster_plan():
     many = 120 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS  # past 11 clusters' splits: up to the 15 the GPU holds
     assert plan(1, many, small, cfg=mqa) == (120, 8) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
     assert plan(2, 128, small, cfg=mqa) == (48, 16)  # two row blocks keep clusters of 16
-    paged = dispatch.decode_cluster_plan(mqa, 1, 256, 132, 90, small, paged=True)
-    assert paged == (112, 16)  # a paged cache's lone row block: the largest clusters over every SM
-    assert dispatch.decode_cluster_plan(gqa, 2, 256, 132, 90, h100, paged=True) == (64, 16)
-    assert dispatch.decode_cluster_plan(gqa, 4, 128, 132, 90, h100, paged=True) == (16, 16)  # 8 blocks on 64 CTAs
-    assert dispatch.decode_cluster_plan(gqa, 4, 256, 132, 90, h100, paged=True) == (32, 16)  # 16: two clusters
+    assert plan(1, 256, small, cfg=mqa, paged=True) == (112, 16)  # a paged lone row block: the largest clusters, every SM
+    assert plan(2, 256, paged=True) == (64, 16)
+    assert plan(4, 128, paged=True) == (16, 16)  # 8 blocks on 64 CTAs
+    assert plan(4, 256, paged=True) == (32, 16)  # 16: two clusters
     assert plan(4, 128, small, cfg=mqa) == (16, 16)  # 64 CTAs of 8 blocks
     assert plan(8, 128, small, cfg=mqa) == (0, 0)  # 8 row blocks: one cluster of 8 each holds 16 blocks a split
     assert plan(8, 16, forced=16) == (16, 16) and plan(8, 16, forced=17) == (0, 0)
