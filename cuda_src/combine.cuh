@@ -97,7 +97,8 @@ __device__ __forceinline__ void combine_row(const float* lse_row, long long l_ss
                         const float w = __shfl_sync(0xffffffffu, weight, j);  // 0 past num_splits
                         const float4 os = ahead[j];
                         if (w != 0.f)
-                            o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z), fmaf(w, os.w, o.w));
+                            o = make_float4(fmaf(w, os.x, o.x), fmaf(w, os.y, o.y), fmaf(w, os.z, o.z),
+                                            fmaf(w, os.w, o.w));
                     }
                     first = COMBINE_PREFETCH_SPLITS;
                 }

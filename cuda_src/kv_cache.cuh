@@ -201,7 +201,8 @@ __device__ __forceinline__ uint4 load_rotated_chunk(const KVCacheArgs& a, const 
     if (a.rotary_interleaved) {
 #pragma unroll
         for (int p = 0; p < 4; ++p)
-            rotate_pair<BF16>(x, p, half_to_float(a.rotary_cos[f + p], BF16), half_to_float(a.rotary_sin[f + p], BF16), y);
+            rotate_pair<BF16>(x, p, half_to_float(a.rotary_cos[f + p], BF16), half_to_float(a.rotary_sin[f + p], BF16),
+                              y);
     } else {
         const bool first = col < half;
         const uint4 other_raw = *reinterpret_cast<const uint4*>(row + (first ? col + half : col - half));

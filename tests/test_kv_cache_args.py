@@ -66,7 +66,7 @@ def test_decode_cluster_plan():
     many = 120 * dispatch.SEVERAL_CLUSTERS_MAX_BLOCKS  # past 11 clusters' splits: up to the 15 the GPU holds
     assert plan(1, many, small, cfg=mqa) == (120, 8) and plan(1, many + 1, small, cfg=mqa) == (0, 0)
     assert plan(2, 128, small, cfg=mqa) == (48, 16)  # two row blocks keep clusters of 16
-    assert plan(1, 256, small, cfg=mqa, paged=True) == (112, 16)  # a paged lone row block: the largest clusters, every SM
+    assert plan(1, 256, small, cfg=mqa, paged=True) == (112, 16)  # paged: the largest clusters over every SM
     assert plan(2, 256, paged=True) == (64, 16)
     assert plan(4, 128, paged=True) == (16, 16)  # 8 blocks on 64 CTAs
     assert plan(4, 256, paged=True) == (32, 16)  # 16: two clusters
