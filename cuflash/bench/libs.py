@@ -229,6 +229,16 @@ class TorchSdpaFwdBwd(TorchSdpa):
         return tuple(cupy.from_dlpack(g.transpose(1, 2).contiguous()) for g in grads)
 
 
+def import_jax():
+    """jax, its device memory left to CuPy and torch until used; raises without a GPU backend."""
+    # Before JAX's first import: by default it takes 75% of the device memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    jax.devices("gpu")
+    return jax
+
+
 class JaxCudnn:
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with ``local_window_size``: the peer for
     sliding windows.
@@ -247,12 +257,7 @@ class JaxCudnn:
     events = HostEvents()
 
     def __init__(self, variant):
-        # Before JAX's first import: by default it takes 75% of the device memory.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        import jax
-
-        jax.devices("gpu")  # raises without a GPU backend
-        self.jax = jax
+        self.jax = import_jax()
         self.variant = variant
 
     def _attention(self, causal):

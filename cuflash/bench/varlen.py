@@ -18,14 +18,25 @@ Columns, in TFLOP/s over the (query, key) pairs that attention computes
   sequence, the call a library without varlen makes; its wasted work shows
   as a lower rate over the same real pairs (docs and equal only);
 * ``torch-flash``: FlashAttention-2's varlen kernels inside torch
-  (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with cu_seqlens).
+  (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with cu_seqlens);
+* ``torch-cudnn``: ``scaled_dot_product_attention`` on jagged nested tensors
+  (``torch.nested.nested_tensor_from_jagged`` over the packed arrays and their
+  offsets) pinned to the cuDNN backend, gradients by ``torch.autograd.grad``;
+* ``jax-cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on
+  the batch padded to its longest sequence with ``query_seq_lengths`` and
+  ``key_value_seq_lengths`` (gradients by ``jax.vjp``), jitted, timed on the
+  host (XLA launches on streams of its own).
 
-Each row first checks cuflash's output (and gradients) against torch-flash's.
+Each row first checks every peer's output (and gradients) on the real tokens
+against cuflash's; a difference above ``CHECK_TOL`` fails the run.
 The first ``--dtype`` is used (default fp16); ``--headdim``, ``--causal``,
 ``--backward``, ``--repeats`` and ``--no-peers`` apply as in the other modes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import numpy
 
@@ -34,14 +45,14 @@ import cupy
 import cuflash
 from cuflash import timing
 
-from .libs import Skip, TorchEvents
+from .libs import TorchEvents, import_jax
 from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
 from .shapes import HIDDEN
 from .tables import write_json
 
 TOKENS = 16 * 1024
 BATCHES = ("docs", "equal", "docs64", "equal64")
-PADDED = ("docs", "equal")  # padding docs64 to its longest would cost minutes per row
+PADDED = ("docs", "equal")  # cuflash on docs64 padded to its longest: 7x its real work, minutes per row
 BWD_FLOP_FACTOR = 3.5  # forward + backward of flash attention, in forwards
 CHECK_TOL = 2e-2  # max abs difference against torch-flash (outputs of unit-variance inputs)
 
@@ -113,39 +124,121 @@ def _padded(x: Inputs, causal: bool, backward: bool):
     return run
 
 
-def _torch_flash(torch, x: Inputs, causal: bool, backward: bool):
+class Peer:
+    """A timed subject beside cuflash: its call, the events it is timed with, and its result on the real
+    tokens as CuPy arrays in the packed (total, heads, dim) layout: the output, or (dq, dk, dv)."""
+
+    def __init__(self, run, events, packed, context=contextlib.nullcontext):
+        self.run, self.events, self.packed, self.context = run, events, packed, context
+
+    def calls(self) -> timing.Calls:
+        return timing.Calls([self.run], self.events, self.context)
+
+    def result(self) -> tuple:
+        with self.context():
+            return self.packed(self.run())
+
+
+def _torch_flash(torch, x: Inputs, causal: bool, backward: bool) -> Peer:
     q, k, v, dout = (torch.from_dlpack(t) for t in (x.q, x.k, x.v, x.dout))
     cu = torch.from_dlpack(x.cu)
     aten = torch.ops.aten
 
-    def forward():
-        return aten._flash_attention_forward(q, k, v, cu, cu, x.longest, x.longest, 0.0, causal, False)
-
     def run():
-        out, lse, rng_state, unused, _ = forward()
+        out, lse, rng_state, unused, _ = aten._flash_attention_forward(q, k, v, cu, cu, x.longest, x.longest, 0.0,
+                                                                        causal, False)
         if not backward:
             return out
         return aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, x.longest, x.longest, 0.0, causal,
                                               rng_state, unused)
+
+    def packed(result):
+        return tuple(cupy.from_dlpack(t) for t in (result[:3] if backward else (result,)))
+    return Peer(run, TorchEvents(torch), packed)
+
+
+def _torch_nested_cudnn(torch, x: Inputs, causal: bool, backward: bool) -> Peer:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    offsets = torch.from_dlpack(x.cu).long()
+    leaves = [torch.from_dlpack(t).detach().requires_grad_(backward) for t in (x.q, x.k, x.v)]
+    dout = torch.nested.nested_tensor_from_jagged(torch.from_dlpack(x.dout), offsets).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        # (batch, jagged tokens, heads, dim) views of the packed arrays, as SDPA's (batch, heads, tokens, dim)
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in leaves)
+        out = sdpa(q, k, v, is_causal=causal)
+        return torch.autograd.grad(out, leaves, dout) if backward else out
+
+    def packed(result):
+        tensors = result if backward else (result.transpose(1, 2).values(),)
+        return tuple(cupy.from_dlpack(t.contiguous()) for t in tensors)
+    return Peer(run, TorchEvents(torch), packed, lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
+
+
+def _jax_cudnn(jax, x: Inputs, causal: bool, backward: bool) -> Peer:
+    if x.padded is None:
+        x.pad()
+    args = [jax.dlpack.from_dlpack(t) for t in x.padded[:3]]
+    lengths = jax.numpy.asarray(numpy.asarray(x.lengths, numpy.int32))
+
+    def forward(q, k, v, lengths):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=lengths,
+                                            key_value_seq_lengths=lengths, implementation="cudnn")
+
+    def forward_backward(q, k, v, dout, lengths):
+        _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, lengths), q, k, v)
+        return vjp(dout)
+
+    if backward:
+        args.append(jax.dlpack.from_dlpack(x.padded[3]))
+    call, args = jax.jit(forward_backward if backward else forward), (*args, lengths)
+    # each real token's row in the padded (batch * longest) rows
+    rows = cupy.asarray(numpy.concatenate([b * x.longest + numpy.arange(n) for b, n in enumerate(x.lengths)]))
+
+    def packed(result):
+        arrays = result if backward else (result,)
+        return tuple(cupy.from_dlpack(a).reshape(-1, *a.shape[2:])[rows] for a in arrays)
+    return Peer(lambda: jax.block_until_ready(call(*args)), timing.HostEvents(), packed)
+
+
+def _peers(torch, jax, x: Inputs, causal: bool, backward: bool) -> tuple[dict, dict, dict]:
+    """For the peers that run this row, name -> Peer and name -> its result; for those that cannot,
+    name -> {"skipped": why}."""
+    makers = {}
+    if torch is not None:
+        makers["torch-flash"] = functools.partial(_torch_flash, torch)
+        makers["torch-cudnn"] = functools.partial(_torch_nested_cudnn, torch)
+    if jax is not None:
+        makers["jax-cudnn"] = functools.partial(_jax_cudnn, jax)
+    peers, results, skipped = {}, {}, {}
+    for name, make in makers.items():
+        try:
+            peer = make(x, causal, backward)
+            results[name] = peer.result()  # an unsupported shape or backend raises here, before any timing
+            peers[name] = peer
+        except Exception as exc:  # torch's and JAX's refusals come as several exception types
+            skipped[name] = {"skipped": timing.describe(exc)}
+    return peers, results, skipped
+
+
+def _max_difference(ours: tuple, theirs: tuple) -> float:
+    """Max abs difference of two results (outputs, or the three gradients) in the packed layout."""
+    return max(float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max()) for a, b in zip(ours, theirs))
+
+
+def _jax_or_none():
     try:
-        run()
-    except (RuntimeError, AttributeError) as exc:
-        raise Skip(str(exc).splitlines()[0]) from exc
-    return run
-
-
-def _check(x: Inputs, causal: bool, backward: bool, torch_run) -> float:
-    """Max abs difference of cuflash's output (and gradients) from torch-flash's."""
-    ours = _cuflash(x, causal, backward)()
-    theirs = torch_run()
-    ours = ours if backward else (ours,)
-    theirs = theirs[:3] if backward else (theirs,)
-    return max(float(cupy.abs(a.astype(cupy.float32) - cupy.from_dlpack(b).astype(cupy.float32)).max())
-               for a, b in zip(ours, theirs))
+        return import_jax()
+    except Exception as exc:  # ImportError, a CPU-only jaxlib...
+        log(f"jax-cudnn: unavailable ({type(exc).__name__}: {exc})")
+        return None
 
 
 def run(args) -> int:
-    torch = optional_torch()
+    torch = None if args.no_peers else optional_torch()
+    jax = None if args.no_peers else _jax_or_none()
     device = device_info()
     log(f"device: {device['name']} (NVRTC {device['nvrtc']})")
     dtype = first_dtype(args)
@@ -158,32 +251,32 @@ def run(args) -> int:
                 x = Inputs(lengths, HIDDEN // headdim, headdim, dtype, seed=0)
                 flops = 4 * pair_count(lengths, causal) * headdim * (HIDDEN // headdim)
                 flops *= BWD_FLOP_FACTOR if args.backward else 1
-                entries, results = {}, {}
-                makers = {"cuflash": _cuflash}
+                mine = _cuflash(x, causal, args.backward)
+                entries = {"cuflash": timing.Calls([mine])}
                 if batch in PADDED:
                     x.pad()
-                    makers["cuflash-padded"] = _padded
-                for name, make in makers.items():
-                    entries[name] = timing.Calls([make(x, causal, args.backward)])
-                if torch is not None and not args.no_peers:
-                    try:
-                        torch_run = _torch_flash(torch, x, causal, args.backward)
-                        entries["torch-flash"] = timing.Calls([torch_run], TorchEvents(torch))
-                        diff = _check(x, causal, args.backward, torch_run)
-                        if not diff <= CHECK_TOL:
-                            failed = True
-                            log(f"MISMATCH {batch} d{headdim} causal={causal}: max abs diff {diff:.3e}")
-                    except Skip as exc:
-                        results["torch-flash"] = {"skipped": str(exc)}
+                    entries["cuflash-padded"] = timing.Calls([_padded(x, causal, args.backward)])
+                peers, theirs, results = _peers(torch, jax, x, causal, args.backward)
+                ours = mine()
+                ours = tuple(ours) if args.backward else (ours,)
+                for name, peer in peers.items():
+                    diff = _max_difference(ours, theirs[name])
+                    if not diff <= CHECK_TOL:
+                        failed = True
+                        log(f"MISMATCH {name} {batch} d{headdim} causal={causal}: max abs diff {diff:.3e}")
+                    entries[name] = peer.calls()
+                del ours, theirs
                 budget = BWD_BUDGET_MS if args.backward else BUDGET_MS
                 results.update(timing.time_calls(entries, args.repeats, budget))
                 row = {"batch": batch, "sequences": len(lengths), "longest": x.longest, "headdim": headdim,
                        "causal": causal}
                 for name, result in results.items():
                     row[name] = round(flops / (result["ms"] * 1e-3) / 1e12, 1) if "ms" in result else None
+                    if "ms" not in result:
+                        log(f"{name}: {result}")
                 rows.append(row)
                 log(str(row))
-                del x
+                del x, peers, entries
                 timing.synchronize()
                 cupy.get_default_memory_pool().free_all_blocks()
     _print(rows)
@@ -192,12 +285,15 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
+PEERS = ("torch-flash", "torch-cudnn", "jax-cudnn")
+
+
 def _print(rows) -> None:
     from tabulate import tabulate
 
-    columns = ["batch", "sequences", "longest", "headdim", "causal", "cuflash", "cuflash-padded", "torch-flash"]
+    columns = ["batch", "sequences", "longest", "headdim", "causal", "cuflash", "cuflash-padded", *PEERS]
     table = [[row.get(c) for c in columns] for row in rows]
     for row, line in zip(rows, table):
-        peer = row.get("torch-flash")
-        line.append(round(row["cuflash"] / peer, 2) if peer and row.get("cuflash") else None)
-    print(tabulate(table, headers=[*columns, "vs torch-flash"]))
+        peers = [row[name] for name in PEERS if row.get(name)]
+        line.append(round(row["cuflash"] / max(peers), 2) if peers and row.get("cuflash") else None)
+    print(tabulate(table, headers=[*columns, "vs best peer"]))
