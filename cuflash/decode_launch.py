@@ -154,6 +154,7 @@ class DecodeLaunch:
         self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
         self.threads = cfg.threads
         self.num_splits = num_splits
+        self.cluster = cluster
         # Partial outputs and their logsumexps in global memory, where results merge through it: each
         # split's, or each cluster's where a row block has several.
         partials = num_splits // cluster if cluster else num_splits

@@ -493,6 +493,27 @@ def decode_config(headdim: int, rows: int, max_smem: int, fp8: bool = False, arc
     raise RuntimeError(f"cuflash: no decoding kernel for head dim {headdim} fits in {max_smem} bytes of shared memory")
 
 
+# A short cache's step of 17-32 packed rows a kv head (MQA's one query, GQA's 8 on 8 kv heads) whose
+# 32-row tile splits its keys in two runs instead as two row blocks of the 16-row tile where those fit
+# one wave: twice the CTAs, each with half the rows, and one split or two where there were two (a
+# split's merge costs more than its keys here). Same process, H100, fp16, head dim 128, 32 query heads,
+# device time of CUDA-graph replays, new / old time (bench/decode_halved_rows_ab.py; bench/PERFLOG.md,
+# "Two row blocks of the 16-row tile"): 1k caches 0.887-0.924 (MQA batch 64 20.4 -> 18.1 us, GQA batch
+# 8 with 8 queries 20.2 -> 18.7), over pages of 16 0.93-1.02; forced on 8k and longer caches 1.01-1.20
+# (each row block reads the keys again), on steps of 8 splits a row block 1.00-1.02, on steps that
+# would split in four 1.6.
+HALVED_ROWS_MAX_KEY_BLOCKS = 16
+HALVED_ROWS_MAX_SPLITS = 2
+
+
+def decode_halves_rows(cfg: DecodeConfig, rows: int, key_blocks: int, splits: int) -> bool:
+    """Whether a step of `rows` packed rows a kv head over `key_blocks` key blocks, planned on `cfg` with
+    `splits` splits, is one that two row blocks of the 16-row tile may take; the planner takes them where
+    their own plan fits one wave."""
+    return (cfg.block_m == 32 and not cfg.wgmma and not cfg.fp8 and 16 < rows
+            and key_blocks <= HALVED_ROWS_MAX_KEY_BLOCKS and 1 < splits <= HALVED_ROWS_MAX_SPLITS)
+
+
 def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
     """CTAs of `cfg` that fill the GPU's memory pipes: per SM, as many as bring DECODE_WARPS_PER_SM
     warps (DECODE_WARPS_PER_SM_16BIT for the mma.sync tiles over a 16-bit cache), at least one, at most

@@ -231,3 +231,21 @@ def test_decode_config_small_steps(headdim, rows):
         assert dispatch.decode_config(headdim, rows, 227 * 1024, arch=90, kv_blocks_per_sm=small).wgmma
         assert not dispatch.small_step_tiles()
     assert dispatch.small_step_tiles()
+
+
+def test_decode_halves_rows():
+    """Only a short cache's step (HALVED_ROWS_MAX_KEY_BLOCKS) whose 32-row mma.sync tile splits its keys
+    in two may take two row blocks of the 16-row tile instead."""
+    smem = 227 * 1024
+    mqa = dispatch.decode_config(128, 32, smem, arch=90)
+    assert (mqa.block_m, mqa.wgmma) == (32, False)
+    blocks = dispatch.HALVED_ROWS_MAX_KEY_BLOCKS
+    assert dispatch.decode_halves_rows(mqa, 32, blocks, 2)
+    assert dispatch.decode_halves_rows(mqa, 24, blocks, 2)  # 17-32 rows
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks + 1, 2)  # a longer cache
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 1)  # no split to save
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 8)  # 8-way clusters: no gain measured
+    gqa = dispatch.decode_config(128, 16, smem, arch=90)
+    assert gqa.block_m == 16 and not dispatch.decode_halves_rows(gqa, 16, blocks, 2)
+    e4m3 = dispatch.decode_config(128, 32, smem, fp8=True, arch=90)
+    assert not dispatch.decode_halves_rows(e4m3, 32, blocks, 2)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import dispatch, reference, score_mods
+from cuflash import dispatch, kv_cache, reference, score_mods
 from cuflash.config import DecodeConfig
 from cuflash.decode_launch import clusters_held
 from cuflash.device import compute_capability, max_smem_per_block, sm_count
@@ -355,6 +355,23 @@ def _expect_cluster_plan(rows, ctas, capacity, fp8, paged, causal, num_splits, e
         pytest.skip(f"the GPU does not hold {ctas} row blocks' clusters at once ({held})")
     assert expected is None or plan == expected
     return plan
+
+
+# Short caches whose 32-row tile splits its keys in two: two row blocks of the 16-row tile instead
+# (dispatch.decode_halves_rows): MQA at batch 64, 32 heads on 8 with 8 causal queries at batch 8.
+HALVED_ROWS_CASES = {"mqa": dict(batch=64, nheads=32, nheads_kv=1),
+                     "gqa_nq8": dict(batch=8, nheads=32, nheads_kv=8, seqlen_q=8, n_new=8, causal=True),
+                     "mqa_paged": dict(batch=64, nheads=32, nheads_kv=1, page_size=16)}
+
+
+@pytest.mark.parametrize("case", HALVED_ROWS_CASES)
+def test_short_steps_two_row_blocks_of_16(case):
+    if compute_capability(cupy.cuda.Device().id) != 90:
+        pytest.skip("the 32-row tile these steps would take runs small steps on sm_90")
+    kv_cache._plans.clear()
+    run_case(np.random.default_rng(64), capacity=1000, **HALVED_ROWS_CASES[case])
+    launch = next(iter(kv_cache._plans.plans.values())).launch
+    assert (launch.grid[1], launch.threads) == (2, 128)  # two row blocks of the 4-warp 16-row tile
 
 
 def test_leftpad_and_batch_idx():
