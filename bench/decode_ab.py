@@ -20,8 +20,9 @@ from cuflash.bench.measure import device_info, optional_torch
 
 
 def launch_plan(launch) -> tuple:
-    """What tells two arms' launches apart: grid, warps, CTAs a cluster, whether the combine kernel runs."""
-    return launch.grid, launch.threads // 32, launch.cluster, launch.combine is not None
+    """What tells two arms' launches apart: grid, warps, ring stages, CTAs a cluster, whether the combine
+    kernel runs."""
+    return launch.grid, launch.threads // 32, launch.cfg.stages, launch.cluster, launch.combine is not None
 
 
 def run(steps: list, arms: dict, page_size: int = 0, rounds: int = 4) -> None:

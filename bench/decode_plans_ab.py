@@ -5,7 +5,7 @@ of CUDA-graph replays next to torch-cudnn; fp16, head dim 128, 32 query heads).
 Usage (on a GPU):  PYTHONPATH=. python bench/decode_plans_ab.py --base OLD/cuflash/dispatch.py [--rounds 4]
                                                                  [--page-size N] [--steps I,J,...]
 
-Prints each arm's plan (grid, warps, CTAs a cluster, whether the combine kernel runs), µs per step,
+Prints each arm's plan (grid, warps, ring stages, CTAs a cluster, whether the combine kernel runs), µs per step,
 the largest difference from the base plan's output, and the tree's time over the base's.
 """
 

@@ -152,6 +152,7 @@ class DecodeLaunch:
         if cluster:
             self.kernel = LaunchInClusters(self.kernel, (cluster, 1, 1))
         self.grid = (num_splits, -(-nq * group // cfg.block_m), batch * nheads_kv)
+        self.cfg = cfg
         self.threads = cfg.threads
         self.num_splits = num_splits
         self.cluster = cluster

@@ -149,6 +149,19 @@ def _torch_sdpa(torch, step: Step, backend_name: str):
     return run
 
 
+class Replay:
+    """A captured graph as a zero-argument call on the current stream. It holds the calls it captured:
+    the graph reads the arrays they hold (a paged copy of a cache and its block table exist nowhere
+    else), which must outlive it rather than go back to the memory pool for the next subject's arrays."""
+
+    def __init__(self, launch, captured):
+        self._launch = launch
+        self._captured = captured
+
+    def __call__(self):
+        self._launch(cupy.cuda.get_current_stream())
+
+
 def cupy_graph(calls: timing.Calls, steps: int = GRAPH_STEPS) -> timing.Calls:
     """`steps` of the subject's calls (rotating over its input sets) captured in one CUDA graph, as one
     call that replays it on the current stream. Each input set is called once on the capturing stream
@@ -165,7 +178,7 @@ def cupy_graph(calls: timing.Calls, steps: int = GRAPH_STEPS) -> timing.Calls:
         for i in range(steps):
             calls.fns[i % len(calls.fns)]()
         graph = stream.end_capture()
-    return timing.Calls([lambda: graph.launch(cupy.cuda.get_current_stream())], calls.events, calls.context)
+    return timing.Calls([Replay(graph.launch, calls.fns)], calls.events, calls.context)
 
 
 def torch_graph(torch, calls: timing.Calls, steps: int = GRAPH_STEPS) -> timing.Calls:
@@ -181,7 +194,7 @@ def torch_graph(torch, calls: timing.Calls, steps: int = GRAPH_STEPS) -> timing.
     with calls.context(), torch.cuda.graph(graph):
         for i in range(steps):
             calls.fns[i % len(calls.fns)]()
-    return timing.Calls([graph.replay], calls.events, calls.context)
+    return timing.Calls([Replay(lambda stream: graph.replay(), calls.fns)], calls.events, calls.context)
 
 
 def run(args) -> int:
