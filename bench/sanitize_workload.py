@@ -202,12 +202,12 @@ def kvcache_steps():
                                    randn(batch, 4, 1, 128), cache_seqlens=lengths, block_table=table,
                                    rotary_cos=cos64, rotary_sin=sin64, rotary_interleaved=False, causal=True,
                                    num_splits=2, return_lse=True)
-    # 32 query heads on 8 kv heads, 8 queries at batch 8 over 1000 keys, appending: on sm_90 two row
-    # blocks of the 16-row tile a kv head (dispatch.decode_halves_rows).
-    gqa_cache = randn(8, 1000, 8, 128), randn(8, 1000, 8, 128)
-    gqa_lengths = cupy.asarray([0, 1, 97, 500, 900, 991, 992, 992], dtype=cupy.int32)
-    cuflash.attention_with_kvcache(randn(8, 8, 32, 128), *gqa_cache, randn(8, 8, 8, 128), randn(8, 8, 8, 128),
-                                   cache_seqlens=gqa_lengths, causal=True, return_lse=True)
+    # 32 query heads on 8 kv heads, 8 queries at batch 8, appending: on sm_90 two row blocks of the
+    # 16-row tile a kv head (dispatch.decode_halves_rows).
+    gqa_cache = randn(8, capacity, 8, headdim), randn(8, capacity, 8, headdim)
+    gqa_lengths = cupy.asarray([0, 1, 97, 150, 180, 191, 192, 192], dtype=cupy.int32)
+    cuflash.attention_with_kvcache(randn(8, 8, 32, headdim), *gqa_cache, randn(8, 8, 8, headdim),
+                                   randn(8, 8, 8, headdim), cache_seqlens=gqa_lengths, causal=True, return_lse=True)
     # An fp8 (e4m3) cache, contiguous and paged: appends (rotated, quantised) at the same lengths.
     descales = cupy.full((batch, nheads_kv), 0.25, cupy.float32)
     for k_cache, v_cache in (contiguous, paged):
