@@ -95,8 +95,8 @@ def parse_args(argv):
                              "bf16 inputs, then fp8 and bf16 errors against float64")
     parser.add_argument("--varlen", action="store_true",
                         help="packed batches of different lengths (attention_varlen): cuflash next to "
-                             "cuflash on the padded batch, torch's FlashAttention-2 varlen kernels, SDPA's "
-                             "cuDNN backend on nested tensors and JAX's cuDNN attention with sequence lengths")
+                             "cuflash on the padded batch, torch's FlashAttention-2 varlen kernels and JAX's cuDNN "
+                             "attention with sequence lengths")
     parser.add_argument("--decode", action="store_true",
                         help="one decoding step over a KV cache (attention_with_kvcache): GB/s of cache read "
                              "for contiguous and paged caches next to torch SDPA flash and cuDNN")

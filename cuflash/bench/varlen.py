@@ -57,7 +57,8 @@ TOKENS = 16 * 1024
 BATCHES = ("docs", "equal", "docs64", "equal64")
 PADDED = ("docs", "equal")  # the batches cuflash also runs padded (docs64 padded: 6.6x its real pairs)
 BWD_FLOP_FACTOR = 3.5  # forward + backward of flash attention, in forwards
-JAX_LENGTH_MULTIPLE = 64
+PEERS = ("torch-flash", "jax-cudnn")
+JAX_LENGTH_MULTIPLE = 64  # JAX's padded length rounds up to this (its cuDNN backward refuses odd ones)
 CHECK_TOL = 2e-2  # largest difference from a peer's result, relative to its largest magnitude above 1
 
 
@@ -251,7 +252,7 @@ def run(args) -> int:
                     diff = _max_difference(ours, theirs[name])
                     if not diff <= CHECK_TOL:
                         failed = True
-                        log(f"MISMATCH {name} {batch} d{headdim} causal={causal}: max abs diff {diff:.3e}")
+                        log(f"MISMATCH {name} {batch} d{headdim} causal={causal}: difference {diff:.3e}")
                     entries[name] = peer.calls()
                 del ours, theirs
                 budget = BWD_BUDGET_MS if args.backward else BUDGET_MS
@@ -271,9 +272,6 @@ def run(args) -> int:
     write_json(args.json, {"device": device, "dtype": str(numpy.dtype(dtype)), "backward": args.backward,
                            "rows": rows})
     return 1 if failed else 0
-
-
-PEERS = ("torch-flash", "jax-cudnn")
 
 
 def _print(rows) -> None:
