@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from unittest import mock
 
 from cuflash import dispatch
 
@@ -22,15 +23,9 @@ STEPS += [(8, b, c, 8, False) for b in (1, 2, 4, 6, 8) for c in (1024, 2048)]
 STEPS += [(1, 64, 8192, 1, False), (8, 8, 8192, 8, False), (1, 64, 1024, 1, True)]
 
 
-@contextlib.contextmanager
 def thirty_two_row_tile():
-    """Within the block no step leaves the 32-row tile for two row blocks of the 16-row one."""
-    tree_rule = dispatch.decode_halves_rows
-    dispatch.decode_halves_rows = lambda *args: False
-    try:
-        yield
-    finally:
-        dispatch.decode_halves_rows = tree_rule
+    """A block within which no step leaves the 32-row tile for two row blocks of the 16-row one."""
+    return mock.patch.object(dispatch, "decode_halves_rows", lambda *args: False)
 
 
 def main() -> None:

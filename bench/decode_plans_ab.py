@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import inspect
 import sys
+from unittest import mock
 
 from cuflash import dispatch
 
@@ -44,16 +45,6 @@ def base_rule(path: str):
     return lambda *a, paged=False: rule(*a[:7])  # a rule from before the plan took the cache's layout
 
 
-@contextlib.contextmanager
-def planning_with(rule):
-    """Within the block dispatch plans clusters with `rule`."""
-    tree_rule, dispatch.decode_cluster_plan = dispatch.decode_cluster_plan, rule
-    try:
-        yield
-    finally:
-        dispatch.decode_cluster_plan = tree_rule
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the dispatch.py whose decode_cluster_plan is the base")
@@ -62,7 +53,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
     args = parser.parse_args()
     steps = STEPS if args.steps is None else [STEPS[int(i)] for i in args.steps.split(",")]
-    arms = {"base": lambda: planning_with(base_rule(args.base)), "tree": contextlib.nullcontext}
+    base = base_rule(args.base)
+    arms = {"base": lambda: mock.patch.object(dispatch, "decode_cluster_plan", base), "tree": contextlib.nullcontext}
     run(steps, arms, args.page_size, args.rounds)
 
 
