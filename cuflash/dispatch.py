@@ -506,11 +506,12 @@ HALVED_ROWS_MAX_KEY_BLOCKS = 16
 HALVED_ROWS_MAX_SPLITS = 2
 
 
-def decode_halves_rows(cfg: DecodeConfig, rows: int, key_blocks: int, splits: int) -> bool:
-    """Whether a step of `rows` packed rows a kv head over `key_blocks` key blocks, planned on `cfg` with
-    `splits` splits, is one that two row blocks of the 16-row tile may take; the planner takes them where
-    their own plan fits one wave."""
-    return (cfg.block_m == 32 and not cfg.wgmma and not cfg.fp8 and 16 < rows
+def decode_halves_rows(cfg: DecodeConfig, rows: int, key_blocks: int, splits: int, arch: int) -> bool:
+    """Whether a Hopper step of `rows` packed rows a kv head over `key_blocks` key blocks, planned on `cfg`
+    with `splits` splits, is one that two row blocks of the 16-row tile may take; the planner takes them
+    where their own plan fits one wave. (Measured on Hopper only, where the 32-row plan's two splits
+    merge in clusters; elsewhere they merge through the combine kernel.)"""
+    return (arch == HOPPER and cfg.block_m == 32 and not cfg.wgmma and not cfg.fp8 and 16 < rows
             and key_blocks <= HALVED_ROWS_MAX_KEY_BLOCKS and 1 < splits <= HALVED_ROWS_MAX_SPLITS)
 
 

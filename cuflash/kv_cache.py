@@ -426,7 +426,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         return ctas, splits, cluster
 
     _, splits, cluster = plan_splits(cfg)
-    if not num_splits and dispatch.decode_halves_rows(cfg, rows, key_blocks, splits):
+    if not num_splits and dispatch.decode_halves_rows(cfg, rows, key_blocks, splits, arch):
         half = dispatch.decode_config(headdim, 16, max_smem_per_block(device_id), fp8_cache, arch)
         half_ctas, half_splits, half_cluster = plan_splits(half)
         if half_ctas * half_splits <= sms:  # one wave of the 16-row tile (one CTA an SM)

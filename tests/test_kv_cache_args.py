@@ -235,17 +235,18 @@ def test_decode_config_small_steps(headdim, rows):
 
 def test_decode_halves_rows():
     """Only a short cache's step (HALVED_ROWS_MAX_KEY_BLOCKS) whose 32-row mma.sync tile splits its keys
-    in two may take two row blocks of the 16-row tile instead."""
+    in two may take two row blocks of the 16-row tile instead, on Hopper."""
     smem = 227 * 1024
     mqa = dispatch.decode_config(128, 32, smem, arch=90)
     assert (mqa.block_m, mqa.wgmma) == (32, False)
     blocks = dispatch.HALVED_ROWS_MAX_KEY_BLOCKS
-    assert dispatch.decode_halves_rows(mqa, 32, blocks, 2)
-    assert dispatch.decode_halves_rows(mqa, 24, blocks, 2)  # 17-32 rows
-    assert not dispatch.decode_halves_rows(mqa, 32, blocks + 1, 2)  # a longer cache
-    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 1)  # no split to save
-    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 8)  # 8-way clusters: no gain measured
+    assert dispatch.decode_halves_rows(mqa, 32, blocks, 2, 90)
+    assert dispatch.decode_halves_rows(mqa, 24, blocks, 2, 90)  # 17-32 rows
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks + 1, 2, 90)  # a longer cache
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 1, 90)  # no split to save
+    assert not dispatch.decode_halves_rows(mqa, 32, blocks, 8, 90)  # 8-way clusters: no gain measured
+    assert not dispatch.decode_halves_rows(dispatch.decode_config(128, 32, smem, arch=80), 32, blocks, 2, 80)
     gqa = dispatch.decode_config(128, 16, smem, arch=90)
-    assert gqa.block_m == 16 and not dispatch.decode_halves_rows(gqa, 16, blocks, 2)
+    assert gqa.block_m == 16 and not dispatch.decode_halves_rows(gqa, 16, blocks, 2, 90)
     e4m3 = dispatch.decode_config(128, 32, smem, fp8=True, arch=90)
-    assert not dispatch.decode_halves_rows(e4m3, 32, blocks, 2)
+    assert not dispatch.decode_halves_rows(e4m3, 32, blocks, 2, 90)
