@@ -209,3 +209,25 @@ def test_speed_table_marks_mismatches_and_computes_ratios():
     line = tables.speed_table([row]).splitlines()[-1].split()
     assert line[:5] == ["fp16", "128", "yes", "2k", "600.0!"]
     assert line[5:] == [tables.DASH, "300.0", tables.DASH, "2.00", tables.DASH]
+
+
+def test_a_graph_replay_holds_the_calls_it_captured():
+    """A captured graph reads the arrays its calls hold (a paged cache's pages and table exist nowhere
+    else): its replay keeps them alive, and lets them go with itself."""
+    import gc
+    import weakref
+
+    from cuflash.bench.decode import Replay
+
+    class Pages:
+        pass
+
+    pages = Pages()
+    alive = weakref.ref(pages)
+    replay = Replay(lambda stream: None, [lambda held=pages: held])
+    del pages
+    gc.collect()
+    assert alive() is not None
+    del replay
+    gc.collect()
+    assert alive() is None
