@@ -414,22 +414,24 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         raise ValueError(f"q: seqlen_q * nheads / nheads_kv ({rows}) and batch * nheads_kv "
                          f"({batch * nheads_kv}) are too large for the decoding kernel's grid")
 
-    def plan_splits(tile: DecodeConfig) -> tuple[int, int, int]:
-        """(CTAs without a split, splits, CTAs a cluster) of this step on `tile`."""
+    def plan_splits(tile: DecodeConfig) -> tuple[int, int, int, int]:
+        """(CTAs of the grid, slots, splits, CTAs a cluster) of this step on `tile`; CTAs beyond the slots
+        (dispatch.decode_slots) make a second wave."""
         ctas = batch * nheads_kv * -(-max(rows, 1) // tile.block_m)
+        per_sm = max(1, max_smem_per_sm(device_id) // (tile.smem_bytes() + SMEM_RESERVED_PER_CTA))
+        slots = dispatch.decode_slots(tile, per_sm, sms)
         held = clusters_held(tile, name, paged, causal, mods, device_id) if dispatch.decode_may_cluster(
             tile, ctas, sms, arch) else {}
         splits, cluster = dispatch.decode_cluster_plan(tile, ctas, key_blocks, sms, arch, held, num_splits, paged)
         if not splits:
-            per_sm = max(1, max_smem_per_sm(device_id) // (tile.smem_bytes() + SMEM_RESERVED_PER_CTA))
-            splits = num_splits or dispatch.decode_splits(ctas, key_blocks, dispatch.decode_slots(tile, per_sm, sms))
-        return ctas, splits, cluster
+            splits = num_splits or dispatch.decode_splits(ctas, key_blocks, slots)
+        return ctas * splits, slots, splits, cluster
 
-    _, splits, cluster = plan_splits(cfg)
+    _, _, splits, cluster = plan_splits(cfg)
     if not num_splits and dispatch.decode_halves_rows(cfg, rows, key_blocks, splits, arch):
         half = dispatch.decode_config(headdim, 16, max_smem_per_block(device_id), fp8_cache, arch)
-        half_ctas, half_splits, half_cluster = plan_splits(half)
-        if half_ctas * half_splits <= sms:  # one wave of the 16-row tile (one CTA an SM)
+        half_ctas, half_slots, half_splits, half_cluster = plan_splits(half)
+        if half_ctas <= half_slots:  # one wave
             cfg, splits, cluster = half, half_splits, half_cluster
 
     def kernel_strides(x, copied: bool):

@@ -298,13 +298,20 @@ class JaxCudnnFwdBwd(JaxCudnn):
         return lambda: jax.block_until_ready(run(*args))
 
 
-def load_jax_libs(log, variant, backward=False) -> list:
-    """The JAX peer for `variant`'s window, or an empty list when JAX or its GPU backend is missing."""
+def optional_jax(log):
+    """import_jax's jax, or None (logged) when JAX or its GPU backend is missing."""
     try:
-        return [(JaxCudnnFwdBwd if backward else JaxCudnn)(variant)]
+        return import_jax()
     except Exception as exc:  # ImportError, a CPU-only jaxlib...
         log(f"jax-cudnn: unavailable ({type(exc).__name__}: {exc})")
+        return None
+
+
+def load_jax_libs(log, variant, backward=False) -> list:
+    """The JAX peer for `variant`'s window, or an empty list when JAX or its GPU backend is missing."""
+    if optional_jax(log) is None:
         return []
+    return [(JaxCudnnFwdBwd if backward else JaxCudnn)(variant)]
 
 
 def load_torch_libs(log, backward=False, dropout_p=0.0) -> list:

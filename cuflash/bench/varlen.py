@@ -38,7 +38,6 @@ The first ``--dtype`` is used (default fp16); ``--headdim``, ``--causal``,
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy
@@ -48,7 +47,7 @@ import cupy
 import cuflash
 from cuflash import timing
 
-from .libs import TorchEvents, import_jax
+from .libs import TorchEvents, optional_jax
 from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
 from .shapes import HIDDEN
 from .tables import write_json
@@ -135,15 +134,14 @@ class Peer:
     """A timed subject beside cuflash: its call, the events it is timed with, and its result on the real
     tokens as CuPy arrays in the packed (total, heads, dim) layout: the output, or (dq, dk, dv)."""
 
-    def __init__(self, run, events, packed, context=contextlib.nullcontext):
-        self.run, self.events, self.packed, self.context = run, events, packed, context
+    def __init__(self, run, events, packed):
+        self.run, self.events, self.packed = run, events, packed
 
     def calls(self) -> timing.Calls:
-        return timing.Calls([self.run], self.events, self.context)
+        return timing.Calls([self.run], self.events)
 
     def result(self) -> tuple:
-        with self.context():
-            return self.packed(self.run())
+        return self.packed(self.run())
 
 
 def _torch_flash(torch, x: Inputs, causal: bool, backward: bool) -> Peer:
@@ -218,17 +216,9 @@ def _max_difference(ours: tuple, theirs: tuple) -> float:
     return max(difference(a, b) for a, b in zip(ours, theirs))
 
 
-def _jax_or_none():
-    try:
-        return import_jax()
-    except Exception as exc:  # ImportError, a CPU-only jaxlib...
-        log(f"jax-cudnn: unavailable ({type(exc).__name__}: {exc})")
-        return None
-
-
 def run(args) -> int:
     torch = None if args.no_peers else optional_torch()
-    jax = None if args.no_peers else _jax_or_none()
+    jax = None if args.no_peers else optional_jax(log)
     device = device_info()
     log(f"device: {device['name']} (NVRTC {device['nvrtc']})")
     dtype = first_dtype(args)
