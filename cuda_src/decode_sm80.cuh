@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
         if (!attends) return;
     }
 
-    // Q, rotated at positions cache_len + i; with an fp8 cache in the key GEMM's column order, so
+    // Q, rotated at positions cache_len + rotary_q_step * i; with an fp8 cache in the key GEMM's column order, so
     // each thread takes the two chunks of a 16-column group.
     constexpr int Q_GROUP = FP8 ? 2 : 1;
     // Ring stage s's barriers (WGMMA): full (the copy warps' copies of its block have landed: an
@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
             const int c = tid + (k0 + k) * THREADS, row = min(m0 + c / ITEMS_A_ROW, rows - 1);
 #pragma unroll
             for (int g = 0; g < Q_GROUP; ++g)
-                loads[k][g] = rotary_loads(a, q_row_of(row), 8 * item_chunk(c, g), span.cache_len + row / a.group);
+                loads[k][g] = rotary_loads(a, q_row_of(row), 8 * item_chunk(c, g),
+                                           span.cache_len + a.rotary_q_step * (row / a.group));
         }
     };
     auto store_rotated_q = [&](const RotatedQLoads& loads, int k0) {
@@ -547,7 +548,7 @@ __global__ void __launch_bounds__(DecodeTraits<D, WARPS_M, WARPS_N, STAGES, FP8,
                     const int i = row / a.group;
                     const u16* q_row = q_row_of(row);
                     if (a.rotary_dim > 0)
-                        val[g] = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + i);
+                        val[g] = load_rotated_chunk<BF16>(a, q_row, 8 * chunk, span.cache_len + a.rotary_q_step * i);
                     else if (8 * chunk < a.d)
                         val[g] = *reinterpret_cast<const uint4*>(q_row + 8 * chunk);
                 }

@@ -11,8 +11,10 @@
 // launch. No position at or past the cache's capacity is read or written,
 // whatever the device-side lengths hold: they are clamped here.
 //
-// Rotary embedding (rotary_dim > 0) turns q row i and new key t, both at
-// position cache_len + i (+ t), with cos/sin tables (rows, rotary_dim / 2):
+// Rotary embedding (rotary_dim > 0) turns new key t at position cache_len + t
+// and q row i at cache_len + rotary_q_step * i (flash-attn's convention: step 1
+// in causal or windowed steps, else 0, every row at cache_len), with cos/sin
+// tables (rows, rotary_dim / 2):
 //   interleaved  (x[2p], x[2p+1])        -> (x cos - y sin, x sin + y cos) at cos[pos, p];
 //   half-split   (x[p], x[p + rd / 2])   -> the same pair rotation, p < rd / 2.
 // Columns at or past rotary_dim are left as they are.
@@ -66,6 +68,7 @@ struct KVCacheArgs {
     unsigned page_mul;   // j / page_size = (umulhi(j, page_mul) + j) >> page_shift (cuflash/decode_launch.py)
     int page_shift;
     int rotary_dim, rotary_interleaved, rotary_rows;
+    int rotary_q_step;   // q row i's rotary position: cache_len + rotary_q_step * i
     int num_splits;
     int merge_in_cluster;  // sm_90: CTAs a cluster of a row block's splits, which merges them; 0: none
     float scale_log2;

@@ -29,8 +29,8 @@ POINTER_FIELDS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "pa
 _STRIDES = ("q_sb", "q_sn", "q_sh", "kc_sb", "kc_sn", "kc_sh", "vc_sb", "vc_sn", "vc_sh", "kn_sb", "kn_sn",
             "kn_sh", "vn_sb", "vn_sn", "vn_sh", "o_sb", "o_sn", "o_sh", "block_table_stride")
 _INTS = ("nq", "n_new", "nheads", "nheads_kv", "group", "d", "total_q", "cache_len_all", "capacity", "cache_rows",
-         "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "num_splits",
-         "merge_in_cluster")
+         "page_size", "page_mul", "page_shift", "rotary_dim", "rotary_interleaved", "rotary_rows", "rotary_q_step",
+         "num_splits", "merge_in_cluster")
 # KVCacheArgs field for field (cuda_src/kv_cache.cuh).
 KV_CACHE_ARGS_DTYPE = numpy.dtype([*((p, "<u8") for p in POINTER_FIELDS), *((s, "<i8") for s in _STRIDES),
                                    *((i, "<u4" if i == "page_mul" else "<i4") for i in _INTS), ("scale_log2", "<f4")],
@@ -181,9 +181,9 @@ class DecodeLaunch:
         record["group"], record["d"], record["capacity"], record["cache_rows"] = group, headdim, capacity, cache_rows
         record["total_q"] = total_q
         if rotary is not None:
-            cos, interleaved = rotary
+            cos, interleaved, apart = rotary
             record["rotary_dim"], record["rotary_rows"] = 2 * cos.shape[1], cos.shape[0]
-            record["rotary_interleaved"] = int(interleaved)
+            record["rotary_interleaved"], record["rotary_q_step"] = int(interleaved), int(apart)
         record["num_splits"] = num_splits
         record["merge_in_cluster"] = cluster
         record["scale_log2"] = mods.score_log2(scale)

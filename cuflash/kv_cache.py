@@ -49,8 +49,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     cache_leftpad: int32 (batch,), each batch's first position (contiguous caches).
     block_table: int32 (batch, max_pages), the pages of each batch's positions.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, rotary_dim a multiple
-    of 16 <= headdim: q row i and new key t are rotated at positions cache_seqlens[b] + i
-    and + t; interleaved pairs (GPT-J) or halves (GPT-NeoX) with rotary_interleaved.
+    of 16 <= headdim: new key t is rotated at position cache_seqlens[b] + t, q row i at
+    cache_seqlens[b] + i where the step is causal or has a window, else every row at
+    cache_seqlens[b] (flash-attn's convention); interleaved pairs (GPT-J) or halves (GPT-NeoX)
+    with rotary_interleaved.
     causal, window_size, softcap, alibi_slopes, softmax_scale: as `cuflash.attention`, with
     seqlen_k = the attended keys of each batch (bottom-right aligned).
     An fp8 cache (sm_89 and later): k_cache and v_cache hold e4m3 (uint8 bits or ml_dtypes'
@@ -373,13 +375,14 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if rotary_dim % 16 != 0 or rotary_dim > headdim:
             raise ValueError(f"rotary_cos: rotary_dim = 2 * shape[1] must be a multiple of 16 and at most headdim "
                              f"{headdim}, got {rotary_dim}")
+        apart = score_mods.queries_rotate_apart(causal, window_size, capacity)
         if host_lengths is not None or validate.is_int(cache_seqlens):
             longest = (int(numpy.max(host_lengths, initial=0)) if host_lengths is not None
-                       else int(cache_seqlens)) + max(seqlen_q, n_new)
+                       else int(cache_seqlens)) + max(seqlen_q if apart else min(seqlen_q, 1), n_new)
             if rotary_cos.shape[0] < longest:
                 raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, "
                                  f"got shape {rotary_cos.shape}")
-        rotary = (rotary_cos, bool(rotary_interleaved))
+        rotary = (rotary_cos, bool(rotary_interleaved), apart)
         # The kernels read the tables' rows as 8-byte vectors where a thread rotates several chunks at once.
         copy_rotary = not all(x.flags.c_contiguous and x.data.ptr % ALIGN_BYTES == 0
                               for x in (rotary_cos, rotary_sin))

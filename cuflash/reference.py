@@ -51,7 +51,7 @@ from typing import NamedTuple
 import ml_dtypes  # noqa: F401  (registers the "bfloat16" NumPy dtype)
 import numpy as np
 
-from .score_mods import DROPOUT_DRAW_BITS, Dropout
+from .score_mods import DROPOUT_DRAW_BITS, Dropout, queries_rotate_apart
 
 
 def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
@@ -539,15 +539,22 @@ def kvcache_quantize(x, descale):
     return np.clip(scaled, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
+def _kvcache_capacity(k_cache, block_table):
+    """Positions a batch's cache holds: its rows, or max_pages * page_size."""
+    return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
 def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                       cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
-                      rotary_interleaved=True, alibi_slopes=None, k_descale=None, v_descale=None):
+                      rotary_interleaved=True, alibi_slopes=None, k_descale=None, v_descale=None,
+                      rotate_apart=True):
     """The append of `attention_with_kvcache` and what each batch then attends.
 
     Returns (k_cache_after, v_cache_after, sequences): the caches after the call,
     copies in the caches' dtype with the new keys (rotated in float64, then
     rounded) and values written at positions cache_seqlens[b] ...; and per batch
-    (q rotated at positions cache_seqlens[b] + i, in float64 then rounded to q's dtype as
+    (q rotated at positions cache_seqlens[b] + i, or every row at cache_seqlens[b] where not
+    rotate_apart (`score_mods.queries_rotate_apart`), in float64 then rounded to q's dtype as
     flash-attn's reference does, as float64; keys and values at
     positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new) in the cache's
     dtype, (1, nheads) ALiBi slopes or None). A paged cache is (num_pages,
@@ -567,7 +574,7 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     n_new = 0 if k is None else k.shape[1]
     k_after, v_after = k_cache.copy(), v_cache.copy()
     page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    capacity = _kvcache_capacity(k_cache, block_table)
     if cache_seqlens is None:
         lengths = np.full(batch, capacity - n_new)
     else:
@@ -601,7 +608,8 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
             values = fp8_dequantize(values[None], v_descale[b][None])[0]
         qb = q[b].astype(np.float64)
         if rotary_cos is not None:  # rounded to q's dtype, as the new keys are in the cache
-            qb = apply_rotary(qb, rotary_cos, rotary_sin, length + np.arange(seqlen_q), rotary_interleaved)
+            positions = length + (np.arange(seqlen_q) if rotate_apart else np.zeros(seqlen_q, np.int64))
+            qb = apply_rotary(qb, rotary_cos, rotary_sin, positions, rotary_interleaved)
             qb = qb.astype(q.dtype).astype(np.float64)
         slopes = None
         if alibi_slopes is not None:
@@ -623,7 +631,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     k_after, v_after, sequences = kvcache_sequences(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale,
+        rotate_apart=queries_rotate_apart(causal, window_size, _kvcache_capacity(k_cache, block_table)))
     batch, seqlen_q, nheads, _ = q.shape
     out = np.zeros(q.shape, np.float64)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)

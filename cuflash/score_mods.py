@@ -187,6 +187,14 @@ def dropout_probability(value) -> float:
     return prob
 
 
+def queries_rotate_apart(causal: bool, window_size: tuple[int, int], capacity: int) -> bool:
+    """Whether a KV-cache step's query row i takes its rotary angles at position cache_seqlens + i
+    (True) or every row at cache_seqlens (False), flash-attn's convention for `flash_attn_with_kvcache`:
+    apart where the step is causal or local, a window bound in [0, capacity) (bounds at or past the
+    cache's capacity count as unbounded)."""
+    return bool(causal) or any(0 <= bound < capacity for bound in window_size)
+
+
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,
               seqlen_q: int, seqlen_k: int, varlen: Varlen | None = None,
               dropout: Dropout | None = None) -> tuple[bool, ScoreMods]:

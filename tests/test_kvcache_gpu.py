@@ -7,6 +7,7 @@ ratios 1 to 32, 1 to 16 queries, both rotary modes; outputs start poisoned,
 and cache positions the call must not write hold poison that has to survive.
 """
 
+import contextlib
 
 import cupy
 import numpy as np
@@ -205,6 +206,23 @@ def test_wgmma_tiles_rotary(headdim, rotary, interleaved):
         run_case(np.random.default_rng(headdim + len(rotary) + interleaved), headdim=headdim, rotary=rotary,
                  interleaved=interleaved, seqlen_q=5, n_new=5, nheads=32, nheads_kv=1, causal=True, capacity=200,
                  misaligned_tables=rotary == "full")
+
+
+# Without causal or a window, every query row of a step takes its rotary angles at cache_seqlens
+# (flash-attn's convention), on each tile that rotates Q: 16-row (4 rows a kv head), 32-row (MQA
+# at Nq = 2: its Q rotated late), 64-row over an e4m3 cache, the wgmma tiles, and a paged cache.
+@pytest.mark.parametrize("case", [
+    dict(nheads=8, nheads_kv=2, seqlen_q=4, n_new=4, rotary="half"),
+    dict(nheads=16, nheads_kv=1, seqlen_q=2, n_new=1, rotary="full", interleaved=False),
+    dict(nheads=16, nheads_kv=2, seqlen_q=8, n_new=3, rotary="half", fp8=True),
+    dict(nheads=32, nheads_kv=1, seqlen_q=5, n_new=5, rotary="full", large=True),
+    dict(nheads=8, nheads_kv=2, seqlen_q=3, n_new=2, rotary="full", page_size=16, interleaved=False),
+], ids=["16rows", "32rows", "64rows_e4m3", "wgmma", "paged"])
+def test_rotary_without_causal_one_position(case):
+    case = dict(case)
+    tiles = dispatch.large_step_tiles() if case.pop("large", False) else contextlib.nullcontext()
+    with tiles:
+        run_case(np.random.default_rng(len(case) + case["seqlen_q"]), capacity=250, **case)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

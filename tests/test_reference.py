@@ -18,12 +18,14 @@ from cuflash.reference import (
     attention_varlen_backward,
     attention_varlen_backward_naive_lowp,
     attention_varlen_naive_lowp,
+    apply_rotary,
     causal_mask,
     dropout_keep_mask,
+    kvcache_sequences,
     philox4x32,
     visible_mask,
 )
-from cuflash.score_mods import DROPOUT_DRAW_BITS
+from cuflash.score_mods import DROPOUT_DRAW_BITS, queries_rotate_apart
 
 
 def sees(row, col, nq, nk, causal, window_size):
@@ -861,3 +863,29 @@ def test_varlen_bad_shapes():
         attention_varlen(q, k, v, cu_q, cu_k, dropout_mask=np.ones((2, 2, 2, 4), bool), dropout_p=0.1)
     with pytest.raises(ValueError, match="alibi_slopes"):
         attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=np.ones((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("causal,window_size,apart", [
+    (False, (-1, -1), False), (True, (-1, -1), True), (False, (5, -1), True), (False, (-1, 0), True),
+    (False, (100, -1), False), (False, (100, 100), False), (True, (100, -1), True),
+])
+def test_queries_rotate_apart(causal, window_size, apart):
+    """flash-attn's flash_attn_with_kvcache: q rows take positions cache_seqlens + i where the step is
+    causal or local (a window bound below the cache's capacity, here 100), else all cache_seqlens."""
+    assert queries_rotate_apart(causal, window_size, 100) is apart
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_kvcache_sequences_rotary_positions(apart):
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal((1, 2, 16))
+    q = np.repeat(row, 3, axis=0)[None].astype(np.float16)  # three equal query rows
+    k_cache = rng.standard_normal((1, 40, 1, 16)).astype(np.float16)
+    k_new = rng.standard_normal((1, 3, 1, 16)).astype(np.float16)
+    angles = rng.uniform(0, 2 * np.pi, (40, 8))
+    cos, sin = np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
+    _, _, [(qb, _, _, _)] = kvcache_sequences(q, k_cache, k_cache, k_new, k_new, cache_seqlens=np.array([7]),
+                                             rotary_cos=cos, rotary_sin=sin, rotate_apart=apart)
+    at_seven = apply_rotary(q[0, :1].astype(np.float64), cos, sin, np.array([7])).astype(np.float16)
+    np.testing.assert_array_equal(qb[0], at_seven[0].astype(np.float64))
+    assert np.array_equal(qb[1], qb[0]) is not apart
