@@ -208,8 +208,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     if name not in ("float16", "bfloat16"):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
     nheads, headdim = q.shape[2:]
-    if headdim % 8 != 0 or not 8 <= headdim <= validate.MAX_HEADDIM:
-        raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {validate.MAX_HEADDIM}, got {headdim}")
+    validate.check_headdim(headdim)
     if q.shape[1] == 0:
         raise ValueError(f"q must hold at least one query, got shape {q.shape}")
     if not last_dim_contiguous(q):

@@ -5,7 +5,8 @@
 `flash_attn_func(q, k, v, ...)` takes flash-attn's layout (batch, seqlen,
 nheads, headdim) and keywords, so that a flash-attn user changes one import;
 so do the packed forms (`flash_attn_qkvpacked_func`, `flash_attn_kvpacked_func`
-and their varlen twins).
+and their varlen twins). Head dims that are not a multiple of 8 (up to 256) are
+padded with zero columns, as flash-attn does.
 Each pass is a torch op (`torch.library`, schema from its annotations) with a
 fake (meta) implementation and registered autograd, so
 `torch.compile(fullgraph=True)` keeps it in the graph without a break. The
@@ -178,6 +179,30 @@ def _fwd_backward(ctx, dout, dlse, ddraw):
 torch.library.register_autograd("cuflash::fwd", _fwd_backward, setup_context=_fwd_setup)
 
 
+# flash-attn takes any head dim up to 256 and pads the others to a multiple of 8 with zero columns,
+# which add nothing to q . k; the output's padded columns are dropped, and the softmax scale stays
+# 1 / sqrt(the caller's head dim). So do these functions (the kernels take multiples of 8).
+
+def _headdim_padding(q: torch.Tensor) -> int:
+    """Zero columns that bring q's head dim to a multiple the kernels take (0 where it is one, and for
+    head dims the kernels refuse anyway: larger than MAX_HEADDIM, or fp8)."""
+    headdim = q.shape[-1]
+    if q.dtype == torch.float8_e4m3fn or headdim > _validate.MAX_HEADDIM:
+        return 0
+    return -headdim % _validate.HEADDIM_MULTIPLE
+
+
+def _padded(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
+    return None if x is None else torch.nn.functional.pad(x, (0, pad))
+
+
+def _unpadded(result, headdim: int):
+    """A function's result with its output's padded columns dropped (the rest as it is)."""
+    if isinstance(result, tuple):
+        return (result[0][..., :headdim], *result[1:])
+    return result[..., :headdim]
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
                     v_descale=None):
@@ -190,6 +215,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fp8, as flash-attn 3's: q, k and v torch.float8_e4m3fn with q_descale, k_descale, v_descale
     float32 (batch, nheads_kv) (ones where None); out is bfloat16. Forward only (Hopper), with
     causal, window and softcap."""
+    pad = _headdim_padding(q)
+    if pad:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return _unpadded(flash_attn_func(_padded(q, pad), _padded(k, pad), _padded(v, pad), dropout_p, scale, causal,
+                                         window_size, softcap, alibi_slopes, deterministic, return_attn_probs),
+                         q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     if q.dtype == torch.float8_e4m3fn:
         out, lse = _fp8_fwd(q, k, v, q_descale, k_descale, v_descale, *_fp8_options(k, v, alibi_slopes, options))
@@ -335,6 +366,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages, page_size,
     nheads_kv, headdim), sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
     (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
+    pad = _headdim_padding(q)
+    if pad:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return _unpadded(flash_attn_varlen_func(_padded(q, pad), _padded(k, pad), _padded(v, pad), cu_seqlens_q,
+                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal,
+                                                window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                                block_table), q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     if block_table is not None:
         causal, scale, left, right, softcap, _, dropout_p = options
@@ -434,6 +472,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     in place and attends. cache_seqlens: an int or an int32 CUDA tensor (batch,). An e4m3 cache is
     torch.float8_e4m3fn (or uint8 codes) with k_descale / v_descale float32 (batch, nheads_kv), as in
     flash-attn 3. Returns out; with return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
+    pad = _headdim_padding(q) if k_cache.dtype in (torch.float16, torch.bfloat16) else 0
+    if pad:  # as flash-attn: the caches padded in copies, and the appended rows copied back
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        caches = _padded(k_cache, pad), _padded(v_cache, pad)
+        result = flash_attn_with_kvcache(
+            _padded(q, pad), *caches, _padded(k, pad), _padded(v, pad), rotary_cos, rotary_sin, cache_seqlens,
+            cache_batch_idx, cache_leftpad, block_table, scale, causal, window_size, softcap, rotary_interleaved,
+            alibi_slopes, num_splits, return_softmax_lse)
+        if k is not None:
+            for cache, padded in zip((k_cache, v_cache), caches):
+                cache.copy_(padded[..., :q.shape[-1]])
+        return _unpadded(result, q.shape[-1])
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))

@@ -18,6 +18,7 @@ from .arrays import ALIGN_BYTES, dtype_name, is_aligned, last_dim_contiguous
 from .config import FP8_DTYPE_NAME
 
 MAX_HEADDIM = 256
+HEADDIM_MULTIPLE = 8  # 16-byte rows of 16-bit elements
 # Grid dims y and z carry heads and batch in the sm_80 kernels.
 MAX_GRID_YZ = 65535
 
@@ -103,8 +104,7 @@ def qkv(q, k, v, allow_fp8: bool = False) -> str:
         raise ValueError(f"k must have q's head dim {headdim}, got shape {k.shape}")
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
-    if headdim % 8 != 0 or not 8 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"q: head dim must be a multiple of 8 between 8 and {MAX_HEADDIM}, got {headdim}")
+    check_headdim(headdim)
     if name_of_dtype == FP8_DTYPE_NAME and headdim % 16 != 0:
         raise ValueError(f"q: fp8 head dim must be a multiple of 16 (16-byte rows), got {headdim}")
     nheads_kv = k.shape[2]
@@ -151,6 +151,13 @@ def beside(name: str, x, ref, ref_name: str = "q") -> None:
     same_device(name, x, ref, ref_name)
     if not last_dim_contiguous(x):
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.strides}")
+
+
+def check_headdim(headdim: int) -> None:
+    """q's head dim: a multiple of HEADDIM_MULTIPLE up to MAX_HEADDIM."""
+    if headdim % HEADDIM_MULTIPLE != 0 or not HEADDIM_MULTIPLE <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"q: head dim must be a multiple of {HEADDIM_MULTIPLE} between {HEADDIM_MULTIPLE} and "
+                         f"{MAX_HEADDIM}, got {headdim}")
 
 
 def output(name: str, x, ref, ref_name: str, dtype=None) -> None:

@@ -187,6 +187,7 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         out, lse = plan.call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse)
         return (out, lse) if return_lse else out
     _require_3d(q=q)
+    validate.check_headdim(q.shape[-1])  # before `out`, whose alignment follows from it
     host_lengths = numpy.diff(cu_seqlens_k) if isinstance(cu_seqlens_k, numpy.ndarray) else None
     total_k = int(cu_seqlens_k[-1]) if host_lengths is not None else None
     cu_seqlens, _ = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], total_k, q.device)

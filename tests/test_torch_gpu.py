@@ -360,3 +360,55 @@ def test_flash_attn_varlen_func_paged(rng):
     out, _, _ = call(q.clone().requires_grad_(), k_pages, v_pages)
     with pytest.raises(NotImplementedError, match="block_table"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("headdim", [59, 111])
+def test_head_dims_flash_attn_pads(rng, headdim):
+    """Head dims that are not a multiple of 8 run padded with zero columns, as in flash-attn: forward and
+    gradients against the reference at the caller's head dim (scale 1 / sqrt(headdim)), eager and
+    compiled bitwise equal; the varlen form's output too."""
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
+
+    host = [randn(rng, (2, n, h, headdim), np.float16) for n, h in ((70, 4), (90, 2), (90, 2))]
+    dout_host = randn(rng, (2, 70, 4, headdim), np.float16)
+    dout = torch.from_numpy(dout_host.view(np.int16)).view(torch.float16).cuda()
+
+    def block(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+    eager = grads_of(block, leaves(host), dout)
+    assert eager[0].shape == (2, 70, 4, headdim)
+    assert_follows_reference(eager, host, dout_host, causal=True)
+    for a, b in zip(eager, grads_of(torch.compile(block, fullgraph=True), leaves(host), dout)):
+        assert torch.equal(a, b)
+
+    cu_q = torch.tensor([0, 70, 140], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 90, 180], dtype=torch.int32, device="cuda")
+    packed = [x.detach().flatten(0, 1).requires_grad_() for x in leaves(host)]
+    out = flash_attn_varlen_func(*packed, cu_q, cu_k, 70, 90, causal=True)
+    assert_close_2x(as_numpy(out.unflatten(0, (2, 70))), reference.attention(*host, causal=True),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, causal=True), ATOL[np.dtype(np.float16)])
+
+
+def test_kvcache_head_dim_flash_attn_pads(rng):
+    """A head dim of 59 in flash_attn_with_kvcache: the step attends and appends in place as the
+    reference does (the caches padded in copies, the new rows copied back)."""
+    from cuflash.torch import flash_attn_with_kvcache
+
+    def tensor(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda()
+
+    batch, capacity, nheads, nheads_kv, headdim = 2, 100, 6, 3, 59
+    k_host, v_host = (randn(rng, (batch, capacity, nheads_kv, headdim), np.float16) for _ in range(2))
+    q, k, v = (randn(rng, (batch, 3, n, headdim), np.float16) for n in (nheads, nheads_kv, nheads_kv))
+    lengths = np.array([0, 41], np.int32)
+    ref, _, k_after, v_after = reference.attention_with_kvcache(q, k_host, v_host, k, v, cache_seqlens=lengths,
+                                                                causal=True)
+    naive, _, _, _ = reference.attention_with_kvcache(q, k_host, v_host, k, v, cache_seqlens=lengths, causal=True,
+                                                      lowp_dtype=np.float16)
+    k_cache, v_cache = tensor(k_host), tensor(v_host)
+    out = flash_attn_with_kvcache(tensor(q), k_cache, v_cache, tensor(k), tensor(v),
+                                  cache_seqlens=torch.from_numpy(lengths).cuda(), causal=True)
+    assert_close_2x(as_numpy(out), ref, naive, ATOL[np.dtype(np.float16)])
+    np.testing.assert_array_equal(k_cache.cpu().view(torch.int16).numpy(), k_after.view(np.int16))
+    np.testing.assert_array_equal(v_cache.cpu().view(torch.int16).numpy(), v_after.view(np.int16))
