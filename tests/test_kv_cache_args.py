@@ -2,6 +2,7 @@
 and tile choices keep their bounds, and the cache strides the kernel takes as 32-bit are checked (the
 struct sizes: tests/test_score_mod_args.py). No GPU."""
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,6 +29,27 @@ def test_decode_splits_bounds():
         splits = dispatch.decode_splits(ctas, blocks, 264)
         assert 1 <= splits <= dispatch.DECODE_MAX_SPLITS
         assert splits == 1 or blocks // splits >= dispatch.MIN_BLOCKS_PER_SPLIT
+
+
+def test_decode_split_free():
+    """The mma.sync tiles over a 16-bit cache run unsplit from SPLIT_FREE_SM_SHARE of the SMs up (over a
+    paged cache the 16-row tile up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks); the wgmma tiles and
+    e4m3 caches keep decode_splits' choice."""
+    sixteen = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
+    thirty_two = dispatch.decode_config(128, 32, 227 * 1024, arch=90)
+    wgmma = dispatch.decode_config(128, 256, 227 * 1024, arch=90)
+    fp8 = dispatch.decode_config(128, 32, 227 * 1024, fp8=True, arch=90)
+    assert wgmma.wgmma and fp8.fp8
+    least = math.ceil(dispatch.SPLIT_FREE_SM_SHARE * 132)
+    longest = dispatch.SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS
+    for cfg in (sixteen, thirty_two):
+        assert dispatch.decode_split_free(cfg, least, 132, 512, False)
+        assert not dispatch.decode_split_free(cfg, least - 1, 132, 16, False)
+        assert dispatch.decode_split_free(cfg, least, 132, longest, True)
+    assert not dispatch.decode_split_free(sixteen, least, 132, longest + 1, True)
+    assert dispatch.decode_split_free(thirty_two, least, 132, longest + 1, True)
+    assert not dispatch.decode_split_free(wgmma, 100, 132, 64, False)
+    assert not dispatch.decode_split_free(fp8, 100, 132, 64, False)
 
 
 def test_decode_cluster_plan():

@@ -1,0 +1,45 @@
+"""Same-run A/B of the decoding steps whose row blocks fill half the SMs or more on the mma.sync tiles
+over a 16-bit cache: the tree's choice (unsplit, dispatch.decode_split_free) against decode_splits'
+(bench/decode_ab.py: device time of CUDA-graph replays next to torch-cudnn; fp16, head dim 128, 32 query
+heads).
+
+Usage (on a GPU):  PYTHONPATH=. python bench/decode_split_free_ab.py [--rounds 4] [--page-size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+from cuflash import dispatch
+
+from decode_ab import run
+
+# (kv heads, batch, cache tokens, queries, e4m3 cache): 72-120 row blocks of the 16-row tile (32 on 8,
+# 4 and 2, MHA) and of the 32-row tile (MQA with one query, 32 on 8 with 8 causal queries) over 1k-32k
+# caches; then steps the rule leaves alone (fewer row blocks: clusters; e4m3 caches; the wgmma tiles).
+STEPS = [(8, b, c, 1, False) for b in (9, 12) for c in (1024, 4096, 32768)]
+STEPS += [(4, 24, c, 1, False) for c in (1024, 4096)]
+STEPS += [(2, b, c, 1, False) for b in (36, 48) for c in (1024, 8192)]
+STEPS += [(32, 3, c, 1, False) for c in (1024, 8192)]
+STEPS += [(1, b, c, 1, False) for b in (72, 96, 120) for c in (1024, 4096)]
+STEPS += [(8, b, c, 8, False) for b in (9, 12) for c in (1024, 4096)]
+STEPS += [(8, 8, 8192, 1, False), (1, 96, 4096, 1, True), (1, 12, 4096, 16, False)]
+
+
+def split_by_waves():
+    """A block within which every step takes decode_splits' count (the rule before decode_split_free)."""
+    return mock.patch.object(dispatch, "decode_split_free", lambda *args: False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
+    args = parser.parse_args()
+    run(STEPS, {"decode_splits": split_by_waves, "tree": contextlib.nullcontext}, args.page_size, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
