@@ -17,14 +17,17 @@ from cuflash import dispatch
 from decode_ab import run
 
 # (kv heads, batch, cache tokens, queries, e4m3 cache): 72-120 row blocks of the 16-row tile (32 on 8,
-# 4 and 2, MHA) and of the 32-row tile (MQA with one query, 32 on 8 with 8 causal queries) over 1k-32k
-# caches; then steps the rule leaves alone (fewer row blocks: clusters; e4m3 caches; the wgmma tiles).
+# 4 and 2, MHA), of the 32-row tile (MQA with one query, 32 on 8 with 8 causal queries) and of the
+# wgmma tiles (MQA with 2 and 4 causal queries, 32 on 4 with 8) over 1k-32k caches; then steps the rule
+# leaves alone (fewer row blocks: clusters; e4m3 caches; a step of 12 row blocks).
 STEPS = [(8, b, c, 1, False) for b in (9, 12) for c in (1024, 4096, 32768)]
 STEPS += [(4, 24, c, 1, False) for c in (1024, 4096)]
 STEPS += [(2, b, c, 1, False) for b in (36, 48) for c in (1024, 8192)]
 STEPS += [(32, 3, c, 1, False) for c in (1024, 8192)]
 STEPS += [(1, b, c, 1, False) for b in (72, 96, 120) for c in (1024, 4096)]
 STEPS += [(8, b, c, 8, False) for b in (9, 12) for c in (1024, 4096)]
+STEPS += [(1, b, c, q, False) for q in (2, 4) for b in (72, 120) for c in (4096, 16384)]  # the wgmma tiles
+STEPS += [(4, b, c, 8, False) for b in (18, 30) for c in (4096, 16384)]
 STEPS += [(8, 8, 8192, 1, False), (1, 96, 4096, 1, True), (1, 12, 4096, 16, False)]
 
 

@@ -524,26 +524,27 @@ def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
     return sms * max(1, min(resident_per_sm, per_sm // warps))
 
 
-# ... and where a step's row blocks fill at least half the SMs with the mma.sync tiles over a 16-bit
-# cache, it runs unsplit: one such CTA an SM reads more than its SM's share of the copy rate (GQA 32 on
-# 8, batch 9, 4k: 72 CTAs read 2.8 TB/s), so idle SMs cost less than splits and their merge. Same
-# process, H100, fp16, head dim 128, 32 query heads, graph replays, unsplit / decode_splits' time on
-# 72-120 row blocks over 1k-32k caches (bench/decode_split_free_ab.py; bench/PERFLOG.md, "Steps of
-# half the SMs or more run unsplit"): 16-row tile 0.63-0.98 (32 on 2 batch 48 1k 35.7 -> 22.6 us, 32
-# on 8 batch 12 32k 564.8 -> 512.5), 32-row tile 0.63-0.83 (MQA batch 120 4k 126.9 -> 90.0; torch-
-# cudnn 88.3); against torch-cudnn 1.01-1.73x its time before, 1.00-1.12x after. Over pages of 16
-# the 16-row tile's copies cost more a block and its long caches want the splits' SMs (batch 9 32k
-# 408.8 -> 470.0 us, 1.15; 4k-8k 0.95-1.01; 1k 0.68-0.91): there it runs unsplit up to
-# SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks; the 32-row tile paged 0.63-0.86.
+# ... and where a step's row blocks fill at least half the SMs over a 16-bit cache, it runs unsplit:
+# one CTA an SM reads more than its SM's share of the copy rate (GQA 32 on 8, batch 9, 4k: 72 CTAs of
+# the 16-row tile read 2.8 TB/s), so idle SMs cost less than splits and their merge. Same process,
+# H100, fp16, head dim 128, 32 query heads, graph replays, unsplit / decode_splits' time on 72-120 row
+# blocks over 1k-32k caches (bench/decode_split_free_ab.py; bench/PERFLOG.md, "Steps of half the SMs or
+# more run unsplit"): 16-row tile 0.64-0.99 (32 on 2 batch 48 1k 35.6 -> 22.6 us), 32-row tile
+# 0.63-0.84 (MQA batch 120 4k 126.3 -> 87.6, torch-cudnn 88.9), wgmma tiles 0.42-0.96 (MQA batch 120
+# 4k with 4 causal queries 229.5 -> 97.4); with one query 1.01-1.71x torch-cudnn's time before,
+# 0.99-1.13x after. Over pages of 16 the same but for the 16-row tile's long caches, whose copies cost
+# more a block (their page ids) and want the splits' SMs (batch 9 32k 408.8 -> 470.0 us, 1.15; 4k-8k
+# 0.95-1.01; 1k 0.68-0.92): it runs unsplit up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks. Over
+# an e4m3 cache (half the bytes a block) unsplit ran 0.81-2.08x the time: its steps keep the splits.
 SPLIT_FREE_SM_SHARE = 0.5
 SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS = 64
 
 
 def decode_split_free(cfg: DecodeConfig, ctas: int, sms: int, key_blocks: int, paged: bool) -> bool:
     """Whether a step of `ctas` row blocks of `key_blocks` key blocks on `cfg` runs unsplit (see
-    SPLIT_FREE_SM_SHARE): the mma.sync tiles over a 16-bit cache, at least that share of the SMs; over a
-    paged cache the 16-row tile up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks."""
-    if cfg.wgmma or cfg.fp8 or ctas < SPLIT_FREE_SM_SHARE * sms:
+    SPLIT_FREE_SM_SHARE): over a 16-bit cache, at least that share of the SMs; over a paged cache the
+    16-row tile up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks."""
+    if cfg.fp8 or ctas < SPLIT_FREE_SM_SHARE * sms:
         return False
     return not (paged and cfg.block_m <= 16 and key_blocks > SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS)
 

@@ -32,9 +32,9 @@ def test_decode_splits_bounds():
 
 
 def test_decode_split_free():
-    """The mma.sync tiles over a 16-bit cache run unsplit from SPLIT_FREE_SM_SHARE of the SMs up (over a
-    paged cache the 16-row tile up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks); the wgmma tiles and
-    e4m3 caches keep decode_splits' choice."""
+    """Steps over a 16-bit cache run unsplit from SPLIT_FREE_SM_SHARE of the SMs up (over a paged cache
+    the 16-row tile up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks); e4m3 caches keep decode_splits'
+    choice."""
     sixteen = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
     thirty_two = dispatch.decode_config(128, 32, 227 * 1024, arch=90)
     wgmma = dispatch.decode_config(128, 256, 227 * 1024, arch=90)
@@ -48,7 +48,8 @@ def test_decode_split_free():
         assert dispatch.decode_split_free(cfg, least, 132, longest, True)
     assert not dispatch.decode_split_free(sixteen, least, 132, longest + 1, True)
     assert dispatch.decode_split_free(thirty_two, least, 132, longest + 1, True)
-    assert not dispatch.decode_split_free(wgmma, 100, 132, 64, False)
+    assert dispatch.decode_split_free(wgmma, least, 132, 4 * longest, True)
+    assert not dispatch.decode_split_free(wgmma, least - 1, 132, 64, False)
     assert not dispatch.decode_split_free(fp8, 100, 132, 64, False)
 
 
