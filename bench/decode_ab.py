@@ -11,6 +11,8 @@ of its cache (pages of that many tokens, the table shuffled).
 
 from __future__ import annotations
 
+import argparse
+
 import cupy
 
 from cuflash import kv_cache, timing
@@ -70,3 +72,17 @@ def run(steps: list, arms: dict, page_size: int = 0, rounds: int = 4) -> None:
         print(line + f" | {last} / {base} {ratio:.3f}", flush=True)
         del inputs, outs, entries
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An A/B script's command line: --rounds and --page-size (a script may add its own)."""
+    arguments = argparse.ArgumentParser(description=doc.splitlines()[0])
+    arguments.add_argument("--rounds", type=int, default=4)
+    arguments.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
+    return arguments
+
+
+def main(doc: str, steps: list, arms: dict) -> None:
+    """Run the A/B of `steps` under `arms` with the command line's rounds and page size."""
+    args = parser(doc).parse_args()
+    run(steps, arms, args.page_size, args.rounds)

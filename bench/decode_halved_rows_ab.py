@@ -8,13 +8,12 @@ Usage (on a GPU):  PYTHONPATH=. python bench/decode_halved_rows_ab.py [--rounds 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from unittest import mock
 
 from cuflash import dispatch
 
-from decode_ab import run
+from decode_ab import main
 
 # (kv heads, batch, cache tokens, queries, e4m3 cache): MQA with one query and 32 on 8 with 8 causal
 # queries (32 rows a kv head) over 1k-8k caches; e4m3 caches keep the 32-row tile.
@@ -28,13 +27,5 @@ def thirty_two_row_tile():
     return mock.patch.object(dispatch, "decode_halves_rows", lambda *args: False)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
-    args = parser.parse_args()
-    run(STEPS, {"32-row tile": thirty_two_row_tile, "tree": contextlib.nullcontext}, args.page_size, args.rounds)
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, STEPS, {"32-row tile": thirty_two_row_tile, "tree": contextlib.nullcontext})

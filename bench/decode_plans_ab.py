@@ -11,7 +11,6 @@ the largest difference from the base plan's output, and the tree's time over the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import inspect
@@ -20,7 +19,7 @@ from unittest import mock
 
 from cuflash import dispatch
 
-from decode_ab import run
+from decode_ab import parser, run
 
 # (kv heads, batch, cache tokens, queries, e4m3 cache)
 STEPS = [(1, b, c, 1, False) for b in (1, 2, 4, 8, 16) for c in (1024, 4096, 8192, 16384, 32768)]
@@ -46,12 +45,10 @@ def base_rule(path: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="the dispatch.py whose decode_cluster_plan is the base")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", default=None, help="comma-separated indices into STEPS (default: all)")
-    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("--base", required=True, help="the dispatch.py whose decode_cluster_plan is the base")
+    arguments.add_argument("--steps", default=None, help="comma-separated indices into STEPS (default: all)")
+    args = arguments.parse_args()
     steps = STEPS if args.steps is None else [STEPS[int(i)] for i in args.steps.split(",")]
     base = base_rule(args.base)
     arms = {"base": lambda: mock.patch.object(dispatch, "decode_cluster_plan", base), "tree": contextlib.nullcontext}

@@ -8,13 +8,12 @@ Usage (on a GPU):  PYTHONPATH=. python bench/decode_split_free_ab.py [--rounds 4
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from unittest import mock
 
 from cuflash import dispatch
 
-from decode_ab import run
+from decode_ab import main
 
 # (kv heads, batch, cache tokens, queries, e4m3 cache): 72-120 row blocks of the 16-row tile (32 on 8,
 # 4 and 2, MHA), of the 32-row tile (MQA with one query, 32 on 8 with 8 causal queries) and of the
@@ -36,13 +35,5 @@ def split_by_waves():
     return mock.patch.object(dispatch, "decode_split_free", lambda *args: False)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous caches")
-    args = parser.parse_args()
-    run(STEPS, {"decode_splits": split_by_waves, "tree": contextlib.nullcontext}, args.page_size, args.rounds)
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, STEPS, {"decode_splits": split_by_waves, "tree": contextlib.nullcontext})
