@@ -374,7 +374,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if rotary_dim % 16 != 0 or rotary_dim > headdim:
             raise ValueError(f"rotary_cos: rotary_dim = 2 * shape[1] must be a multiple of 16 and at most headdim "
                              f"{headdim}, got {rotary_dim}")
-        apart = score_mods.queries_rotate_apart(causal, window_size, capacity)
+        apart = score_mods.queries_rotate_apart(causal, validate.window_size(window_size, bool(causal)), capacity)
         if host_lengths is not None or validate.is_int(cache_seqlens):
             longest = (int(numpy.max(host_lengths, initial=0)) if host_lengths is not None
                        else int(cache_seqlens)) + max(seqlen_q if apart else min(seqlen_q, 1), n_new)

@@ -187,12 +187,12 @@ def dropout_probability(value) -> float:
     return prob
 
 
-def queries_rotate_apart(causal: bool, window_size: tuple[int, int], capacity: int) -> bool:
+def queries_rotate_apart(causal: bool, window: tuple[int, int], capacity: int) -> bool:
     """Whether a KV-cache step's query row i takes its rotary angles at position cache_seqlens + i
     (True) or every row at cache_seqlens (False), flash-attn's convention for `flash_attn_with_kvcache`:
-    apart where the step is causal or local, a window bound in [0, capacity) (bounds at or past the
-    cache's capacity count as unbounded)."""
-    return bool(causal) or any(0 <= bound < capacity for bound in window_size)
+    apart where the step is causal or local, a bound of the (left, right) window in [0, capacity)
+    (bounds at or past the cache's capacity count as unbounded)."""
+    return bool(causal) or any(0 <= bound < capacity for bound in window)
 
 
 def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch_stride: int | None,

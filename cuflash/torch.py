@@ -479,7 +479,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         result = flash_attn_with_kvcache(
             _padded(q, pad), *caches, _padded(k, pad), _padded(v, pad), rotary_cos, rotary_sin, cache_seqlens,
             cache_batch_idx, cache_leftpad, block_table, scale, causal, window_size, softcap, rotary_interleaved,
-            alibi_slopes, num_splits, return_softmax_lse)
+            alibi_slopes, num_splits, return_softmax_lse, k_descale, v_descale)
         if k is not None:
             for cache, padded in zip((k_cache, v_cache), caches):
                 cache.copy_(padded[..., :q.shape[-1]])
