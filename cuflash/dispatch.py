@@ -529,12 +529,12 @@ def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
 # the 16-row tile read 2.8 TB/s), so idle SMs cost less than splits and their merge. Same process,
 # H100, fp16, head dim 128, 32 query heads, graph replays, unsplit / decode_splits' time on 72-120 row
 # blocks over 1k-32k caches (bench/decode_split_free_ab.py; bench/PERFLOG.md, "Steps of half the SMs or
-# more run unsplit"): 16-row tile 0.64-0.99 (32 on 2 batch 48 1k 35.6 -> 22.6 us), 32-row tile
-# 0.63-0.84 (MQA batch 120 4k 126.3 -> 87.6, torch-cudnn 88.9), wgmma tiles 0.42-0.96 (MQA batch 120
-# 4k with 4 causal queries 229.5 -> 97.4); with one query 1.01-1.71x torch-cudnn's time before,
-# 0.99-1.13x after. Over pages of 16 the same but for the 16-row tile's long caches, whose copies cost
+# more run unsplit"): 16-row tile 0.64-0.99 (32 on 2 batch 48 1k 35.1 -> 22.6 us), 32-row tile
+# 0.64-0.84 (MQA batch 120 4k 125.6 -> 88.8, torch-cudnn 89.4), wgmma tiles 0.42-0.99 (MQA batch 120
+# 4k with 4 causal queries 230.3 -> 97.6); with one query 1.01-1.70x torch-cudnn's time before,
+# 0.99-1.12x after. Over pages of 16 the same but for the 16-row tile's long caches, whose copies cost
 # more a block (their page ids) and want the splits' SMs (batch 9 32k 408.8 -> 470.0 us, 1.15; 4k-8k
-# 0.95-1.01; 1k 0.68-0.92): it runs unsplit up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks. Over
+# 0.95-1.01; 1k 0.68-0.92; ..._paged_unlimited_ab_h100.txt): it runs unsplit up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks. Over
 # an e4m3 cache (half the bytes a block) unsplit ran 0.81-2.08x the time: its steps keep the splits.
 SPLIT_FREE_SM_SHARE = 0.5
 SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS = 64
@@ -547,6 +547,31 @@ def decode_split_free(cfg: DecodeConfig, ctas: int, sms: int, key_blocks: int, p
     if cfg.fp8 or ctas < SPLIT_FREE_SM_SHARE * sms:
         return False
     return not (paged and cfg.block_m <= 16 and key_blocks > SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS)
+
+
+# The wgmma tiles (8-12 warps, one CTA an SM) below that share split as many ways as fit one wave
+# (slots // ctas, at least MIN_BLOCKS_PER_SPLIT key blocks a split; of those counts the fewest with the
+# same longest split): the wave rule's several waves of short splits lost to one wave of longer ones.
+# Same process, H100, fp16, head dim 128, graph replays, one wave / the wave rule
+# (bench/decode_split_free_ab.py; bench/PERFLOG.md, "Steps of half the SMs or more run unsplit"): 36-60
+# row blocks over 4k-16k 0.54-0.88 (MQA batch 60 4k with 4 causal queries, 11 splits -> 2, 122.2 ->
+# 66.0 us), 48 (MQA batch 12 4k with 16) 0.69, paged alike; 4 row blocks at 64k took 33 splits of
+# 31-32 blocks against the wave rule's 32 of 32, 1.02-1.03, whence the fewest; 8 and 16 row blocks
+# the same plans.
+
+
+def decode_split_count(cfg: DecodeConfig, ctas: int, key_blocks: int, slots: int, sms: int, paged: bool) -> int:
+    """How many ways a step of `ctas` row blocks of `key_blocks` key blocks on `cfg` splits its keys (the
+    cluster plans aside): 1 where decode_split_free; on the wgmma tiles as many as fit one wave of
+    `slots` CTAs; else decode_splits' wave rule."""
+    if decode_split_free(cfg, ctas, sms, key_blocks, paged):
+        return 1
+    if cfg.wgmma:
+        if ctas >= slots or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+            return 1
+        most = max(1, min(DECODE_MAX_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT, slots // ctas))
+        return -(-key_blocks // -(-key_blocks // most))  # the fewest splits as short as `most` make them
+    return decode_splits(ctas, key_blocks, slots)
 
 
 def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:

@@ -426,8 +426,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
             tile, ctas, sms, arch) else {}
         splits, cluster = dispatch.decode_cluster_plan(tile, ctas, key_blocks, sms, arch, held, num_splits, paged)
         if not splits:
-            splits = num_splits or (1 if dispatch.decode_split_free(tile, ctas, sms, key_blocks, paged)
-                                    else dispatch.decode_splits(ctas, key_blocks, slots))
+            splits = num_splits or dispatch.decode_split_count(tile, ctas, key_blocks, slots, sms, paged)
         return ctas * splits, slots, splits, cluster
 
     _, _, splits, cluster = plan_splits(cfg)

@@ -53,6 +53,22 @@ def test_decode_split_free():
     assert not dispatch.decode_split_free(fp8, 100, 132, 64, False)
 
 
+def test_decode_split_count():
+    """Unsplit where decode_split_free; the wgmma tiles below it as many splits as fit one wave (at least
+    MIN_BLOCKS_PER_SPLIT key blocks each), the fewest of the same longest split; the other tiles
+    decode_splits' wave rule."""
+    wgmma = dispatch.decode_config(128, 128, 227 * 1024, arch=90)
+    sixteen = dispatch.decode_config(128, 4, 227 * 1024, arch=90)
+    assert wgmma.wgmma
+    assert dispatch.decode_split_count(wgmma, 100, 256, 132, 132, False) == 1
+    assert dispatch.decode_split_count(wgmma, 60, 256, 132, 132, False) == 2
+    assert dispatch.decode_split_count(wgmma, 4, 1024, 132, 132, False) == 32  # 33 fit, none shorter
+    assert dispatch.decode_split_count(wgmma, 36, 64, 132, 132, False) == 3
+    assert dispatch.decode_split_count(wgmma, 4, 40, 132, 132, False) == 40 // dispatch.MIN_BLOCKS_PER_SPLIT
+    assert dispatch.decode_split_count(wgmma, 4, 7, 132, 132, False) == 1
+    assert dispatch.decode_split_count(sixteen, 40, 256, 132, 132, False) == dispatch.decode_splits(40, 256, 132)
+
+
 def test_decode_cluster_plan():
     """Hopper's mma.sync tiles merge in clusters the GPU holds at once, one CTA an SM: one cluster a row
     block of as many splits as the largest cluster, the SMs and MIN_BLOCKS_PER_CLUSTER_SPLIT allow, with
