@@ -1,12 +1,12 @@
 """Run flash-attn's own test file against cuflash's kernels, through the stand-in `flash_attn`
 package in tools/flash_attn_compat (cuflash.torch's functions under flash-attn's names).
 
-    python tools/flash_attn_tests.py --fetch                        # download the pinned test file
-    python tools/flash_attn_tests.py tests/test_flash_attn.py --headdims 64,128 --fraction 0.1 -- -x
+    python tools/flash_attn_tests.py --fetch                    # test_flash_attn.py, the pinned file
+    python tools/flash_attn_tests.py test_flash_attn.py --headdims 64,128 --fraction 0.1 -- -x
 
 Needs a CUDA GPU, torch and einops. Cases are chosen by head dim, dtype and a seeded fraction
 (fa_select.py); what is left out, and why, is printed at the end. docs/flash_attn_tests.md lists
-the differences from flash-attn that the file finds on purpose.
+where cuflash differs from flash-attn on purpose, and the runs so far.
 """
 import argparse
 import json
