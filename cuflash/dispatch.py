@@ -534,8 +534,9 @@ def decode_slots(cfg: DecodeConfig, resident_per_sm: int, sms: int) -> int:
 # 4k with 4 causal queries 230.3 -> 97.6); with one query 1.01-1.70x torch-cudnn's time before,
 # 0.99-1.12x after. Over pages of 16 the same but for the 16-row tile's long caches, whose copies cost
 # more a block (their page ids) and want the splits' SMs (batch 9 32k 408.8 -> 470.0 us, 1.15; 4k-8k
-# 0.95-1.01; 1k 0.68-0.92; ..._paged_unlimited_ab_h100.txt): it runs unsplit up to SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks. Over
-# an e4m3 cache (half the bytes a block) unsplit ran 0.81-2.08x the time: its steps keep the splits.
+# 0.95-1.01; 1k 0.68-0.92; ..._paged_unlimited_ab_h100.txt): it runs unsplit up to
+# SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS key blocks. Over an e4m3 cache (half the bytes a block) unsplit
+# ran 0.81-2.08x the time: its steps keep the splits.
 SPLIT_FREE_SM_SHARE = 0.5
 SPLIT_FREE_PAGED_16_ROWS_MAX_BLOCKS = 64
 
@@ -566,30 +567,28 @@ def decode_split_count(cfg: DecodeConfig, ctas: int, key_blocks: int, slots: int
     `slots` CTAs; else decode_splits' wave rule."""
     if decode_split_free(cfg, ctas, sms, key_blocks, paged):
         return 1
-    if cfg.wgmma:
-        if ctas >= slots or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
-            return 1
-        most = max(1, min(DECODE_MAX_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT, slots // ctas))
-        return -(-key_blocks // -(-key_blocks // most))  # the fewest splits as short as `most` make them
-    return decode_splits(ctas, key_blocks, slots)
+    return decode_splits(ctas, key_blocks, slots, one_wave=cfg.wgmma)
 
 
-def decode_splits(ctas: int, key_blocks: int, slots: int) -> int:
+def decode_splits(ctas: int, key_blocks: int, slots: int, one_wave: bool = False) -> int:
     """How many ways to split each row block's keys, for `ctas` CTAs without a split and `slots` CTAs
-    that fill the GPU (decode_slots).
+    that fill the GPU (decode_slots), each split at least MIN_BLOCKS_PER_SPLIT key blocks.
 
-    The fewest splits whose last wave is nearly full (at least
-    SPLIT_WAVE_EFFICIENCY of the best wave efficiency over 1..max splits),
-    with each split at least MIN_BLOCKS_PER_SPLIT key blocks.
+    The wave rule: the fewest splits whose last wave is nearly full (at least
+    SPLIT_WAVE_EFFICIENCY of the best wave efficiency over 1..max splits).
+    one_wave: as many splits as fit one wave of `slots`, the fewest of those
+    with the same longest split.
     """
-    sm_count = slots
-    if ctas >= sm_count or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+    if ctas >= slots or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
         return 1
     most = max(1, min(DECODE_MAX_SPLITS, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    if one_wave:
+        most = max(1, min(most, slots // ctas))
+        return -(-key_blocks // -(-key_blocks // most))
     efficiency = {}
     for splits in range(1, most + 1):
-        waves = ctas * splits / sm_count
-        efficiency[splits] = waves / -(-ctas * splits // sm_count)
+        waves = ctas * splits / slots
+        efficiency[splits] = waves / -(-ctas * splits // slots)
     best = max(efficiency.values())
     return next(s for s in range(1, most + 1) if efficiency[s] >= SPLIT_WAVE_EFFICIENCY * best)
 

@@ -192,6 +192,11 @@ def _headdim_padding(q: torch.Tensor) -> int:
     return -headdim % _validate.HEADDIM_MULTIPLE
 
 
+def _caller_scale(q: torch.Tensor, softmax_scale) -> float:
+    """The softmax scale at the caller's head dim (before padding)."""
+    return q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+
+
 def _padded(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
     return None if x is None else torch.nn.functional.pad(x, (0, pad))
 
@@ -217,7 +222,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal, window and softcap."""
     pad = _headdim_padding(q)
     if pad:
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        scale = _caller_scale(q, softmax_scale)
         return _unpadded(flash_attn_func(_padded(q, pad), _padded(k, pad), _padded(v, pad), dropout_p, scale, causal,
                                          window_size, softcap, alibi_slopes, deterministic, return_attn_probs),
                          q.shape[-1])
@@ -368,7 +373,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
     pad = _headdim_padding(q)
     if pad:
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        scale = _caller_scale(q, softmax_scale)
         return _unpadded(flash_attn_varlen_func(_padded(q, pad), _padded(k, pad), _padded(v, pad), cu_seqlens_q,
                                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal,
                                                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -474,7 +479,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn 3. Returns out; with return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
     pad = _headdim_padding(q) if k_cache.dtype in (torch.float16, torch.bfloat16) else 0
     if pad:  # as flash-attn: the caches padded in copies, and the appended rows copied back
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        scale = _caller_scale(q, softmax_scale)
         caches = _padded(k_cache, pad), _padded(v_cache, pad)
         result = flash_attn_with_kvcache(
             _padded(q, pad), *caches, _padded(k, pad), _padded(v, pad), rotary_cos, rotary_sin, cache_seqlens,
