@@ -193,6 +193,19 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     return (out, lse) if return_lse else out
 
 
+def attention_probs(q, k, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    softmax_scale=None):
+    """The softmax P of `attention` (before dropout) in float64: (batch, nheads, seqlen_q, seqlen_k), 0
+    where a key is not visible and in rows that see no key."""
+    q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
+    probs = np.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+    mods, heads = _heads(q, k, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    for b, h, qh, kh, _ in heads:
+        s, _ = mods.modify(mods.scale * (qh @ kh.T), b, h)
+        probs[b, h], _ = _softmax_rows(s)
+    return probs
+
+
 def _rounder(dtype):
     """x -> x rounded to dtype, as float32."""
     dtype = np.dtype(dtype)

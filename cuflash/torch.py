@@ -23,10 +23,12 @@ from . import backward as _backward
 from . import forward as _forward
 from . import fp8 as _fp8
 from . import kv_cache as _kv_cache
+from . import reference
 from . import validate as _validate
 from . import varlen as _varlen
 from .arrays import BF16
 from .device import OnExternalStream, cupy, memoised_external_array
+from .dropout_mask import dropout_keep_mask
 
 
 def _gpu_index(q: torch.Tensor) -> int:
@@ -107,6 +109,68 @@ def _dropout_draw(dropout_p: float) -> torch.Tensor:
 def _dropout(dropout_p: float, draw: torch.Tensor) -> dict:
     seed, offset = draw.tolist()
     return dict(dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+# return_attn_probs with dropout: flash-attn returns, for its tests, the softmax with the dropout
+# pattern (S_dmask): each row up to a scale of its own, negated where dropout dropped the element
+# (-0.0 reads as kept), 0 where no key is visible, both lengths padded with zeros to multiples of
+# PROBS_LENGTH_MULTIPLE. Here each row is scaled so that its largest entry is 1 (flash-attn's scale
+# over one key block), computed by cuflash.reference on the host, and the signs are the kernels' keep
+# mask (dropout_keep_mask). For tests of small problems: not a fast path.
+PROBS_LENGTH_MULTIPLE = 128
+
+
+def _padded_length(n: int) -> int:
+    return -(-n // PROBS_LENGTH_MULTIPLE) * PROBS_LENGTH_MULTIPLE
+
+
+def _host(x: torch.Tensor | None):
+    return None if x is None else x.detach().float().cpu().numpy()
+
+
+def _signed_probs(q, k, keep, alibi_slopes, options) -> torch.Tensor:
+    """float32 (batch, nheads, seqlen_q, seqlen_k) on q's device: each row of the softmax over its
+    largest entry, negated where `keep` (a CuPy bool array of that shape) is False."""
+    causal, scale, left, right, softcap, _, _ = options
+    probs = reference.attention_probs(_host(q), _host(k), causal=causal, window_size=(left, right), softcap=softcap,
+                                      alibi_slopes=_host(alibi_slopes), softmax_scale=scale)
+    top = probs.max(axis=-1, keepdims=True)
+    scaled = numpy.divide(probs, top, out=numpy.zeros_like(probs), where=top > 0)
+    scaled = torch.from_numpy(scaled).to(q.device, torch.float32)
+    kept = torch.from_dlpack(keep.view(numpy.uint8)).bool()
+    return torch.where(kept, scaled, -scaled)
+
+
+def _attn_probs(q, k, draw, alibi_slopes, options) -> torch.Tensor:
+    """S_dmask of a call of equal lengths (see above): (batch, nheads, seqlen_q, seqlen_k padded)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    seed, offset = draw.tolist()
+    with _on_torch_stream(q):
+        keep = dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, options[-1])
+    probs = q.new_zeros((batch, nheads, _padded_length(seqlen_q), _padded_length(seqlen_k)))
+    probs[:, :, :seqlen_q, :seqlen_k] = _signed_probs(q, k, keep, alibi_slopes, options)
+    return probs
+
+
+def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, draw, alibi_slopes,
+                       options) -> torch.Tensor:
+    """S_dmask of a packed batch: (batch, nheads, max_seqlen_q padded, max_seqlen_k padded), sequence b's
+    at [b, :, :its seqlen_q, :its seqlen_k] (the mask of its own positions)."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch, nheads = len(starts_q) - 1, q.shape[1]
+    seed, offset = draw.tolist()
+    with _on_torch_stream(q):
+        keep = dropout_keep_mask(seed, offset, batch, nheads, max_seqlen_q, max_seqlen_k, options[-1])
+    probs = q.new_zeros((batch, nheads, _padded_length(max_seqlen_q), _padded_length(max_seqlen_k)))
+    per_batch = alibi_slopes is not None and alibi_slopes.dim() == 2
+    for b in range(batch):
+        rows, cols = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        seqlen_q, seqlen_k = rows.stop - rows.start, cols.stop - cols.start
+        slopes = alibi_slopes[b] if per_batch else alibi_slopes
+        probs[b, :, :seqlen_q, :seqlen_k] = _signed_probs(q[None, rows], k[None, cols],
+                                                          keep[b:b + 1, :, :seqlen_q, :seqlen_k], slopes, options)[0]
+    return probs
 
 
 def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
@@ -213,7 +277,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     v_descale=None):
     """flash-attn's `flash_attn_func` on cuflash's kernels: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_kv, headdim), float16 or bfloat16 CUDA tensors. Returns out; with
-    return_attn_probs, (out, lse, None). dropout_p: the mask's seed is drawn from torch's default
+    return_attn_probs, (out, lse, S_dmask): S_dmask None without dropout, with dropout_p flash-attn's
+    test output (the softmax with the keep mask's signs: see PROBS_LENGTH_MULTIPLE). dropout_p: the mask's seed is drawn from torch's default
     generator (torch.manual_seed reproduces it) and regenerated by the backward; a call captured in
     a CUDA graph keeps the seed of its capture. alibi_slopes: float32 (nheads,) or (batch, nheads),
     no gradient.
@@ -231,7 +296,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out, lse = _fp8_fwd(q, k, v, q_descale, k_descale, v_descale, *_fp8_options(k, v, alibi_slopes, options))
     else:
         _fp8.refuse_descales(q_descale, k_descale, v_descale)
-        out, lse, _ = _fwd(q, k, v, alibi_slopes, *options)
+        out, lse, draw = _fwd(q, k, v, alibi_slopes, *options)
+        if return_attn_probs and options[-1]:
+            return out, lse, _attn_probs(q, k, draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -367,7 +434,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
-    (out, lse (nheads, total_q), None). dropout_p and alibi_slopes as in flash_attn_func.
+    (out, lse (nheads, total_q), S_dmask) (S_dmask as flash_attn_func's; None with block_table). dropout_p and alibi_slopes as in flash_attn_func.
     block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages, page_size,
     nheads_kv, headdim), sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
     (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
@@ -384,8 +451,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = _varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      block_table, alibi_slopes, causal, scale, left, right, softcap, dropout_p)
     else:
-        out, lse, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  alibi_slopes, *options)
+        out, lse, draw = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                     alibi_slopes, *options)
+        if return_attn_probs and options[-1]:
+            return out, lse, _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                int(max_seqlen_k), draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
 
 

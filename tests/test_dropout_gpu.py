@@ -103,6 +103,26 @@ def test_varlen_causal_dropout():
     _grads_close(grads, refs, naives, np.float16)
 
 
+@pytest.mark.parametrize("sizes, seed, offset, p", [((1, 1, 1, 1), 0, 0, 0.5), ((2, 3, 17, 97), 2**63 + 9, 2**40 + 5, 0.17),
+                                                   ((1, 2, 257, 31), 12345, 7, 0.9)])
+def test_device_keep_mask_is_the_hosts(sizes, seed, offset, p):
+    """cuflash.dropout_keep_mask (the kernels' own functions on the device) equals
+    reference.dropout_keep_mask bit for bit, at awkward sizes and with the seed's and offset's high words."""
+    keep = cuflash.dropout_keep_mask(seed, offset, *sizes, p)
+    assert keep.dtype == np.bool_ and keep.shape == sizes
+    np.testing.assert_array_equal(keep.get(), reference.dropout_keep_mask(seed, offset, *sizes, p))
+
+
+@pytest.mark.parametrize("args, error, name", [((1, 0, 1, 1, 1, 1, 0.0), ValueError, "dropout_p"),
+                                               ((1, 0, 1, 1, 1, 1, 1.0), ValueError, "dropout_p"),
+                                               ((-1, 0, 1, 1, 1, 1, 0.5), ValueError, "seed"),
+                                               ((1, 0, 1, -2, 1, 1, 0.5), ValueError, "nheads"),
+                                               ((1, 0, 1, 1, 2.5, 1, 0.5), ValueError, "seqlen_q")])
+def test_device_keep_mask_names_bad_arguments(args, error, name):
+    with pytest.raises(error, match=name):
+        cuflash.dropout_keep_mask(*args)
+
+
 def test_vjp_regenerates_the_mask():
     rng = np.random.default_rng(12)
     q, k, v = (cupy.asarray(randn(rng, (1, 70, 2, 64), np.float16)) for _ in range(3))

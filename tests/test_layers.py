@@ -18,7 +18,7 @@ LAYERS = {
     "launch": ["launch", "decode_launch"],
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
-    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "distributed",
+    "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "dropout_mask", "distributed",
              "jax_callbacks", "jax", "jax_ring", "torch", "__init__"],
     "top": ["bench", "cli", "__main__"],
 }

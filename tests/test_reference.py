@@ -14,6 +14,7 @@ from cuflash.reference import (
     attention_backward_naive_lowp,
     attention_naive_fp8,
     attention_naive_lowp,
+    attention_probs,
     attention_varlen,
     attention_varlen_backward,
     attention_varlen_backward_naive_lowp,
@@ -486,6 +487,26 @@ def test_naive_fp8_options_close_to_float64(options):
     ref = attention(q, k, v, **options)
     naive = attention_naive_fp8(q, k, v, **options)
     assert 0 < np.abs(naive - ref).max() / np.abs(ref).max() < 5e-2
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(3, 2), softcap=2.0),
+                                     dict(alibi=True, causal=True, window_size=(4, -1))])
+def test_attention_probs_are_attention_of_one_hot_values(options):
+    """attention_probs' row i is the output of query i when key j's value is the j-th unit vector;
+    a query that sees no key (causal, seqlen_q > seqlen_k) has a row of zeros."""
+    options = dict(options)
+    batch, nq, nk, nheads = 2, 9, 6, 4
+    q, k, _ = random_qkv(batch, nq, nk, nheads, 2, nk, seed=3)  # v (one-hot) has head dim nk, as q
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = np.random.default_rng(4).uniform(0.1, 1.0, (batch, nheads))
+    one_hot = np.broadcast_to(np.eye(nk)[None, :, None, :], (batch, nk, 2, nk))
+    probs = attention_probs(q, k, **options)
+    assert probs.shape == (batch, nheads, nq, nk)
+    np.testing.assert_allclose(probs, attention(q, k, one_hot, **options).transpose(0, 2, 1, 3), atol=1e-15)
+    if options.get("causal"):
+        assert not probs[:, :, :nq - nk].any()
+    sums = probs.sum(axis=-1)
+    np.testing.assert_allclose(sums[sums > 0], 1.0, rtol=1e-12)
 
 
 # --- Dropout from a keep mask -------------------------------------------------

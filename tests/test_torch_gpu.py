@@ -180,6 +180,75 @@ def test_varlen_dropout_follows_the_reference(rng):
         assert_close_2x(as_numpy(g), r, n, atol)
 
 
+def assert_signed_probs(s_dmask, keep, probs, seqlen_q, seqlen_k):
+    """S_dmask (torch, padded) against the keep mask and the reference's softmax: each row over its
+    largest entry (fp16 rounding), negated where dropped, zeros in the padding."""
+    got = as_numpy(s_dmask)
+    assert not np.any(got[..., seqlen_q:, :]) and not np.any(got[..., seqlen_k:])
+    got = got[..., :seqlen_q, :seqlen_k]
+    top = probs.max(axis=-1, keepdims=True)
+    scaled = np.divide(probs, top, out=np.zeros_like(probs), where=top > 0)
+    np.testing.assert_allclose(np.abs(got), scaled, rtol=2.0**-10, atol=2.0**-24)
+    nonzero = scaled > 2.0**-14  # fp16's normal range: a smaller value may round to a signless 0
+    assert np.array_equal(got[nonzero] > 0, keep[nonzero])
+    assert np.all(got[scaled == 0] == 0)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(40, 7), alibi=True)])
+def test_return_attn_probs_with_dropout(rng, options):
+    """flash-attn's S_dmask: its signs are the keep mask of the drawn seed (cuflash.dropout_keep_mask on
+    the device equals reference.dropout_keep_mask on the host), its values the softmax each row over its
+    largest, both lengths padded to 128; the output follows the reference given that mask. None
+    without dropout."""
+    from cuflash.torch import flash_attn_func
+
+    options = dict(options)
+    nheads, p = 4, 0.25
+    host = [randn(rng, (2, n, h, 64), np.float16) for n, h in ((97, nheads), (130, 2), (130, 2))]
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.05, 0.3, (2, nheads)).astype(np.float32)
+    torch_options = {k: torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v for k, v in options.items()}
+    torch.manual_seed(11)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    torch.manual_seed(11)
+    out, lse, s_dmask = flash_attn_func(*leaves(host), dropout_p=p, return_attn_probs=True, **torch_options)
+    assert s_dmask.shape == (2, nheads, 128, 256) and s_dmask.dtype == torch.float16
+    keep = reference.dropout_keep_mask(seed, offset, 2, nheads, 97, 130, p)
+    probs = reference.attention_probs(*host[:2], **options)
+    assert_signed_probs(s_dmask, keep, probs, 97, 130)
+    atol = ATOL[np.dtype(np.float16)]
+    drop = dict(options, dropout_mask=keep, dropout_p=p)
+    assert_close_2x(as_numpy(out), reference.attention(*host, **drop),
+                    reference.attention_naive_lowp(*host, dtype=np.float16, **drop), atol)
+    assert flash_attn_func(*leaves(host), return_attn_probs=True, **torch_options)[2] is None
+
+
+def test_varlen_return_attn_probs_with_dropout(rng):
+    """S_dmask of a packed batch: sequence b's at [b, :, :its seqlen_q, :its seqlen_k], the mask of its own
+    positions; zeros past its lengths."""
+    from cuflash.torch import flash_attn_varlen_func
+
+    lengths_q, lengths_k, nheads, p = [17, 0, 130], [40, 9, 130], 3, 0.4
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    host = [randn(rng, (int(cu[-1]), h, 32), np.float16) for cu, h in ((cu_q, nheads), (cu_k, 1), (cu_k, 1))]
+    torch.manual_seed(5)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    torch.manual_seed(5)
+    out, _, s_dmask = flash_attn_varlen_func(*leaves(host), torch.from_numpy(cu_q).cuda(),
+                                             torch.from_numpy(cu_k).cuda(), 130, 130, dropout_p=p, causal=True,
+                                             return_attn_probs=True)
+    assert s_dmask.shape == (3, nheads, 256, 256)
+    keep = reference.dropout_keep_mask(seed, offset, 3, nheads, 130, 130, p)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        q, k = (x[cu[b]:cu[b + 1]][None] for x, cu in ((host[0], cu_q), (host[1], cu_k)))
+        probs = reference.attention_probs(q, k, causal=True)
+        assert_signed_probs(s_dmask[b:b + 1], keep[b:b + 1, :, :lq, :lk], probs, lq, lk)
+    drop = dict(dropout_mask=keep, dropout_p=p, causal=True)
+    assert_close_2x(as_numpy(out), reference.attention_varlen(*host, cu_q, cu_k, **drop),
+                    reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=np.float16, **drop),
+                    ATOL[np.dtype(np.float16)])
+
+
 def test_bad_dropout_p_is_named():
     from cuflash.torch import flash_attn_func
 

@@ -36,6 +36,7 @@ from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS,
                       DecodeConfig, combine_name)
 from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_headdim,
                         hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
+from ..dropout_mask import KERNEL_NAME as DROPOUT_MASK_KERNEL
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
@@ -150,6 +151,7 @@ def shipped_specialisations():
     _add_decode_variants(add)
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     add(HEURISTIC_FP8[128], TRANSPOSE_V_VARLEN_KERNEL, 0, family="fp8_prep")
+    add(HEURISTIC_FP8[128], DROPOUT_MASK_KERNEL, 0, family="dropout_mask")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name, varlen in itertools.product(DTYPE_NAMES, (False, True)):  # row-wise helpers: no dynamic smem
         for cfg in HEURISTIC_BWD.values():  # the preprocess's lanes per row follow the head dim

@@ -19,10 +19,6 @@ DIFFERS = {
     "test_flash_attn_kvcache_paged_block_table_bounds":
         "expects device cache_seqlens checked on the host; cuflash clamps them on the device",
 }
-# Tests that read dropout's keep mask from return_attn_probs' third result, which cuflash.torch
-# leaves None (cuflash.reference.dropout_keep_mask gives the mask of a seed and offset).
-READ_KEEP_MASK = {"test_flash_attn_qkvpacked", "test_flash_attn_varlen_qkvpacked", "test_flash_attn_output",
-                  "test_flash_attn_varlen_output"}
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -37,8 +33,6 @@ def pytest_collection_modifyitems(config, items):
         reason = None
         if name in PRIVATE or name in DIFFERS:
             reason = PRIVATE.get(name) or DIFFERS[name]
-        elif params.get("dropout_p", 0) > 0 and name in READ_KEEP_MASK:
-            reason = "dropout: the test reads the keep mask from return_attn_probs"
         elif "d" in params and params["d"] not in headdims:
             reason = "head dim not chosen"
         elif "dtype" in params and params["dtype"] not in dtypes:
