@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(DROPOUT_MASK_THREADS)
 #pragma unroll
             for (int b0 = 0; b0 < 2; ++b0) {
                 const int col = c + 8 * b1 + b0;
-                if (col < seqlen_k) head[(long long)row * seqlen_k + col] = (pairs >> (2 * (2 * a + b1) + 16 * b0)) & 1u;
+                if (col < seqlen_k)
+                    head[(long long)row * seqlen_k + col] = (pairs >> (2 * (2 * a + b1) + 16 * b0)) & 1u;
             }
     }
 }

@@ -103,7 +103,8 @@ def test_varlen_causal_dropout():
     _grads_close(grads, refs, naives, np.float16)
 
 
-@pytest.mark.parametrize("sizes, seed, offset, p", [((1, 1, 1, 1), 0, 0, 0.5), ((2, 3, 17, 97), 2**63 + 9, 2**40 + 5, 0.17),
+@pytest.mark.parametrize("sizes, seed, offset, p", [((1, 1, 1, 1), 0, 0, 0.5),
+                                                   ((2, 3, 17, 97), 2**63 + 9, 2**40 + 5, 0.17),
                                                    ((1, 2, 257, 31), 12345, 7, 0.9)])
 def test_device_keep_mask_is_the_hosts(sizes, seed, offset, p):
     """cuflash.dropout_keep_mask (the kernels' own functions on the device) equals
