@@ -199,7 +199,7 @@ def attention_probs(q, k, *, causal=False, window_size=(-1, -1), softcap=0.0, al
     where a key is not visible and in rows that see no key."""
     q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
     probs = np.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
-    mods, heads = _heads(q, k, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    mods, heads = _heads(q, k, k, softmax_scale, causal, window_size, softcap, alibi_slopes)  # no v: k stands in
     for b, h, qh, kh, _ in heads:
         s, _ = mods.modify(mods.scale * (qh @ kh.T), b, h)
         probs[b, h], _ = _softmax_rows(s)
