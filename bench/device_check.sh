@@ -135,10 +135,12 @@ fi
 if [ "$MODE" = ring ]; then
     step info gpus_and_info
     step tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py tests/test_jax_gpu.py -k "ring"
-    step ring "$PYTHON" -m cuflash bench --ring --seqlen 32k,128k,512k --repeats 5
-    step ring_2ch "$PYTHON" -m cuflash bench --ring --seqlen 128k,512k --repeats 5 --nccl-channels 2
-    step ring_bwd "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3
-    step ring_bwd_2ch "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3 --nccl-channels 2
+    step ring "$PYTHON" -m cuflash bench --ring --seqlen 32k,128k,512k --repeats 5 --json "$OUT/ring.json"
+    step ring_2ch "$PYTHON" -m cuflash bench --ring --seqlen 128k,512k --repeats 5 --nccl-channels 2 \
+        --json "$OUT/ring_2ch.json"
+    step ring_bwd "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3 --json "$OUT/ring_bwd.json"
+    step ring_bwd_2ch "$PYTHON" -m cuflash bench --ring --backward --seqlen 128k --repeats 3 --nccl-channels 2 \
+        --json "$OUT/ring_bwd_2ch.json"
 fi
 if [ "$MODE" = fuzz ]; then
     export CUFLASH_FUZZ_CASES=${CUFLASH_FUZZ_CASES:-5000} CUFLASH_FUZZ_FROM=${FUZZ_FROM:-0}

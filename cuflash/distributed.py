@@ -20,12 +20,15 @@ Layouts (`shard` cuts a global array into them):
 The backward runs the same steps with the global out and lse (`attention_backward` takes them, so
 each step's dQ, dK, dV are that shard pair's exact share). dQ stays; the sums of dK and dV follow
 their keys and values one hop behind (sent once a step's kernels are done, they cross during the
-next step's) and reach their owner after a full turn.
+next step's) and reach their owner after a full turn. That last hop follows the last step, with no
+kernel left to hide it.
 
 Transports move the shards: `InProcessTransport` treats arrays of one process (one GPU or the
 host) as ranks, which is how the ring is tested on one device; `NcclTransport` sends over NCCL
-(`cupy.cuda.nccl`) on a communication stream, so that the next shard's transfer overlaps the
-current step's kernel. Both take lists with one entry per rank this process drives.
+(`cupy.cuda.nccl`) on a communication stream. Both take lists with one entry per rank this process
+drives. The rotation that brings step t + 1's shard is queued as soon as step t - 1's kernels are
+(its receive buffers take the blocks those kernels read), ahead of step t - 1's merges, and crosses
+during step t's kernel; a rank holds two K/V shards at a time, the one in use and the one arriving.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ from .backward import attention_backward
 from .forward import attention
 
 LAYOUTS = ("zigzag", "contiguous")
+
+# CUDA clamps a stream priority outside the device's range to the range's end; lower is higher, so
+# this asks for the highest there is (cudaDeviceGetStreamPriorityRange, which CuPy does not expose).
+HIGHEST_STREAM_PRIORITY = -(2**31)
 
 
 def _xp(x):
@@ -163,6 +170,29 @@ def ring_step(rank: int, source: int, n_local: int, causal: bool, layout: str) -
     return Step(half, n_local, 0, n_local, False)  # only the second query chunk, the whole shard
 
 
+def _ring_steps(transport, t: int, n_local: int, causal: bool, layout: str) -> list:
+    """The Step (or None) of each rank this process drives at ring step t."""
+    return [ring_step(rank, (rank - t) % transport.world, n_local, causal, layout) for rank in transport.ranks]
+
+
+def _step_attention(local, q, kv, step: Step, softmax_scale, softcap):
+    """(out, lse) of one rank's step: its query rows against the held shard's key rows, on q's device."""
+    k, v = kv
+    with _on(q):
+        return local(q[:, step.q0:step.q1], k[:, step.k0:step.k1], v[:, step.k0:step.k1], causal=step.causal,
+                     softmax_scale=softmax_scale, softcap=softcap)
+
+
+def _step_backward(local, dout, q, kv, out, lse, step: Step, softmax_scale, softcap):
+    """(dq, dk, dv) of one rank's step, given the whole rows' out and lse, on q's device."""
+    k, v = kv
+    rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
+    with _on(q):
+        lse_rows = _xp(lse).ascontiguousarray(lse[:, :, rows])  # a row range of (batch, heads, n)
+        return local(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse_rows, causal=step.causal,
+                     softmax_scale=softmax_scale, softcap=softcap)
+
+
 # --- Transports -------------------------------------------------------------------------------
 
 
@@ -186,6 +216,9 @@ class InProcessTransport:
     def finish(self, pending: list[tuple]) -> list[tuple]:
         return pending
 
+    def incoming(self, pending: list[tuple]) -> list[tuple]:
+        return pending
+
 
 @dataclasses.dataclass
 class _InFlight:
@@ -201,9 +234,17 @@ class NcclTransport:
     `ranks` order; from `communicators` or `communicator`), `devices` their GPUs. A rotation sends
     to rank + 1 and receives from rank - 1 on a communication stream per GPU, into new buffers,
     after the work already queued on each GPU's current stream; `finish` makes each current stream
-    wait for that rotation (and no later one)."""
+    wait for that rotation (and no later one).
 
-    def __init__(self, comms: list, devices: list[int]):
+    NCCL moves data with kernels of its own, which need SMs while an attention kernel, persistent,
+    holds every one it can get: a rotation that is not running when that kernel starts waits for its
+    end. The rings therefore queue each rotation ahead of the work that precedes the kernels it
+    overlaps (`ring_attention`), and the communication streams take the device's highest priority
+    (`high_priority`), so that where a rotation and kernels wait at once the block scheduler serves
+    NCCL's CTAs first. The order is what the measurements moved (bench/PERFLOG.md, "Ring attention on
+    four GPUs"); the priority alone, with the old order, changed nothing measurable."""
+
+    def __init__(self, comms: list, devices: list[int], high_priority: bool = True):
         import cupy
 
         if len(comms) != len(devices) or not comms:
@@ -218,7 +259,8 @@ class NcclTransport:
         self.streams = []
         for device in devices:
             with cupy.cuda.Device(device):
-                self.streams.append(cupy.cuda.Stream(non_blocking=True))
+                self.streams.append(cupy.cuda.Stream(non_blocking=True,
+                                                     priority=HIGHEST_STREAM_PRIORITY if high_priority else None))
 
     def start(self, buffers: list[tuple]) -> list[tuple]:
         import cupy
@@ -253,6 +295,11 @@ class NcclTransport:
         for device, event in zip(self.devices, pending.arrived):
             with cupy.cuda.Device(device):
                 cupy.cuda.get_current_stream().wait_event(event)
+        return pending.received
+
+    def incoming(self, pending: _InFlight) -> list[tuple]:
+        """The buffers a rotation fills, before it has filled them: a later rotation may send them,
+        since the communication stream keeps the two in order; the compute must `finish` first."""
         return pending.received
 
 
@@ -368,24 +415,32 @@ def ring_attention(q, k, v, *, transport, causal=False, softmax_scale=None, layo
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_attention or (lambda *a, **kw: attention(*a, return_lse=True, **kw))
+    world = transport.world
     outs, lses = [None] * len(q), [None] * len(q)  # from the first step, which covers every row
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)  # what a transport sends
-    for t in range(transport.world):
-        pending = transport.start(held) if t + 1 < transport.world else None
-        for i, rank in enumerate(transport.ranks):
-            step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
-            if step is None:
+    arriving = transport.start(held) if world > 1 else None  # step 1's shards, crossing during step 0
+    for t in range(world):
+        steps = _ring_steps(transport, t, n_local, causal, layout)
+        results = [None if step is None else (step.q0, _step_attention(local, q[i], held[i], step, softmax_scale,
+                                                                        softcap))
+                   for i, step in enumerate(steps)]
+        held = None  # its blocks may receive step t + 2's shards once the kernels above are done
+        # The rotation that brings step t + 2's shards is queued now, after step t's kernels and
+        # before its merges: it becomes ready as those kernels end, so its NCCL kernels take their
+        # SMs while the merges run, before step t + 1's attention kernel fills the others.
+        upcoming = transport.start(transport.incoming(arriving)) if t + 2 < world else None
+        for i, result in enumerate(results):
+            if result is None:
                 continue
-            kk, vv = held[i]
+            q0, (out, lse) = result
             with _on(q[i]):
-                out, lse = local(q[i][:, step.q0:step.q1], kk[:, step.k0:step.k1], vv[:, step.k0:step.k1],
-                                 causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
                 if t == 0:  # the rank's own shard: every row
                     outs[i], lses[i] = _widened(out), lse
                 else:
-                    _merge(outs[i], lses[i], out, lse, step.q0)
-        if pending is not None:
-            held = transport.finish(pending)
+                    _merge(outs[i], lses[i], out, lse, q0)
+        if arriving is not None:
+            held = transport.finish(arriving)
+            arriving = upcoming
     outs = _each(lambda o, x: o.astype(x.dtype, copy=False), outs, q)
     return (outs, lses) if return_lse else outs
 
@@ -399,44 +454,48 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     """
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
+    world = transport.world
     dqs = [None] * len(q)
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)
-    # The dK, dV sums of the shards held at a step travel one hop behind them: sent after the step's
-    # kernels, they cross while the next step's run, and the world-th hop takes them home.
-    sums_in_flight = None
-    for t in range(transport.world):
-        pending = transport.start(held) if t + 1 < transport.world else None
-        shares = []  # (key rows, dk, dv) of each rank's step
-        for i, rank in enumerate(transport.ranks):
-            step = ring_step(rank, (rank - t) % transport.world, n_local, causal, layout)
-            if step is None:
-                shares.append(None)
-                continue
-            kk, vv = held[i]
-            rows, keys = slice(step.q0, step.q1), slice(step.k0, step.k1)
-            with _on(q[i]):
-                lse_rows = _xp(lse[i]).ascontiguousarray(lse[i][:, :, rows])  # a row range of (batch, heads, n)
-                dq_s, dk_s, dv_s = local(dout[i][:, rows], q[i][:, rows], kk[:, keys], vv[:, keys], out[i][:, rows],
-                                         lse_rows, causal=step.causal, softmax_scale=softmax_scale, softcap=softcap)
-                if t == 0:  # the rank's own shard: every row
-                    dqs[i] = _widened(dq_s)
-                else:
-                    dqs[i][:, rows] += dq_s
-            shares.append((keys, dk_s, dv_s))
-        if t == 0:  # the ranks' own shards, whose steps cover every key: the first sums
-            sums = [(_widened(dk_s), _widened(dv_s)) for _, dk_s, dv_s in shares]
+    # K and V travel as in the forward, leaving two steps before their use. The dK, dV sums of the
+    # shards held at a step follow one hop behind: sent after the step's kernels, they cross while
+    # the next step's run, and the world-th hop takes them home. One rotation carries a step's sums
+    # and the shards of two steps later, so that one NCCL launch, queued ahead of the next step's
+    # kernels, overlaps them: a second launch queued behind it would find every SM taken by those
+    # kernels and wait for their end.
+    arriving = transport.start(held) if world > 1 else None  # step 1's K, V, crossing during step 0
+    in_flight = following = None
+    for t in range(world):
+        steps = _ring_steps(transport, t, n_local, causal, layout)
+        grads = [None if step is None else _step_backward(local, dout[i], q[i], held[i], out[i], lse[i], step,
+                                                           softmax_scale, softcap)
+                 for i, step in enumerate(steps)]
+        held = None  # its blocks may receive step t + 2's K, V once the kernels above are done
+        for i, (step, grad) in enumerate(zip(steps, grads)):
+            if grad is not None:
+                with _on(q[i]):
+                    if t == 0:  # the rank's own shard: every row
+                        dqs[i] = _widened(grad[0])
+                    else:
+                        dqs[i][:, step.q0:step.q1] += grad[0]
+        if t == 0:  # the ranks' own shards, whose steps cover every key: the first sums, on each rank's GPU
+            sums = _each(lambda grad, x: (_widened(grad[1]), _widened(grad[2])), grads, q)
         else:
-            sums = transport.finish(sums_in_flight)
-            for (dk, dv), share in zip(sums, shares):
-                if share is not None:
-                    keys, dk_s, dv_s = share
+            received = transport.finish(in_flight)
+            sums, following = [r[:2] for r in received], [r[2:] for r in received]
+            for (dk, dv), step, grad in zip(sums, steps, grads):
+                if grad is not None:
                     with _on(dk):
-                        dk[:, keys] += dk_s
-                        dv[:, keys] += dv_s
-        sums_in_flight = transport.start(sums)
-        if pending is not None:
-            held = transport.finish(pending)
-    sums = transport.finish(sums_in_flight)
+                        dk[:, step.k0:step.k1] += grad[1]
+                        dv[:, step.k0:step.k1] += grad[2]
+        if t + 2 < world:  # step t + 1's K, V go on, to become step t + 2's
+            upcoming = transport.incoming(arriving) if t == 0 else following
+            in_flight = transport.start([s + kv for s, kv in zip(sums, upcoming)])
+        else:
+            in_flight = transport.start(sums)
+        if t + 1 < world:
+            held = transport.finish(arriving) if t == 0 else following
+    sums = [r[:2] for r in transport.finish(in_flight)]
     dq = _each(lambda g, x: g.astype(x.dtype, copy=False), dqs, q)
     dk = _each(lambda g, x: g[0].astype(x.dtype, copy=False), sums, k)
     dv = _each(lambda g, x: g[1].astype(x.dtype, copy=False), sums, v)

@@ -6,6 +6,8 @@ the whole sequence. On a GPU (marker `gpu`): the same with cuflash's kernels, ra
 one device, against the float64 reference with the 2x rule.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -79,6 +81,67 @@ def test_ring_on_the_host_equals_whole_attention(world, layout, causal, nheads, 
     for got, want in zip(grads, reference.attention_backward(dout, q, k, v, **options)):
         np.testing.assert_allclose(distributed.unshard(got, layout), want, atol=1e-10)
     assert all(g.dtype == np.float64 for shards_ in grads for g in shards_)
+
+
+class Placed(np.ndarray):
+    """A host array that knows the rank ("GPU") it lives on, placed as CuPy places device arrays: a
+    new array on the current rank (0 outside any `on_rank`), a view on its base's."""
+
+    current = 0
+
+    def __array_finalize__(self, obj):
+        self.rank = getattr(obj, "rank", Placed.current) if self.base is not None else Placed.current
+
+
+def placed(x, rank):
+    p = np.array(x).view(Placed)
+    p.rank = rank
+    return p
+
+
+@contextlib.contextmanager
+def on_rank(x):
+    """distributed._on for Placed arrays: x's rank is current inside."""
+    previous = Placed.current
+    Placed.current = getattr(x, "rank", previous)
+    try:
+        yield
+    finally:
+        Placed.current = previous
+
+
+class PlacementCheckingTransport(distributed.InProcessTransport):
+    """Refuses a rank's buffer that lies on another rank, as NcclTransport does."""
+
+    def start(self, buffers):
+        for rank, buffer in enumerate(buffers):
+            assert [x.rank for x in buffer] == [rank] * len(buffer), f"rank {rank}'s buffers"
+        return super().start(buffers)
+
+
+def test_every_ring_array_lies_on_its_ranks_device(monkeypatch):
+    """The ring creates each rank's sums, accumulators and results on that rank's device (the one its q
+    shard lies on), never on the device current when the ring was called: over NCCL a buffer on another
+    GPU is refused, and the arithmetic on it crosses the link."""
+    monkeypatch.setattr(distributed, "_on", on_rank)
+    monkeypatch.setattr(distributed, "_contiguous",  # cupy.ascontiguousarray: x itself, or a copy on the current device
+                        lambda x: x if x.flags.c_contiguous else placed(x, Placed.current))
+    world, layout = 3, "zigzag"
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 12 * world, 2, 8)) for _ in range(4))
+
+    def on_current(results):
+        return tuple(placed(x, Placed.current) for x in results)
+
+    qs, ks, vs, douts = ([placed(s, r) for r, s in enumerate(shards(x, world, layout))] for x in (q, k, v, dout))
+    transport = PlacementCheckingTransport(world)
+    outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, layout=layout, causal=True,
+                                            return_lse=True, local_attention=lambda *a, **kw: on_current(host_attention(*a, **kw)))
+    grads = distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, layout=layout,
+                                                causal=True,
+                                                local_backward=lambda *a, **kw: on_current(host_backward(*a, **kw)))
+    for name, results in zip(("out", "lse", "dq", "dk", "dv"), (outs, lses, *grads)):
+        assert [x.rank for x in results] == list(range(world)), name
 
 
 def test_shards_hold_chunks_r_and_2r_minus_1_minus_r():

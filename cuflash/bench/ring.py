@@ -10,7 +10,8 @@ is a forward (with lse) and a backward. Per row:
   (``NcclTransport``), and ``ring / 1 GPU``, its time over the one-GPU time;
 * ``steps ms``: the same ring's R steps of kernels with no transfer (each rank keeps its own
   shard: the compute alone); ``comm ms``: the ring's transfers with no kernel (the forward's R - 1
-  rotations of K and V; with ``--backward`` also the backward's, and its R hops of the dK, dV sums);
+  rotations of K and V; with ``--backward`` also the backward's, which carry its R hops of the dK, dV
+  sums);
 * ``hidden``: the share of the transfers the ring hides, 1 - (ring - steps) / comm.
 
 ``--nccl-channels N`` caps NCCL's channels for the run (docs/distributed.md has why). Each time is
@@ -95,22 +96,23 @@ def _ring_call(qs, ks, vs, douts, transport, causal: bool, backward: bool):
 
 
 def _transfers_call(ks, vs, transport, backward: bool):
-    """The ring's transfers alone, in its order (module docstring)."""
+    """The ring's transfers alone, in its rotations (module docstring): the forward's R - 1 of K and V;
+    the backward's first of K and V, then R hops of the dK, dV sums, the first R - 2 with K and V."""
     world = transport.world
     sums = []  # the backward's fp32 dK, dV sums, one pair per rank on its GPU
     for k, v in zip(ks, vs) if backward else ():
         with k.device:
             sums.append((cupy.empty(k.shape, cupy.float32), cupy.empty(v.shape, cupy.float32)))
 
-    def rotate(held, times):
-        for _ in range(times):
-            held = transport.finish(transport.start(held))
-
     def call():
-        rotate(list(zip(ks, vs)), world - 1)
+        held = list(zip(ks, vs))
+        for _ in range(world - 1):
+            held = transport.finish(transport.start(held))
         if backward:
-            rotate(list(zip(ks, vs)), world - 1)
-            rotate(sums, world)
+            held = transport.finish(transport.start(list(zip(ks, vs))))
+            for t in range(world):
+                payload = [s + kv for s, kv in zip(sums, held)] if t + 2 < world else sums
+                transport.finish(transport.start(payload))
 
     return call
 
