@@ -130,16 +130,18 @@ def test_every_ring_array_lies_on_its_ranks_device(monkeypatch):
     rng = np.random.default_rng(5)
     q, k, v, dout = (rng.standard_normal((1, 12 * world, 2, 8)) for _ in range(4))
 
-    def on_current(results):
-        return tuple(placed(x, Placed.current) for x in results)
+    def local_attention(*args, **kwargs):  # results on the current rank, as a kernel's
+        return tuple(placed(x, Placed.current) for x in host_attention(*args, **kwargs))
+
+    def local_backward(*args, **kwargs):
+        return tuple(placed(x, Placed.current) for x in host_backward(*args, **kwargs))
 
     qs, ks, vs, douts = ([placed(s, r) for r, s in enumerate(shards(x, world, layout))] for x in (q, k, v, dout))
     transport = PlacementCheckingTransport(world)
     outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, layout=layout, causal=True,
-                                            return_lse=True, local_attention=lambda *a, **kw: on_current(host_attention(*a, **kw)))
+                                            return_lse=True, local_attention=local_attention)
     grads = distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, layout=layout,
-                                                causal=True,
-                                                local_backward=lambda *a, **kw: on_current(host_backward(*a, **kw)))
+                                                causal=True, local_backward=local_backward)
     for name, results in zip(("out", "lse", "dq", "dk", "dv"), (outs, lses, *grads)):
         assert [x.rank for x in results] == list(range(world)), name
 
