@@ -146,6 +146,53 @@ def test_every_ring_array_lies_on_its_ranks_device(monkeypatch):
         assert [x.rank for x in results] == list(range(world)), name
 
 
+class RecordingTransport(distributed.InProcessTransport):
+    """Logs each rotation ("S" and the arrays a rank sends) and each wait for one ("F")."""
+
+    def __init__(self, world, log):
+        super().__init__(world)
+        self.log = log
+
+    def start(self, buffers):
+        self.log.append(f"S{len(buffers[0])}")
+        return super().start(buffers)
+
+    def finish(self, pending):
+        self.log.append("F")
+        return super().finish(pending)
+
+
+def test_rotations_queue_after_a_steps_kernels_and_before_its_merges(monkeypatch):
+    """The order docs/distributed.md measured: each K/V rotation is queued right after the kernels of
+    the step two before its use ("K", one a rank) and ahead of that step's merges ("M"), so that its
+    NCCL kernels run beside the next attention kernel instead of after it; the backward sends a
+    step's dK, dV sums and the K, V of two steps later in one rotation (4 arrays a rank)."""
+    log = []
+    merge = distributed._merge
+    monkeypatch.setattr(distributed, "_merge", lambda *args: (log.append("M"), merge(*args)))
+    world = 4
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal((1, 8 * world, 2, 8)) for _ in range(4))
+    qs, ks, vs, douts = (shards(x, world, "zigzag") for x in (q, k, v, dout))
+    transport = RecordingTransport(world, log)
+
+    def local_attention(*args, **kwargs):
+        log.append("K")
+        return host_attention(*args, **kwargs)
+
+    def local_backward(*args, **kwargs):
+        log.append("K")
+        return host_backward(*args, **kwargs)
+
+    outs, lses = distributed.ring_attention(qs, ks, vs, transport=transport, causal=True, return_lse=True,
+                                            local_attention=local_attention)
+    assert " ".join(log) == "S2 K K K K S2 F K K K K S2 M M M M F K K K K M M M M F K K K K M M M M"
+    log.clear()
+    distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, causal=True,
+                                        local_backward=local_backward)
+    assert " ".join(log) == "S2 K K K K S4 F K K K K F S4 K K K K F S2 K K K K F S2 F"
+
+
 def test_shards_hold_chunks_r_and_2r_minus_1_minus_r():
     x = np.arange(16).reshape(1, 16, 1, 1)
     got = [s.ravel().tolist() for s in shards(x, 4, "zigzag")]
