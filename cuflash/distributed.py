@@ -239,12 +239,12 @@ class NcclTransport:
     NCCL moves data with kernels of its own, which need SMs while an attention kernel, persistent,
     holds every one it can get: a rotation that is not running when that kernel starts waits for its
     end. The rings therefore queue each rotation ahead of the work that precedes the kernels it
-    overlaps (`ring_attention`), and the communication streams take the device's highest priority
-    (`high_priority`), so that where a rotation and kernels wait at once the block scheduler serves
-    NCCL's CTAs first. The order is what the measurements moved (bench/PERFLOG.md, "Ring attention on
-    four GPUs"); the priority alone, with the old order, changed nothing measurable."""
+    overlaps (`ring_attention`), and the communication streams take the device's highest priority,
+    so that where a rotation and kernels wait at once the block scheduler serves NCCL's CTAs first.
+    The order is what the measurements moved (bench/PERFLOG.md, "Ring attention on four GPUs"); the
+    priority alone, with the old order, changed nothing measurable."""
 
-    def __init__(self, comms: list, devices: list[int], high_priority: bool = True):
+    def __init__(self, comms: list, devices: list[int]):
         import cupy
 
         if len(comms) != len(devices) or not comms:
@@ -259,8 +259,7 @@ class NcclTransport:
         self.streams = []
         for device in devices:
             with cupy.cuda.Device(device):
-                self.streams.append(cupy.cuda.Stream(non_blocking=True,
-                                                     priority=HIGHEST_STREAM_PRIORITY if high_priority else None))
+                self.streams.append(cupy.cuda.Stream(non_blocking=True, priority=HIGHEST_STREAM_PRIORITY))
 
     def start(self, buffers: list[tuple]) -> list[tuple]:
         import cupy

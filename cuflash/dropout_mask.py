@@ -18,7 +18,6 @@ from .score_mods import Dropout
 THREADS = cpp_int_constant("dropout_mask.cuh", "DROPOUT_MASK_THREADS")
 KERNEL_NAME = "cuflash::dropout_mask_kernel"
 UNITS_PER_TILE = 32  # a 16 x 16 tile's units of eight elements (cuda_src/dropout.cuh)
-_WORD = 0xFFFFFFFF
 
 
 def dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
@@ -39,9 +38,9 @@ def dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
     if units == 0:
         return keep
     device_id = cupy().cuda.Device().id
+    dropout = Dropout(prob, seed, offset)
     args = KernelArgs([keep, numpy.int64(units), numpy.int32(seqlen_q), numpy.int32(seqlen_k),
-                       numpy.uint32(seed & _WORD), numpy.uint32(((seed >> 32) ^ (offset >> 32)) & _WORD),
-                       numpy.uint32(offset & _WORD), numpy.uint32(Dropout(prob, seed, offset).threshold)])
+                       *(numpy.uint32(word) for word in dropout.philox_words), numpy.uint32(dropout.threshold)])
     kernel("dropout_mask", KERNEL_NAME, 0, device_id).launch((-(-units // THREADS), 1, 1), THREADS, args,
                                                              cupy().cuda.get_current_stream().ptr)
     return keep

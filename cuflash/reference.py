@@ -691,10 +691,11 @@ def dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
     (cuda_src/dropout.cuh: the unit of rows {r, r + 8} x columns {c, c + 1, c + 8, c + 9})."""
     b, h, i, j = np.meshgrid(np.arange(batch), np.arange(nheads), np.arange(seqlen_q), np.arange(seqlen_k),
                              indexing="ij")
-    counter = (i & ~8, j & ~9, b * nheads + h, np.full(i.shape, offset & 0xFFFFFFFF))
-    key = (np.full(i.shape, seed & 0xFFFFFFFF), np.full(i.shape, (seed >> 32) ^ (offset >> 32)))
-    words = philox4x32(counter, key)
+    dropout = Dropout(float(dropout_p), seed, offset)
+    seed_lo, key_hi, offset_lo = dropout.philox_words
+    counter = (i & ~8, j & ~9, b * nheads + h, np.full(i.shape, offset_lo))
+    words = philox4x32(counter, (np.full(i.shape, seed_lo), np.full(i.shape, key_hi)))
     word = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
     picked = np.take_along_axis(words, word[None].astype(np.int64), axis=0)[0]
     draws = (picked >> (16 * (j & 1)).astype(np.uint32)) & ((1 << DROPOUT_DRAW_BITS) - 1)
-    return draws < Dropout(float(dropout_p), seed, offset).threshold
+    return draws < dropout.threshold

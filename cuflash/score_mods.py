@@ -65,6 +65,12 @@ class Dropout:
         """Draws (DROPOUT_DRAW_BITS bits) below this are kept."""
         return round((1.0 - self.p) * (1 << DROPOUT_DRAW_BITS))
 
+    @property
+    def philox_words(self) -> tuple[int, int, int]:
+        """(seed low, seed high ^ offset high, offset low): Philox's key and the counter's last word, as
+        cuda_src/dropout.cuh's dropout_key forms them from the kernel arguments' four words."""
+        return self.seed & 0xFFFFFFFF, ((self.seed >> 32) ^ (self.offset >> 32)) & 0xFFFFFFFF, self.offset & 0xFFFFFFFF
+
 
 # A seed and offset held on the device: seed low, seed high, offset low, offset high (uint32).
 DROPOUT_STATE_WORDS = 4
