@@ -16,6 +16,8 @@ outputs are allocated by torch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy
 import torch
 
@@ -131,9 +133,10 @@ def _host(x: torch.Tensor | None):
 def _signed_probs(q, k, keep, alibi_slopes, options) -> torch.Tensor:
     """float32 (batch, nheads, seqlen_q, seqlen_k) on q's device: each row of the softmax over its
     largest entry, negated where `keep` (a CuPy bool array of that shape) is False."""
-    causal, scale, left, right, softcap, _, _ = options
-    probs = reference.attention_probs(_host(q), _host(k), causal=causal, window_size=(left, right), softcap=softcap,
-                                      alibi_slopes=_host(alibi_slopes), softmax_scale=scale)
+    probs = reference.attention_probs(_host(q), _host(k), causal=options.causal,
+                                      window_size=(options.window_left, options.window_right),
+                                      softcap=options.softcap, alibi_slopes=_host(alibi_slopes),
+                                      softmax_scale=options.softmax_scale)
     top = probs.max(axis=-1, keepdims=True)
     scaled = numpy.divide(probs, top, out=numpy.zeros_like(probs), where=top > 0)
     scaled = torch.from_numpy(scaled).to(q.device, torch.float32)
@@ -141,14 +144,20 @@ def _signed_probs(q, k, keep, alibi_slopes, options) -> torch.Tensor:
     return torch.where(kept, scaled, -scaled)
 
 
+def _keep_mask_and_canvas(q, draw, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """The kernels' keep mask of a (batch, nheads, seqlen_q, seqlen_k) call (CuPy bool) and the zeros of
+    its S_dmask, both lengths padded."""
+    seed, offset = draw.tolist()
+    with _on_torch_stream(q):
+        keep = dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p)
+    return keep, q.new_zeros((batch, nheads, _padded_length(seqlen_q), _padded_length(seqlen_k)))
+
+
 def _attn_probs(q, k, draw, alibi_slopes, options) -> torch.Tensor:
     """S_dmask of a call of equal lengths (see above): (batch, nheads, seqlen_q, seqlen_k padded)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
-    seed, offset = draw.tolist()
-    with _on_torch_stream(q):
-        keep = dropout_keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, options[-1])
-    probs = q.new_zeros((batch, nheads, _padded_length(seqlen_q), _padded_length(seqlen_k)))
+    keep, probs = _keep_mask_and_canvas(q, draw, batch, nheads, seqlen_q, seqlen_k, options.dropout_p)
     probs[:, :, :seqlen_q, :seqlen_k] = _signed_probs(q, k, keep, alibi_slopes, options)
     return probs
 
@@ -159,10 +168,7 @@ def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     at [b, :, :its seqlen_q, :its seqlen_k] (the mask of its own positions)."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     batch, nheads = len(starts_q) - 1, q.shape[1]
-    seed, offset = draw.tolist()
-    with _on_torch_stream(q):
-        keep = dropout_keep_mask(seed, offset, batch, nheads, max_seqlen_q, max_seqlen_k, options[-1])
-    probs = q.new_zeros((batch, nheads, _padded_length(max_seqlen_q), _padded_length(max_seqlen_k)))
+    keep, probs = _keep_mask_and_canvas(q, draw, batch, nheads, max_seqlen_q, max_seqlen_k, options.dropout_p)
     per_batch = alibi_slopes is not None and alibi_slopes.dim() == 2
     for b in range(batch):
         rows, cols = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
@@ -176,12 +182,22 @@ def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return probs
 
 
-def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> tuple:
-    """flash-attn's keywords as the custom ops take them: (causal, softmax_scale, window_left,
-    window_right, softcap, deterministic, dropout_p)."""
+class _FlashOptions(NamedTuple):
+    """flash-attn's keywords as the custom ops take them, in their arguments' order."""
+    causal: bool
+    softmax_scale: float | None
+    window_left: int
+    window_right: int
+    softcap: float
+    deterministic: bool
+    dropout_p: float
+
+
+def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> _FlashOptions:
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
     scale = None if softmax_scale is None else float(softmax_scale)
-    return bool(causal), scale, left, right, float(softcap), bool(deterministic), _validate.dropout(dropout_p, 0, 0)[0]
+    return _FlashOptions(bool(causal), scale, left, right, float(softcap), bool(deterministic),
+                         _validate.dropout(dropout_p, 0, 0)[0])
 
 
 # ---------------------------------------------------------------- equal lengths
@@ -300,7 +316,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     else:
         _fp8.refuse_descales(q_descale, k_descale, v_descale)
         out, lse, draw = _fwd(q, k, v, alibi_slopes, *options)
-        if return_attn_probs and options[-1]:
+        if return_attn_probs and options.dropout_p:
             return out, lse, _attn_probs(q, k, draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
 
@@ -313,9 +329,8 @@ def _fp8_options(k, v, alibi_slopes, options) -> tuple:
     for name, x in (("k", k), ("v", v)):
         if x.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name} must be torch.float8_e4m3fn as q is, got {x.dtype}")
-    causal, scale, left, right, softcap, _, dropout_p = options
-    _fp8.refuse_options(alibi_slopes, dropout=bool(dropout_p))
-    return causal, scale, left, right, softcap
+    _fp8.refuse_options(alibi_slopes, dropout=bool(options.dropout_p))
+    return options.causal, options.softmax_scale, options.window_left, options.window_right, options.softcap
 
 
 @_op("fp8_fwd")
@@ -451,13 +466,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                 block_table), q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     if block_table is not None:
-        causal, scale, left, right, softcap, _, dropout_p = options
         out, lse = _varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                     block_table, alibi_slopes, causal, scale, left, right, softcap, dropout_p)
+                                     block_table, alibi_slopes, options.causal, options.softmax_scale,
+                                     options.window_left, options.window_right, options.softcap, options.dropout_p)
     else:
         out, lse, draw = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      alibi_slopes, *options)
-        if return_attn_probs and options[-1]:
+        if return_attn_probs and options.dropout_p:
             return out, lse, _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                 int(max_seqlen_k), draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
