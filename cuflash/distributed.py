@@ -20,10 +20,8 @@ Layouts (`shard` cuts a global array into them):
 The backward runs the same steps with the global out and lse (`attention_backward` takes them, so
 each step's dQ, dK, dV are that shard pair's exact share). dQ stays; the sums of dK and dV follow
 their keys and values one hop behind (sent once a step's kernels are done, they cross during the
-next step's) and reach their owner after a full turn. The rank's own shard is taken in two parts,
-split by query rows (`own_parts`): the first at the start, beside the first K/V rotation, the
-second at the end, beside the sums' last hop home, which would otherwise follow the last step with
-no kernel to hide it.
+next step's) and reach their owner after a full turn. That last hop follows the last step, with no
+kernel left to hide it.
 
 Transports move the shards: `InProcessTransport` treats arrays of one process (one GPU or the
 host) as ranks, which is how the ring is tested on one device; `NcclTransport` sends over NCCL
@@ -79,11 +77,6 @@ def _accumulator_dtype(x):
 def _widened(x):
     """A first step's result as a new sum over steps (a copy in the accumulator's dtype)."""
     return x.astype(_accumulator_dtype(x))
-
-
-def _zero_sum(x):
-    """Zeros of x's shape in the accumulator's dtype, on x's device (where the steps' shares add up)."""
-    return _xp(x).zeros(x.shape, _accumulator_dtype(x))
 
 
 def _each(fn, *lists) -> list:
@@ -175,15 +168,6 @@ def ring_step(rank: int, source: int, n_local: int, causal: bool, layout: str) -
     if source < rank:  # both query chunks see the source's first chunk (a lower index) whole
         return Step(0, n_local, 0, half, False)
     return Step(half, n_local, 0, n_local, False)  # only the second query chunk, the whole shard
-
-
-def own_parts(n_local: int, causal: bool) -> tuple[Step | None, Step]:
-    """The backward's step against the rank's own shard, split at half its query rows: (first, last).
-    Under the causal mask the first half sees the first half of the keys, the second half all of them
-    (bottom-right aligned, so query h + i sees keys up to h + i). first is None for a one-row shard."""
-    h = n_local // 2
-    first = Step(0, h, 0, h if causal else n_local, causal) if h else None
-    return first, Step(h, n_local, 0, n_local, causal)
 
 
 def _ring_steps(transport, t: int, n_local: int, causal: bool, layout: str) -> list:
@@ -470,21 +454,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     n_local = _validated(q, k, v, transport, causal, layout, window_size)
     local = local_backward or attention_backward
     world = transport.world
-    # Step 0 is the first part of the own shard's step (the whole of it in a one-rank ring), the
-    # last part runs after step world - 1, beside the sums' hop home.
-    first, last = own_parts(n_local, causal) if world > 1 else (ring_step(0, 0, n_local, causal, layout), None)
-    dqs = _each(_zero_sum, q)
-    sums = _each(lambda kk, vv: (_zero_sum(kk), _zero_sum(vv)), k, v)  # on each rank's GPU
+    dqs = [None] * len(q)
     held = _each(lambda kk, vv: (_contiguous(kk), _contiguous(vv)), k, v)
-
-    def add(steps, grads):  # each step's dQ share into its rows, its dK, dV shares into the sums
-        for dq, (dk, dv), step, grad in zip(dqs, sums, steps, grads):
-            if grad is not None:
-                with _on(dq):
-                    dq[:, step.q0:step.q1] += grad[0]
-                    dk[:, step.k0:step.k1] += grad[1]
-                    dv[:, step.k0:step.k1] += grad[2]
-
     # K and V travel as in the forward, leaving two steps before their use. The dK, dV sums of the
     # shards held at a step follow one hop behind: sent after the step's kernels, they cross while
     # the next step's run, and the world-th hop takes them home. One rotation carries a step's sums
@@ -494,15 +465,28 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
     arriving = transport.start(held) if world > 1 else None  # step 1's K, V, crossing during step 0
     in_flight = following = None
     for t in range(world):
-        steps = [first] * len(q) if t == 0 else _ring_steps(transport, t, n_local, causal, layout)
+        steps = _ring_steps(transport, t, n_local, causal, layout)
         grads = [None if step is None else _step_backward(local, dout[i], q[i], held[i], out[i], lse[i], step,
                                                            softmax_scale, softcap)
                  for i, step in enumerate(steps)]
         held = None  # its blocks may receive step t + 2's K, V once the kernels above are done
-        if t > 0:
+        for i, (step, grad) in enumerate(zip(steps, grads)):
+            if grad is not None:
+                with _on(q[i]):
+                    if t == 0:  # the rank's own shard: every row
+                        dqs[i] = _widened(grad[0])
+                    else:
+                        dqs[i][:, step.q0:step.q1] += grad[0]
+        if t == 0:  # the ranks' own shards, whose steps cover every key: the first sums, on each rank's GPU
+            sums = _each(lambda grad, x: (_widened(grad[1]), _widened(grad[2])), grads, q)
+        else:
             received = transport.finish(in_flight)
             sums, following = [r[:2] for r in received], [r[2:] for r in received]
-        add(steps, grads)
+            for (dk, dv), step, grad in zip(sums, steps, grads):
+                if grad is not None:
+                    with _on(dk):
+                        dk[:, step.k0:step.k1] += grad[1]
+                        dv[:, step.k0:step.k1] += grad[2]
         if t + 2 < world:  # step t + 1's K, V go on, to become step t + 2's
             upcoming = transport.incoming(arriving) if t == 0 else following
             in_flight = transport.start([s + kv for s, kv in zip(sums, upcoming)])
@@ -510,13 +494,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
             in_flight = transport.start(sums)
         if t + 1 < world:
             held = transport.finish(arriving) if t == 0 else following
-    if last is not None:  # queued behind the last hop's rotation, whose NCCL kernels it then overlaps
-        steps = [last] * len(q)
-        grads = [_step_backward(local, dout[i], q[i], (k[i], v[i]), out[i], lse[i], last, softmax_scale, softcap)
-                 for i in range(len(q))]
     sums = [r[:2] for r in transport.finish(in_flight)]
-    if last is not None:
-        add(steps, grads)
     dq = _each(lambda g, x: g.astype(x.dtype, copy=False), dqs, q)
     dk = _each(lambda g, x: g[0].astype(x.dtype, copy=False), sums, k)
     dv = _each(lambda g, x: g[1].astype(x.dtype, copy=False), sums, v)
@@ -524,6 +502,5 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, transport, causal=False,
 
 
 __all__ = ["LAYOUTS", "InProcessTransport", "NcclTransport", "Step", "check_layout", "check_shard_length",
-           "communicator", "communicators", "lse_merge", "own_parts", "ring_attention", "ring_attention_backward",
-           "ring_step",
+           "communicator", "communicators", "lse_merge", "ring_attention", "ring_attention_backward", "ring_step",
            "shard", "shard_positions", "unique_id", "unshard"]

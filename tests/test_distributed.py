@@ -126,9 +126,6 @@ def test_every_ring_array_lies_on_its_ranks_device(monkeypatch):
     monkeypatch.setattr(distributed, "_on", on_rank)
     monkeypatch.setattr(distributed, "_contiguous",  # cupy.ascontiguousarray: x itself, or a copy on the current device
                         lambda x: x if x.flags.c_contiguous else placed(x, Placed.current))
-    zero_sum = distributed._zero_sum
-    monkeypatch.setattr(distributed, "_zero_sum",  # cupy.zeros: on the current device
-                        lambda x: placed(zero_sum(x), Placed.current))
     world, layout = 3, "zigzag"
     rng = np.random.default_rng(5)
     q, k, v, dout = (rng.standard_normal((1, 12 * world, 2, 8)) for _ in range(4))
@@ -169,8 +166,7 @@ def test_rotations_queue_after_a_steps_kernels_and_before_its_merges(monkeypatch
     """The order docs/distributed.md measured: each K/V rotation is queued right after the kernels of
     the step two before its use ("K", one a rank) and ahead of that step's merges ("M"), so that its
     NCCL kernels run beside the next attention kernel instead of after it; the backward sends a
-    step's dK, dV sums and the K, V of two steps later in one rotation (4 arrays a rank), and queues
-    the second part of the own shard's step behind the sums' last hop, before waiting for it."""
+    step's dK, dV sums and the K, V of two steps later in one rotation (4 arrays a rank)."""
     log = []
     merge = distributed._merge
     monkeypatch.setattr(distributed, "_merge", lambda *args: (log.append("M"), merge(*args)))
@@ -194,7 +190,7 @@ def test_rotations_queue_after_a_steps_kernels_and_before_its_merges(monkeypatch
     log.clear()
     distributed.ring_attention_backward(douts, qs, ks, vs, outs, lses, transport=transport, causal=True,
                                         local_backward=local_backward)
-    assert " ".join(log) == "S2 K K K K S4 F K K K K F S4 K K K K F S2 K K K K F S2 K K K K F"
+    assert " ".join(log) == "S2 K K K K S4 F K K K K F S4 K K K K F S2 K K K K F S2 F"
 
 
 def test_shards_hold_chunks_r_and_2r_minus_1_minus_r():
