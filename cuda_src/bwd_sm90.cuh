@@ -420,25 +420,29 @@ __global__ void __launch_bounds__(384, 1)
                             acc_s[j * 4 + e] = 0.f;
             }
             wgmma_wait<0>();
-            if constexpr (Mods::DROPOUT)
-                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
-            // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap)
+            // dS^T = P^T o (dP^T - Delta[query]) (o (1 - tanh^2) under softcap); with dropout dP^T o M /
+            // (1 - p) in place of dP^T (dropped_dp_minus), then (P o M)^T for dV, whose 1 / (1 - p) is
+            // left to its epilogue.
 #pragma unroll
             for (int j = 0; j < NT_S; ++j) {
                 const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * (lane & 3));
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - ((e & 1) ? dl.y : dl.x));
+                    const float delta = (e & 1) ? dl.y : dl.x;
+                    const float dp = Mods::DROPOUT ? dropped_dp_minus(acc_dp[j * 4 + e], kept.test(4 * j + e),
+                                                                      mod_args.dropout_scale, delta)
+                                                   : acc_dp[j * 4 + e] - delta;
+                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * dp;
                     if constexpr (Mods::SOFTCAP) {
                         const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * (lane & 3));
                         const float dist =
                             mods.distance(m0 + 2 * (lane & 3), key_lane0) + (float)(8 * j + (e & 1) - 8 * (e >> 1));
                         acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], (e & 1) ? l2.y : l2.x, dist);
                     }
+                    if constexpr (Mods::DROPOUT)
+                        if (!kept.test(4 * j + e)) acc_s[j * 4 + e] = 0.f;
                 }
             }
-            if constexpr (Mods::DROPOUT)  // (P o M)^T: dV's 1 / (1 - p) is left to its epilogue
-                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_s), kept, 1.f);
             AFragments<DTYPE, BM> p_frag, ds_frag;
             p_frag.pack(acc_s);
             ds_frag.pack(acc_dp);
@@ -697,14 +701,16 @@ __global__ void __launch_bounds__(384, 1)
                             acc_s[j * 4 + e] = 0.f;
             }
             wgmma_wait<0>();
-            if constexpr (Mods::DROPOUT)
-                apply_dropout(reinterpret_cast<float(&)[NT_S][4]>(acc_dp), kept, mod_args.dropout_scale);
-            // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K
+            // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K;
+            // with dropout dP o M / (1 - p) in place of dP (dropped_dp_minus)
 #pragma unroll
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * (acc_dp[j * 4 + e] - delta_r[e >> 1]);
+                    const float dp = Mods::DROPOUT ? dropped_dp_minus(acc_dp[j * 4 + e], kept.test(4 * j + e),
+                                                                      mod_args.dropout_scale, delta_r[e >> 1])
+                                                   : acc_dp[j * 4 + e] - delta_r[e >> 1];
+                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * dp;
                     if constexpr (Mods::SOFTCAP) {
                         const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
                                            (float)(8 * (e >> 1) - 8 * j - (e & 1));

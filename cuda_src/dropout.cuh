@@ -145,6 +145,13 @@ __device__ __forceinline__ void apply_dropout(float (&x)[NT][4], const KeepBits<
         for (int e = 0; e < 4; ++e) x[j][e] = bits.test(4 * j + e) ? x[j][e] * kept : 0.f;
 }
 
+// dP o M / (1 - p) - Delta for one element of the backward's dS = P o (dP o M / (1 - p) - Delta): one
+// FMA by the kept scale or 0 (a select), where masking dP first took a multiply and a select and
+// then a subtraction.
+__device__ __forceinline__ float dropped_dp_minus(float dp, bool keep, float kept_scale, float delta) {
+    return fmaf(dp, keep ? kept_scale : 0.f, -delta);
+}
+
 // Dropout on a warp's 16-row tile of S in fp32, each unit applied as it is drawn: dropped
 // elements become 0, kept ones x `kept` (the sm_80 backward's dP).
 template <bool STATE, int NT>
