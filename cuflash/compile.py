@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import re
+import struct
 import threading
 from pathlib import Path
 
@@ -165,6 +166,32 @@ class CompileReport:
         return _PTXAS_WGMMA_SERIALIZED in self.log
 
 
+def _elf_end(image: bytes) -> int:
+    """Where a 64-bit little-endian ELF image (a cubin) ends by its headers: the furthest of its
+    section and program header tables, its sections' contents and its segments' file contents."""
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        # sh_type at 4, sh_offset at 24, sh_size at 32; SHT_NOBITS (8) takes no room in the file
+        kind, = struct.unpack_from("<I", image, shoff + i * shentsize + 4)
+        offset, size = struct.unpack_from("<QQ", image, shoff + i * shentsize + 24)
+        if kind != 8:
+            end = max(end, offset + size)
+    for i in range(phnum):
+        offset, = struct.unpack_from("<Q", image, phoff + i * phentsize + 8)  # p_offset
+        filesz, = struct.unpack_from("<Q", image, phoff + i * phentsize + 32)  # p_filesz
+        end = max(end, offset + filesz)
+    return end
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """NVRTC's cubin as NVRTC wrote it. CuPy's `nvrtc.getCUBIN` drops its last byte (it strips a
+    text's closing NUL, which a binary image does not have), so cuobjdump and nvdisasm refused
+    the image ("invalid ELF file"); the byte lies in the program header table, and is zero."""
+    return cubin + bytes(max(0, _elf_end(cubin) - len(cubin)))
+
+
 def compile_report(family: str, name_expression: str, arch: str, keep_cubin: bool = False) -> CompileReport:
     """Compile one specialisation to a cubin for `arch` (e.g. "sm_90") and parse ptxas -v (and keep the cubin)."""
     from cupy_backends.cuda.libs import nvrtc
@@ -179,7 +206,7 @@ def compile_report(family: str, name_expression: str, arch: str, keep_cubin: boo
         except nvrtc.NVRTCError:
             return CompileReport(name_expression, arch, ok=False, log=nvrtc.getProgramLog(prog))
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = _whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     report = CompileReport(name_expression, arch, ok=True, log=log, cubin=cubin if keep_cubin else b"")

@@ -32,6 +32,24 @@ def test_compile_report_parses_ptxas():
     assert report.spills == 0
 
 
+def test_compile_report_keeps_the_whole_cubin():
+    """The kept cubin ends where its ELF headers say (CuPy's getCUBIN drops the last byte, after which
+    cuobjdump and nvdisasm refused it), and its last section header table entry and program header
+    table lie inside it."""
+    import struct
+
+    cfg = HEURISTIC_FWD[64][0]
+    report = cf_compile.compile_report(cfg.family, cfg.name_expression("float16", True, True, True), "sm_80",
+                                       keep_cubin=True)
+    assert report.ok, report.log
+    cubin = report.cubin
+    assert cubin[:4] == b"\x7fELF"
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert len(cubin) >= max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    assert len(cubin) == cf_compile._elf_end(cubin)
+
+
 def test_compile_report_flags_errors():
     report = cf_compile.compile_report("fwd_sm80", "cuflash::fwd_kernel<48, 64, 4, 1, 2, 1, true, false, false, true, true, 0>", "sm_80")
     assert not report.ok and "head dim" in report.log

@@ -2,12 +2,15 @@
 decoding kernel's wgmma tiles): tensor-core and local-memory instructions.
 
 Compiles each kernel with NVRTC, disassembles it with cuobjdump (CUDA
-toolkit; on the GPU machine) and counts HGMMA / QGMMA (wgmma), HMMA
-(mma.sync) and LDL / STL (local memory: spills or indexed register arrays).
-Where cuobjdump cannot read NVRTC's cubin (an NVRTC newer than the toolkit),
-the kernels are built by the toolkit's nvcc instead.
+toolkit; on the GPU machine), or where there is none with nvdisasm (the
+toolkit's, or the `nvidia-cuda-nvdisasm` wheel's: no GPU or toolkit needed),
+and counts HGMMA / QGMMA (wgmma), HMMA (mma.sync) and LDL / STL (local
+memory: spills or indexed register arrays). Where cuobjdump cannot read
+NVRTC's cubin (an NVRTC newer than the toolkit), the kernels are built by the
+toolkit's nvcc instead.
 Exits non-zero if a kernel shows no wgmma instruction, or any local memory.
 Run: PYTHONPATH=. python tools/sass_check.py [--dump DIR]
+     (without a toolkit: pip install nvidia-cuda-nvdisasm)
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -46,10 +51,25 @@ def fast_paths():
     return paths
 
 
+def nvdisasm() -> str | None:
+    """nvdisasm on the PATH, else the one the nvidia-cuda-nvdisasm wheel installs, if either."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    wheel = sorted(Path(sysconfig.get_paths()["purelib"]).glob("nvidia/*/bin/nvdisasm"))
+    return str(wheel[-1]) if wheel else None
+
+
 def disassemble(cubin: bytes, family: str, name: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
+        if not shutil.which("cuobjdump"):
+            tool = nvdisasm()
+            if tool is None:
+                raise SystemExit("tools/sass_check.py: neither cuobjdump nor nvdisasm found "
+                                 "(pip install nvidia-cuda-nvdisasm)")
+            return subprocess.run([tool, "-c", str(path)], check=True, capture_output=True, text=True).stdout
         done = subprocess.run(["cuobjdump", "--dump-sass", str(path)], capture_output=True, text=True)
         if done.returncode == 0:
             return done.stdout
