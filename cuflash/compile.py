@@ -187,8 +187,9 @@ def _elf_end(image: bytes) -> int:
 
 def _whole_elf(cubin: bytes) -> bytes:
     """NVRTC's cubin as NVRTC wrote it. CuPy's `nvrtc.getCUBIN` drops its last byte (it strips a
-    text's closing NUL, which a binary image does not have), so cuobjdump and nvdisasm refused
-    the image ("invalid ELF file"); the byte lies in the program header table, and is zero."""
+    text's closing NUL, which a binary image does not have), and nvdisasm ("invalid ELF file") and
+    cuobjdump ("does not contain device code") refused the short image. The byte lies in the
+    program header table, and is zero."""
     return cubin + bytes(max(0, _elf_end(cubin) - len(cubin)))
 
 
