@@ -4,8 +4,8 @@
 #   bench/device_check.sh [tests|bench|all|verify|ring|fuzz]      (default: all)
 #
 # tests: list the GPUs and print the environment, compile every shipped kernel
-#        (check), run the GPU tests, and read the Hopper fast paths' SASS
-#        (tools/sass_check.py: wgmma instructions, no local memory);
+#        and read the Hopper fast paths' SASS (check --sass: wgmma instructions,
+#        no local memory), and run the GPU tests;
 # verify: what a kernel change runs before it lands, in one call: check
 #        (sm_90), the four sanitizers over every family (bench/sanitize.sh, a
 #        process per tool) and the GPU tests (a process per test file, 8 at a
@@ -119,7 +119,7 @@ MODE=${1:-all}
 if [ "$MODE" = verify ]; then
     logs=$(mktemp -d)
     step info gpus_and_info
-    "$PYTHON" -m cuflash check --arch sm_90 >"$logs/check.log" 2>&1 &
+    "$PYTHON" -m cuflash check --arch sm_90 --sass >"$logs/check.log" 2>&1 &
     check_pid=$!
     verify_sanitizers "$logs" >"$logs/sanitizers.txt" 2>&1 &
     sanitizers_pid=$!
@@ -149,9 +149,8 @@ if [ "$MODE" = fuzz ]; then
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     step info gpus_and_info
-    step check "$PYTHON" -m cuflash check --arch sm_90
+    step check "$PYTHON" -m cuflash check --arch sm_90 --sass
     step tests "$PYTHON" -m pytest -q -m gpu tests
-    step sass "$PYTHON" tools/sass_check.py
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
     step bench "$PYTHON" -m cuflash bench --json "$OUT/bench.json"

@@ -18,6 +18,9 @@ sm_80 forward and backward tiles of a head dim that a Hopper kernel serves
 (`hopper_replaces`) compile for sm_80 alone. (The autotuner may still try
 such a tile on Hopper: it compiles its own candidates and drops any that fail
 or spill.)
+
+With --sass it also reads the SASS of the Hopper fast paths (cuflash/cli/sass.py) and fails on one
+without wgmma or with local memory.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import argparse
 import itertools
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 from tabulate import tabulate
 from tqdm import tqdm
@@ -38,6 +44,7 @@ from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbac
                         hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
 from ..dropout_mask import KERNEL_NAME as DROPOUT_MASK_KERNEL
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
+from . import sass as _sass
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
 
 FAST_PATH_HEADDIMS = (64, 128)
@@ -270,8 +277,32 @@ def fast_path(family: str, headdim: int, arch: str, mods: int = 0) -> bool:
 
 
 def _compile_one(job):
-    family, name, arch = job
-    return _compile.compile_report(family, name, arch)
+    family, name, arch, keep_cubin = job
+    return _compile.compile_report(family, name, arch, keep_cubin)
+
+
+def _sass_failures(reports, fast_paths: dict[str, str], command: list[str], dump: str | None) -> list[str]:
+    """Each kept cubin's SASS checked (sass.failure); a table of the opcode counts; the failures."""
+    rows, failures = [], []
+    for report in reports:
+        if not report.cubin:
+            continue
+        try:
+            text = _sass.sass(report.cubin, command)
+        except subprocess.CalledProcessError as exc:
+            failures.append(f"{command[0]} could not read {report.name}: {exc.stderr.strip()[-500:]}")
+            continue
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / (re.sub(r"[^A-Za-z0-9]+", "_", report.name) + ".sass")).write_text(text)
+        counts = _sass.opcode_counts(text)
+        wrong = _sass.failure(fast_paths[report.name], counts)
+        if wrong:
+            failures.append(f"SASS of {report.name}: {wrong}")
+        rows.append([report.name.removeprefix("cuflash::"), report.registers, *(counts[op] for op in _sass.OPCODES)])
+    print(tabulate(rows, headers=["Hopper fast path", "registers", *_sass.OPCODES]))
+    print()
+    return failures
 
 
 def main(argv=None) -> int:
@@ -279,12 +310,21 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", action="append", help="target, e.g. sm_80 or sm_90 (repeatable; default sm_80, sm_90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     parser.add_argument("--verbose", action="store_true", help="print every kernel, not only a summary per config")
+    parser.add_argument("--sass", action="store_true",
+                        help="also check the Hopper fast paths' SASS: wgmma, and no local memory (cuobjdump, or "
+                             "nvdisasm: pip install nvidia-cuda-nvdisasm)")
+    parser.add_argument("--sass-dump", metavar="DIR", help="with --sass, write each fast path's SASS to DIR")
     args = parser.parse_args(argv)
     archs = args.arch or ["sm_80", "sm_90"]
+    command = _sass.disassembler() if args.sass else None
+    if args.sass and command is None:
+        parser.error("--sass needs cuobjdump or nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    fast_paths = _sass.hopper_fast_paths() if args.sass else {}
 
     specs = shipped_specialisations()
-    jobs = sorted({(family, name, arch) for family, cfg, name, _ in specs
-                   for arch in targets(family, name, cfg.headdim, archs)})
+    # (family, name, target, whether to keep the cubin for the SASS check)
+    jobs = sorted({(family, name, arch, name in fast_paths and arch.startswith("sm_90"))
+                   for family, cfg, name, _ in specs for arch in targets(family, name, cfg.headdim, archs)})
     print(f"compiling {len(jobs)} kernel specialisations for {', '.join(archs)} with {args.jobs} processes ...",
           flush=True)
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -325,6 +365,11 @@ def main(argv=None) -> int:
         print(tabulate(rows, headers=["arch", "kernel", "registers", "smem bytes", "stack", "spill bytes",
                                       "serialised wgmma", "path"]))
     print()
+    if args.sass:
+        unchecked = set(fast_paths) - {name for _, name, _, keep in jobs if keep}
+        if "sm_90" in archs:
+            failures += [f"Hopper fast path not among the shipped specialisations: {n}" for n in sorted(unchecked)]
+        failures += _sass_failures(reports, fast_paths, command, args.sass_dump)
     for failure in failures:
         print("FAIL", failure, file=sys.stderr)
     print(f"{len(reports)} kernels compiled, {sum(r.ok for r in reports)} ok, {len(failures)} failures")
