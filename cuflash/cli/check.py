@@ -44,8 +44,8 @@ from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbac
                         hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
 from ..dropout_mask import KERNEL_NAME as DROPOUT_MASK_KERNEL
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
-from . import sass as _sass
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
+from . import sass as _sass
 
 FAST_PATH_HEADDIMS = (64, 128)
 # The Hopper kernels' register split (setmaxnreg) assumes this allocation at
