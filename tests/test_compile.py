@@ -150,3 +150,18 @@ def test_check_compiles_each_score_option_alone_only_where_a_spill_with_it_fails
     for family, headdim, mods in compiled:
         if mods and not mods & dropout and not fast_path(family, headdim, "sm_90a", mods):
             assert mods in MODS_EXTREMES or family == "fwd_sm90", (family, headdim, mods)
+
+
+def test_a_fast_path_fails_on_local_memory_of_either_kind():
+    """A spill or a stack frame (a register array indexed at run time) fails a fast path; elsewhere both
+    are reported, not failed."""
+    from cuflash.cli.check import report_failure
+
+    def report(**fields):
+        return cf_compile.CompileReport("cuflash::fwd_kernel<64>", "sm_80", ok=True, registers=200, **fields)
+
+    assert report_failure(report(), fast=True) is None
+    assert "stack frame" in report_failure(report(stack_bytes=64), fast=True)
+    assert "spills" in report_failure(report(stack_bytes=16, spill_stores=8, spill_loads=8), fast=True)
+    assert report_failure(report(stack_bytes=64, spill_stores=8), fast=False) is None
+    assert "compile error" in report_failure(cf_compile.CompileReport("k", "sm_80", ok=False, log="x"), fast=False)
