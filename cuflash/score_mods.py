@@ -66,10 +66,16 @@ class Dropout:
         return round((1.0 - self.p) * (1 << DROPOUT_DRAW_BITS))
 
     @property
+    def words(self) -> tuple[int, int, int, int]:
+        """The kernel arguments' four uint32 words: seed low, seed high, offset low, offset high."""
+        return tuple(x >> shift & 0xFFFFFFFF for x in (self.seed, self.offset) for shift in (0, 32))
+
+    @property
     def philox_words(self) -> tuple[int, int, int]:
         """(seed low, seed high ^ offset high, offset low): Philox's key and the counter's last word, as
-        cuda_src/dropout.cuh's dropout_key forms them from the kernel arguments' four words."""
-        return self.seed & 0xFFFFFFFF, ((self.seed >> 32) ^ (self.offset >> 32)) & 0xFFFFFFFF, self.offset & 0xFFFFFFFF
+        cuda_src/dropout.cuh's dropout_key forms them from the four words."""
+        seed_lo, seed_hi, offset_lo, offset_hi = self.words
+        return seed_lo, seed_hi ^ offset_hi, offset_lo
 
 
 # A seed and offset held on the device: seed low, seed high, offset low, offset high (uint32).
@@ -132,8 +138,8 @@ class ScoreMods:
                                                                   self.varlen.num_seqs)
         if self.dropout is not None:
             d = self.dropout
-            args["dropout_seed_lo"], args["dropout_seed_hi"] = d.seed & 0xFFFFFFFF, d.seed >> 32
-            args["dropout_offset_lo"], args["dropout_offset_hi"] = d.offset & 0xFFFFFFFF, d.offset >> 32
+            (args["dropout_seed_lo"], args["dropout_seed_hi"], args["dropout_offset_lo"],
+             args["dropout_offset_hi"]) = d.words
             args["dropout_threshold"] = d.threshold
             args["dropout_scale"] = 1.0 / (1.0 - d.p)
             args["dropout_state"] = d.state
