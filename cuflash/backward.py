@@ -22,7 +22,8 @@ def _problem(q, k, causal, window_size, softcap, alibi_slopes, deterministic, dt
     """The backward problem of validated arrays, after checking the score options; dropout: (p, seed, offset)."""
     causal, mods = validate.score_options(q, k, causal, window_size, softcap, alibi_slopes, *dropout)
     return dispatch.BwdProblem(dtype_name, q.shape[3], causal, q.shape[1], k.shape[1],
-                               q.shape[2] // k.shape[2], bool(deterministic), max_smem_per_block(device_id),
+                               q.shape[2] // k.shape[2], validate.flag("deterministic", deterministic),
+                               max_smem_per_block(device_id),
                                compute_capability(device_id), mods)
 
 
@@ -57,6 +58,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window_size=(-1
     for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
             validate.output(name, x, ref, ref_name)
+    validate.disjoint({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     if workspace is not None and not isinstance(workspace, launch.BackwardWorkspace):
         raise TypeError(f"workspace must come from cuflash.backward_workspace, got {type(workspace).__name__}")
     scale = validate.softmax_scale(softmax_scale, q.shape[3])
@@ -137,7 +139,7 @@ def _plan_key(dout, q, k, v, out, lse, causal, mods, softmax_scale, deterministi
     ndarray = ndarray_type()
     window_size, softcap, alibi_slopes = mods
     options = option_key(window_size, softcap, softmax_scale)
-    if options is None:
+    if options is None or type(causal) is not bool or type(deterministic) is not bool:
         return None
     if workspace is not None and type(workspace) is not launch.BackwardWorkspace:
         return None
@@ -149,7 +151,7 @@ def _plan_key(dout, q, k, v, out, lse, causal, mods, softmax_scale, deterministi
     except LookupError:
         return None
     return (layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse), grads,
-            None if workspace is None else workspace.device_id, bool(causal), options, bool(deterministic),
+            None if workspace is None else workspace.device_id, causal, options, deterministic,
             dispatch.cache_state())
 
 
@@ -176,10 +178,12 @@ def workspace_floats(q_shape, k_shape, dtype, *, causal=False, window_size=(-1, 
     dtype_name = arrays.dtype_name(dtype)
     if dtype_name not in ("float16", "bfloat16"):
         raise TypeError(f"the backward computes in float16 or bfloat16, got {dtype}")
-    causal, mods = score_mods.normalise(bool(causal), validate.window_size(window_size, bool(causal)),
+    causal = validate.flag("causal", causal)
+    causal, mods = score_mods.normalise(causal, validate.window_size(window_size, causal),
                                         validate.softcap(softcap), 0 if alibi else None, q_shape[1], k_shape[1])
     problem = dispatch.BwdProblem(dtype_name, q_shape[3], causal, q_shape[1], k_shape[1], q_shape[2] // k_shape[2],
-                                  bool(deterministic), max_smem_per_block(device_id), compute_capability(device_id),
+                                  validate.flag("deterministic", deterministic), max_smem_per_block(device_id),
+                                  compute_capability(device_id),
                                   mods)
     return _workspace_floats(problem, q_shape)
 

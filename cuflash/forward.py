@@ -86,6 +86,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
         validate.output("out", out, q, "q", result_dtype)
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True)
+    validate.disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     device_id = validate.cuda_device(q, fp8=is_fp8)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -191,7 +192,7 @@ def _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
     options = option_key(window_size, softcap, softmax_scale)
-    if options is None:
+    if options is None or type(causal) is not bool:
         return None
     q_descale, k_descale, v_descale = descales
     if (out is None and lse is None and alibi_slopes is None and q_descale is None and k_descale is None
@@ -208,5 +209,5 @@ def _plan_key(q, k, v, causal, window_size, softcap, alibi_slopes, softmax_scale
     qd, kd, vd = q.data, k.data, v.data
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
             qd.device_id, kd.device_id, vd.device_id, qd.ptr % ALIGN_BYTES, kd.ptr % ALIGN_BYTES,
-            vd.ptr % ALIGN_BYTES, outputs, bool(causal), options, dispatch.cache_state())
+            vd.ptr % ALIGN_BYTES, outputs, causal, options, dispatch.cache_state())
 

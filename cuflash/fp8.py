@@ -92,14 +92,14 @@ def transpose_v(v, mods=None, cu_seqlens=None, seqlen_k=None):
 
     batch, keys, nheads_kv, headdim = v.shape
     varlen = mods is not None and mods.varlen is not None
-    if varlen:
-        batch, keys = mods.varlen.num_seqs, seqlen_k
+    if varlen:  # no sequence is longer than the packed keys, whatever max_seqlen_k says
+        batch, keys = mods.varlen.num_seqs, min(seqlen_k, max(1, mods.varlen.total_k))
         nk_pad = -(-mods.varlen.total_k // VT_KEY_PAD) * VT_KEY_PAD + batch * VT_KEY_PAD
         # Zeros between the sequences' areas: a key block past a sequence's end reads them with P = 0,
         # and 0 * NaN (uninitialised bits) would be NaN.
         vt = cupy.zeros((1, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
         offsets = (cu_seqlens[1], numpy.int32(mods.varlen.total_k))
-        pad_grid = -(-seqlen_k // VT_KEY_PAD) * VT_KEY_PAD
+        pad_grid = -(-keys // VT_KEY_PAD) * VT_KEY_PAD
     else:
         nk_pad = -(-keys // VT_KEY_PAD) * VT_KEY_PAD
         vt = cupy.empty((batch, nheads_kv, headdim, nk_pad), dtype=cupy.uint8)
@@ -134,6 +134,13 @@ def quantize_e4m3(x):
     """
     import cupy
 
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"x must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+    if x.ndim != 4 or x.shape[1] == 0 or x.shape[3] == 0:
+        raise ValueError(f"x must have shape (batch, seqlen, heads, headdim) with seqlen and headdim >= 1, "
+                         f"got {x.shape}")
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise TypeError(f"x must be a float array, got {x.dtype}")
     _, midpoints = _e4m3_table()
     amax = cupy.abs(x).max(axis=(1, 3))
     descale = cupy.where(amax > 0, amax / 448.0, 1.0).astype(cupy.float32)

@@ -67,6 +67,19 @@ def _alibi_operand(alibi_slopes, nheads: int, batch: int):
     return slopes
 
 
+def _check_heads(q, k, v) -> None:
+    """k and v of q's call checked while tracing, as cuflash.validate.qkv checks CuPy arrays (tracing the
+    backward divides by nheads_kv): v of k's shape, q's head dim, nheads a multiple of nheads_kv."""
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+    nheads, headdim = q.shape[-2:]
+    if k.shape[-1] != headdim:
+        raise ValueError(f"k must have q's head dim {headdim}, got shape {k.shape}")
+    nheads_kv = k.shape[-2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
+
+
 def _codes(x):
     """An e4m3 array as its uint8 codes (buffer callbacks take no float8 buffer); others as they are."""
     return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
@@ -116,13 +129,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     index in the merged batch), so a vmapped call is not the calls of its elements.
     fp8: q, k and v jnp.float8_e4m3fn with q_descale, k_descale, v_descale float32 (batch, nheads_kv)
     (ones where None); out is bfloat16. Forward only (Hopper), with causal, window and softcap.
-    dropout_p is checked when traced, the other options when the kernels first run (inside the
-    computation); their errors name the argument as `cuflash.attention`'s do.
+    The shapes, flags, window_size and dropout_p are checked when traced, the other options when the
+    kernels first run (inside the computation); their errors name the argument as `cuflash.attention`'s do.
     """
     _require_gpu_backend()
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must have 4 dims (batch, seqlen, nheads, headdim), got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k must have q's batch size {q.shape[0]}, got shape {k.shape}")
+    _check_heads(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if q.dtype == jnp.float8_e4m3fn:
         return _fp8_attention(q, k, v, descales, option_items(causal, softmax_scale, window_size, softcap),
@@ -131,7 +147,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
-    return _attention(q, k, v, slopes, state, options, bool(deterministic))
+    return _attention(q, k, v, slopes, state, options, _validate.flag("deterministic", deterministic))
 
 
 # ---------------------------------------------------------------- fp8 (forward only)
@@ -261,6 +277,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if q.ndim != 3 or k.ndim != k_rank or v.ndim != k_rank:
         raise ValueError(f"q must have 3 dims (total, nheads, headdim) and k and v {k_rank}, got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
+    _check_heads(q, k, v)
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
@@ -272,7 +289,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, slopes, state, lengths,
                                        options)
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, state, lengths, options,
-                             bool(deterministic))
+                             _validate.flag("deterministic", deterministic))
 
 
 # ---------------------------------------------------------------- KV cache
@@ -308,7 +325,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     _require_gpu_backend()
     options = dict(option_items(causal, softmax_scale, window_size, softcap))
-    options.update(rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits))
+    options.update(rotary_interleaved=_validate.flag("rotary_interleaved", rotary_interleaved),
+                   num_splits=int(num_splits))
     arrays = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                   block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
                   k_descale=k_descale, v_descale=v_descale)

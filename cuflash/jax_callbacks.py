@@ -30,9 +30,8 @@ except ImportError:  # JAX < 0.7
 
 def option_items(causal, softmax_scale, window_size, softcap) -> tuple:
     """The options as hashable (name, value) pairs: custom_vjp's static arguments."""
-    window = None if window_size is None else tuple(int(x) for x in window_size)
-    return (("causal", bool(causal)), ("softmax_scale", softmax_scale), ("window_size", window),
-            ("softcap", float(softcap)))
+    return (("causal", _validate.flag("causal", causal)), ("softmax_scale", softmax_scale),
+            ("window_size", _validate.window_size(window_size, causal=False)), ("softcap", float(softcap)))
 
 
 def dropout_state(dropout_p, dropout_key):

@@ -101,6 +101,9 @@ class _Plan:
     copy_q: bool
     copy_new: bool
     copy_rotary: bool
+    # Rotary tables: their rows, and the positions past cache_seqlens a call rotates (0, 0: none).
+    rotary_rows: int = 0
+    rotary_extra: int = 0
 
     def call(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
              rotary_cos, rotary_sin, slopes, descales, return_lse, out, lse):
@@ -155,10 +158,13 @@ def _cache_lengths(cache_seqlens, plan: _Plan):
     """(every batch's length when one int is given, the device int32 array otherwise or None)."""
     if cache_seqlens is None:
         cache_seqlens = plan.capacity - plan.n_new
-    if type(cache_seqlens) is int and 0 <= cache_seqlens <= plan.capacity - plan.n_new:
+    if (type(cache_seqlens) is int and 0 <= cache_seqlens <= plan.capacity - plan.n_new
+            and (not plan.rotary_rows or cache_seqlens + plan.rotary_extra <= plan.rotary_rows)):
         return cache_seqlens, None  # the common host length, valid: no NumPy round trip
     if type(cache_seqlens) is int or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
         _check_host_lengths(cache_seqlens, plan.capacity, plan.n_new)
+        if plan.rotary_rows:
+            _check_rotary_rows(cache_seqlens, plan.rotary_extra, plan.rotary_rows)
         if isinstance(cache_seqlens, numpy.ndarray):
             return 0, cupy().asarray(cache_seqlens)
         return int(cache_seqlens), None
@@ -173,6 +179,14 @@ def _check_host_lengths(cache_seqlens, capacity: int, n_new: int, name: str = "c
     if lengths.max(initial=0) + n_new > capacity:
         raise ValueError(f"{name} + {n_new} new keys must fit the cache's capacity {capacity}, "
                          f"got {name} up to {int(lengths.max())}")
+
+
+def _check_rotary_rows(cache_seqlens, extra: int, rows: int) -> None:
+    """The rotary tables (`rows` rows) must hold every position a call rotates: host cache lengths
+    plus `extra` (the kernels clamp device lengths to the last row)."""
+    longest = int(numpy.max(numpy.asarray(cache_seqlens, numpy.int64), initial=0)) + extra
+    if rows < longest:
+        raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, got {rows} rows")
 
 
 def _int_vector(name: str, x, batch: int, upper: int | None = None):
@@ -213,6 +227,9 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         raise ValueError(f"q must hold at least one query, got shape {q.shape}")
     if not last_dim_contiguous(q):
         raise ValueError(f"q must be contiguous in its last dim (headdim), got strides {q.strides}")
+    if block_table is not None and (k_cache.shape[1] <= 0 or k_cache.shape[1] % PAGE_MULTIPLE != 0):
+        raise ValueError(f"page_size ({kname}.shape[1] of a paged cache) must be a positive multiple of "
+                         f"{PAGE_MULTIPLE}, got {k_cache.shape[1]}")
     fp8_cache = is_e4m3(k_cache.dtype)
     if fp8_cache:
         _check_fp8_cache(q, k_cache, v_cache, kname, vname)
@@ -240,7 +257,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
         if cache_batch_idx is None and cache_rows < batch:
             raise ValueError(f"{kname} must have at least q's batch size {batch} rows without cache_batch_idx, "
                              f"got shape {k_cache.shape}")
-        return name, False, cache_n, fp8_cache
+        return name, False, _capacity(cache_n, q.shape[1], f"{kname}.shape[1]"), fp8_cache
     validate.require_cupy_array("block_table", block_table)
     if block_table.dtype != numpy.int32:
         raise TypeError(f"block_table must be int32, got {block_table.dtype}")
@@ -249,13 +266,18 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
     if not last_dim_contiguous(block_table):
         raise ValueError(f"block_table must be contiguous in its last dim, got strides {block_table.strides}")
     validate.same_device("block_table", block_table, q)
-    if cache_n % PAGE_MULTIPLE != 0:
-        raise ValueError(f"page_size ({kname}.shape[1] of a paged cache) must be a multiple of {PAGE_MULTIPLE}, "
-                         f"got {cache_n}")
     for name_, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
             raise ValueError(f"{name_} applies to a contiguous cache, not to a paged one (block_table given)")
-    return name, True, block_table.shape[1] * cache_n, fp8_cache
+    return name, True, _capacity(block_table.shape[1] * cache_n, q.shape[1], "max_pages * page_size"), fp8_cache
+
+
+def _capacity(capacity: int, seqlen_q: int, what: str) -> int:
+    """A cache's capacity in positions, which the kernels count (with the step's queries) in int32."""
+    if capacity + seqlen_q >= 2**31:
+        raise ValueError(f"{what}: a cache of {capacity} positions (plus {seqlen_q} queries) exceeds the kernels' "
+                         "int32 positions")
+    return capacity
 
 
 # The decoding kernel steps over a cache's positions (and a paged cache's pages) with 32-bit strides
@@ -300,12 +322,13 @@ def _score_options(q, batch: int, causal, softmax_scale, window_size, softcap, a
     """(causal, ScoreMods, scale) of a call, normalised at seqlen_q queries and at most `capacity` keys."""
     nheads, headdim = q.shape[-2:]
     scale = validate.softmax_scale(softmax_scale, headdim)
-    window = validate.window_size(window_size, bool(causal))
+    causal = validate.flag("causal", causal)
+    window = validate.window_size(window_size, causal)
     cap = validate.softcap(softcap)
     slopes_stride = validate.alibi_slopes(alibi_slopes, batch, nheads)
     if alibi_slopes is not None:
         validate.same_device("alibi_slopes", alibi_slopes, q)
-    causal, mods = score_mods.normalise(bool(causal), window, cap, slopes_stride, seqlen_q, capacity)
+    causal, mods = score_mods.normalise(causal, window, cap, slopes_stride, seqlen_q, capacity)
     return causal, mods, scale
 
 
@@ -340,14 +363,20 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         raise ValueError(f"k: {n_new} new keys exceed the cache's capacity {capacity}")
 
     _int_vector("cache_batch_idx", cache_batch_idx, batch, upper=cache_rows)
+    if n_new and isinstance(cache_batch_idx, numpy.ndarray) and numpy.unique(cache_batch_idx).size < batch:
+        raise ValueError("cache_batch_idx must not repeat a cache row when new keys are appended (k, v): two "
+                         f"batches would write the same row, got {cache_batch_idx.tolist()}")
     if cache_seqlens is not None and not validate.is_int(cache_seqlens):
         _int_vector("cache_seqlens", cache_seqlens, batch)
-    if cache_seqlens is None or validate.is_int(cache_seqlens) or isinstance(cache_seqlens, numpy.ndarray):
-        _check_host_lengths(capacity - n_new if cache_seqlens is None else cache_seqlens, capacity, n_new)
-    host_lengths = cache_seqlens if isinstance(cache_seqlens, numpy.ndarray) else None
+    # Every batch's length where the host has it (None: the cache's capacity less the new keys).
+    if cache_seqlens is None or validate.is_int(cache_seqlens):
+        host_lengths = numpy.full(batch, capacity - n_new if cache_seqlens is None else int(cache_seqlens),
+                                  numpy.int64)
+    else:
+        host_lengths = cache_seqlens if isinstance(cache_seqlens, numpy.ndarray) else None
+    if host_lengths is not None:
+        _check_host_lengths(host_lengths, capacity, n_new)
     if cache_leftpad is not None:
-        if isinstance(cache_leftpad, numpy.ndarray) and validate.is_int(cache_seqlens):
-            host_lengths = numpy.full(batch, int(cache_seqlens), numpy.int32)
         _int_vector("cache_leftpad", cache_leftpad, batch, upper=capacity + 1)
         if isinstance(cache_leftpad, numpy.ndarray) and host_lengths is not None:
             over = cache_leftpad > host_lengths
@@ -358,6 +387,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
 
     rotary = None
     copy_rotary = False
+    rotary_extra = 0
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -374,14 +404,12 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         if rotary_dim % 16 != 0 or rotary_dim > headdim:
             raise ValueError(f"rotary_cos: rotary_dim = 2 * shape[1] must be a multiple of 16 and at most headdim "
                              f"{headdim}, got {rotary_dim}")
-        apart = score_mods.queries_rotate_apart(causal, validate.window_size(window_size, bool(causal)), capacity)
-        if host_lengths is not None or validate.is_int(cache_seqlens):
-            longest = (int(numpy.max(host_lengths, initial=0)) if host_lengths is not None
-                       else int(cache_seqlens)) + max(seqlen_q if apart else min(seqlen_q, 1), n_new)
-            if rotary_cos.shape[0] < longest:
-                raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, "
-                                 f"got shape {rotary_cos.shape}")
-        rotary = (rotary_cos, bool(rotary_interleaved), apart)
+        causal = validate.flag("causal", causal)
+        apart = score_mods.queries_rotate_apart(causal, validate.window_size(window_size, causal), capacity)
+        rotary_extra = max(seqlen_q if apart else min(seqlen_q, 1), n_new)
+        if host_lengths is not None:
+            _check_rotary_rows(host_lengths, rotary_extra, rotary_cos.shape[0])
+        rotary = (rotary_cos, validate.flag("rotary_interleaved", rotary_interleaved), apart)
         # The kernels read the tables' rows as 8-byte vectors where a thread rotates several chunks at once.
         copy_rotary = not all(x.flags.c_contiguous and x.data.ptr % ALIGN_BYTES == 0
                               for x in (rotary_cos, rotary_sin))
@@ -396,6 +424,10 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
         validate.output("out", out, q, "q")
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True)
+    # The caches are written too where new keys are appended.
+    written = {"out": out, "lse": lse, "k_cache": k_cache if n_new else None, "v_cache": v_cache if n_new else None}
+    validate.disjoint(written, {"q": q, "k": k, "v": v, "k_cache": None if n_new else k_cache,
+                                "v_cache": None if n_new else v_cache})
     device_id = validate.cuda_device(q)
     for name_, x in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                      ("cache_leftpad", cache_leftpad)):
@@ -403,7 +435,8 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
             validate.same_device(name_, x, q)
 
     plan = _Plan(None, device_id, q.shape, q.size * q.dtype.itemsize, (batch, nheads, seqlen_q), q.dtype, capacity,
-                 n_new, not is_aligned(q), copy_new, copy_rotary)
+                 n_new, not is_aligned(q), copy_new, copy_rotary, 0 if rotary is None else rotary_cos.shape[0],
+                 rotary_extra)
     rows = seqlen_q * (nheads // nheads_kv)
     if batch == 0 or (rows == 0 and n_new == 0):
         return plan
@@ -474,7 +507,9 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_l
         else:
             return None
     arrays = tuple(arrays)
-    return (arrays, lengths, bool(rotary_interleaved), bool(causal), options, num_splits, dispatch.small_step_tiles())
+    if type(rotary_interleaved) is not bool or type(causal) is not bool:
+        return None
+    return (arrays, lengths, rotary_interleaved, causal, options, num_splits, dispatch.small_step_tiles())
 
 
 @dataclasses.dataclass(frozen=True)

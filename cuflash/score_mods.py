@@ -86,6 +86,13 @@ DROPOUT_STATE_WORDS = 4
 # keep rate stays within 2^-15 of 1 - p, inside 4 sigma up to about 10^9 elements at p = 0.1
 # (8 bits, as flash-attn draws, would leave it up to 1/512 off, beyond 4 sigma of a million).
 DROPOUT_DRAW_BITS = 14
+# dropout_p below this: its keep threshold (1 - p) 2^DROPOUT_DRAW_BITS rounds to one draw at least (from
+# it up, every element would be dropped).
+DROPOUT_P_LIMIT = 1.0 - 2.0 ** -(DROPOUT_DRAW_BITS + 1)
+# softmax_scale at most MAX_FACTOR, softcap 0 or within a factor MAX_FACTOR of 1: the kernels take the
+# scale (and scale / softcap) as float32 factors of the scores, where 1e39 overflowed to inf and gave NaN.
+MAX_FACTOR_LOG2 = 60
+MAX_FACTOR = 2.0 ** MAX_FACTOR_LOG2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,24 +185,26 @@ def window_size(value, causal: bool) -> tuple[int, int]:
 
 
 def softcap(value) -> float:
-    """The softcap of a call: None or a finite number >= 0; 0.0 means off."""
+    """The softcap of a call: None, 0 (off), or a number in [1 / MAX_FACTOR, MAX_FACTOR]."""
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
         raise TypeError(f"softcap must be a float >= 0 (0: off) or None, got {type(value).__name__}")
     cap = float(value)
-    if not (math.isfinite(cap) and cap >= 0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
+    if not (cap == 0 or 1 / MAX_FACTOR <= cap <= MAX_FACTOR):  # also rejects NaN
+        raise ValueError(f"softcap must be 0 (off) or a number in [2^-{MAX_FACTOR_LOG2}, 2^{MAX_FACTOR_LOG2}], "
+                         f"got {value!r}")
     return cap
 
 
 def dropout_probability(value) -> float:
-    """The dropout_p of a call: a real in [0, 1); 0.0 means off."""
+    """The dropout_p of a call: a real in [0, DROPOUT_P_LIMIT); 0.0 means off."""
     if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(value).__name__}")
     prob = float(value)
-    if not 0.0 <= prob < 1.0:  # also rejects NaN
-        raise ValueError(f"dropout_p must be in [0, 1), got {value!r}")
+    if not 0.0 <= prob < DROPOUT_P_LIMIT:  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1 - 2^-{DROPOUT_DRAW_BITS + 1}) (the keep masks draw "
+                         f"{DROPOUT_DRAW_BITS}-bit numbers), got {value!r}")
     return prob
 
 

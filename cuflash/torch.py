@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from . import backward as _backward
+from . import combine as _combine
 from . import forward as _forward
 from . import fp8 as _fp8
 from . import kv_cache as _kv_cache
@@ -39,6 +40,16 @@ def _gpu_index(q: torch.Tensor) -> int:
     if index < 0:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     return index
+
+
+def _require_cuda(q: torch.Tensor, **tensors) -> None:
+    """q and a call's other tensors (None: absent) on the GPU, named where not (CuPy's import of a CPU
+    tensor names none); arguments that are not tensors are left to the ops' schemas, which name them."""
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and not x.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor on q's device, got one on {x.device}")
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -194,10 +205,10 @@ class _FlashOptions(NamedTuple):
 
 
 def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> _FlashOptions:
-    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    left, right = _validate.window_size(window_size, causal=False)
     scale = None if softmax_scale is None else float(softmax_scale)
-    return _FlashOptions(bool(causal), scale, left, right, float(softcap), bool(deterministic),
-                         _validate.dropout(dropout_p, 0, 0)[0])
+    return _FlashOptions(_validate.flag("causal", causal), scale, left, right, float(softcap),
+                         _validate.flag("deterministic", deterministic), _validate.dropout(dropout_p, 0, 0)[0])
 
 
 # ---------------------------------------------------------------- equal lengths
@@ -304,6 +315,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fp8, as flash-attn 3's: q, k and v torch.float8_e4m3fn with q_descale, k_descale, v_descale
     float32 (batch, nheads_kv) (ones where None); out is bfloat16. Forward only (Hopper), with
     causal, window and softcap."""
+    _require_cuda(q, k=k, v=v, alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                  v_descale=v_descale)
     pad = _headdim_padding(q)
     if pad:
         scale = _caller_scale(q, softmax_scale)
@@ -311,6 +324,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                          window_size, softcap, alibi_slopes, deterministic, return_attn_probs),
                          q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    return_attn_probs = _validate.flag("return_attn_probs", return_attn_probs)
     if q.dtype == torch.float8_e4m3fn:
         out, lse = _fp8_fwd(q, k, v, q_descale, k_descale, v_descale, *_fp8_options(k, v, alibi_slopes, options))
     else:
@@ -457,6 +471,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages, page_size,
     nheads_kv, headdim), sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
     (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
+    _require_cuda(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                  block_table=block_table)
     pad = _headdim_padding(q)
     if pad:
         scale = _caller_scale(q, softmax_scale)
@@ -465,6 +481,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                                                 block_table), q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    return_attn_probs = _validate.flag("return_attn_probs", return_attn_probs)
     if block_table is not None:
         out, lse = _varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      block_table, alibi_slopes, options.causal, options.softmax_scale,
@@ -526,21 +543,25 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 # ---------------------------------------------------------------- KV cache
 
+# cache_seqlens given as one int travels as cache_length, which cuflash checks on the host (against the
+# cache's capacity and the rotary tables' rows), as it cannot check a device tensor's values.
+
 @_op("kvcache_fwd", mutates_args=("k_cache", "v_cache"))
 def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
-                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
-                 cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
-                 rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, rotary_interleaved: bool,
-                 causal: bool, softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
-                 alibi_slopes: torch.Tensor | None, k_descale: torch.Tensor | None, v_descale: torch.Tensor | None,
-                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_length: int | None,
+                 cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+                 block_table: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                 rotary_interleaved: bool, causal: bool, softmax_scale: float | None, window_left: int,
+                 window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, k_descale: torch.Tensor | None,
+                 v_descale: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     k_codes, v_codes = _codes(k_cache), _codes(v_cache)
     with _on_torch_stream(q):
         _kv_cache.attention_with_kvcache(
-            _cp(q), _cp(k_codes), _cp(v_codes), _cp(k), _cp(v), cache_seqlens=_cp(cache_seqlens),
+            _cp(q), _cp(k_codes), _cp(v_codes), _cp(k), _cp(v),
+            cache_seqlens=_cp(cache_seqlens) if cache_length is None else cache_length,
             cache_batch_idx=_cp(cache_batch_idx), cache_leftpad=_cp(cache_leftpad), block_table=_cp(block_table),
             rotary_cos=_cp(rotary_cos), rotary_sin=_cp(rotary_sin), rotary_interleaved=rotary_interleaved,
             alibi_slopes=_cp(alibi_slopes), k_descale=_cp(k_descale), v_descale=_cp(v_descale),
@@ -566,6 +587,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     in place and attends. cache_seqlens: an int or an int32 CUDA tensor (batch,). An e4m3 cache is
     torch.float8_e4m3fn (or uint8 codes) with k_descale / v_descale float32 (batch, nheads_kv), as in
     flash-attn 3. Returns out; with return_softmax_lse, (out, lse (batch, nheads, seqlen_q))."""
+    _require_cuda(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                  block_table=block_table, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
     pad = _headdim_padding(q) if k_cache.dtype in (torch.float16, torch.bfloat16) else 0
     if pad:  # as flash-attn: the caches padded in copies, and the appended rows copied back
         scale = _caller_scale(q, softmax_scale)
@@ -578,11 +602,48 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             for cache, padded in zip((k_cache, v_cache), caches):
                 cache.copy_(padded[..., :q.shape[-1]])
         return _unpadded(result, q.shape[-1])
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
-    out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                            rotary_cos, rotary_sin, bool(rotary_interleaved), bool(causal),
+    cache_length = None
+    if _validate.is_int(cache_seqlens):
+        cache_seqlens, cache_length = None, int(cache_seqlens)
+    left, right = _validate.window_size(window_size, causal=False)
+    out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, cache_length, cache_batch_idx, cache_leftpad,
+                            block_table, rotary_cos, rotary_sin,
+                            _validate.flag("rotary_interleaved", rotary_interleaved), _validate.flag("causal", causal),
                             None if softmax_scale is None else float(softmax_scale), left, right, float(softcap),
                             alibi_slopes, k_descale, v_descale, int(num_splits))
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse) if _validate.flag("return_softmax_lse", return_softmax_lse) else out
+
+
+# ---------------------------------------------------------------- partial results
+
+@_op("combine")
+def _combine_op(out_partials: torch.Tensor, lse_partials: torch.Tensor,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _, batch, seqlen, nheads, headdim = out_partials.shape
+    out = out_partials.new_empty((batch, seqlen, nheads, headdim), dtype=out_dtype)
+    lse = out_partials.new_empty((batch, nheads, seqlen), dtype=torch.float32)
+    with _on_torch_stream(out_partials):
+        _combine.combine_partials(_cp(out_partials), _cp(lse_partials), out=_cp(out), return_lse=True,
+                                  lse=_cp(lse))
+    return out, lse
+
+
+@torch.library.register_fake("cuflash::combine")
+def _combine_fake(out_partials, lse_partials, out_dtype):
+    _, batch, seqlen, nheads, headdim = out_partials.shape
+    return (out_partials.new_empty((batch, seqlen, nheads, headdim), dtype=out_dtype),
+            out_partials.new_empty((batch, nheads, seqlen), dtype=torch.float32))
+
+
+def combine_partials(out_partials, lse_partials, out_dtype=None):
+    """cuflash.combine_partials on torch tensors (forward only): out_partials float32 (S, batch, seqlen,
+    nheads, headdim), each part's normalised output; lse_partials float32 (S, batch, nheads, seqlen),
+    each part's logsumexp (any strides). Returns (out (batch, seqlen, nheads, headdim), float32 or
+    out_dtype (float16, bfloat16), lse (batch, nheads, seqlen) float32)."""
+    for name, x in (("out_partials", out_partials), ("lse_partials", lse_partials)):
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            raise TypeError(f"{name} must be a CUDA torch.Tensor")
+    if out_partials.dim() != 5:
+        raise ValueError(f"out_partials must have shape (S, batch, seqlen, nheads, headdim), got "
+                         f"{tuple(out_partials.shape)}")
+    return _combine_op(out_partials, lse_partials, torch.float32 if out_dtype is None else out_dtype)

@@ -28,15 +28,27 @@ def require_cupy_array(name: str, x) -> None:
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
 
 
+def flag(name: str, value) -> bool:
+    """A call's on/off option: a bool, numpy.bool_, or the int 0 or 1 (bool() would read the string
+    "False" as True)."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, numpy.bool_) or (is_int(value) and int(value) in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def softmax_scale(value, headdim: int) -> float:
-    """The scale of a call: 1/sqrt(headdim) for None, else a positive finite number."""
+    """The scale of a call: 1/sqrt(headdim) for None, else a positive number up to score_mods.MAX_FACTOR
+    (the kernels multiply scores by it in float32)."""
     if value is None:
         return 1.0 / math.sqrt(headdim)
     if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
     scale = float(value)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
+    if not 0 < scale <= score_mods.MAX_FACTOR:  # also rejects NaN
+        raise ValueError(f"softmax_scale must be a positive number up to 2^{score_mods.MAX_FACTOR_LOG2}, "
+                         f"got {value!r}")
     return scale
 
 
@@ -61,12 +73,13 @@ def alibi_slopes(x, batch: int, nheads: int) -> int | None:
 def score_options(q, k, causal, window, cap, slopes, dropout_p=0.0, seed=0, offset=0):
     """(causal, ScoreMods) of a call on validated q and k with these window_size, softcap,
     alibi_slopes and dropout arguments: each checked, then normalised (cuflash.score_mods.normalise)."""
-    window = window_size(window, bool(causal))
+    causal = flag("causal", causal)
+    window = window_size(window, causal)
     cap = softcap(cap)
     slopes_stride = alibi_slopes(slopes, q.shape[0], q.shape[2])
     if slopes is not None:
         same_device("alibi_slopes", slopes, q)
-    return score_mods.normalise(bool(causal), window, cap, slopes_stride, q.shape[1], k.shape[1],
+    return score_mods.normalise(causal, window, cap, slopes_stride, q.shape[1], k.shape[1],
                                 dropout=dropout_option(dropout_p, seed, offset, q))
 
 
@@ -161,10 +174,46 @@ def check_headdim(headdim: int) -> None:
 
 
 def output(name: str, x, ref, ref_name: str, dtype=None) -> None:
-    """An output array the kernels write in place (never copied): `like` plus alignment."""
+    """An output array the kernels write in place (never copied): `like` plus alignment, and positive
+    strides (a zero stride writes one element many times, the Hopper kernels' tensor maps take no
+    negative one)."""
     like(name, x, ref, ref_name, dtype)
     if not is_aligned(x):
         raise ValueError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples of 8 elements")
+    if any(n > 1 and s <= 0 for n, s in zip(x.shape, x.strides)):
+        raise ValueError(f"{name} must have positive strides (an output, written in place), got {x.strides}")
+
+
+def _byte_span(x) -> tuple[int, int]:
+    """[first, last) byte addresses that x's elements occupy."""
+    first = last = x.data.ptr
+    for n, s in zip(x.shape, x.strides):
+        if n > 1:
+            if s < 0:
+                first += (n - 1) * s
+            else:
+                last += (n - 1) * s
+    return first, last + x.itemsize
+
+
+def disjoint(outputs: dict, inputs: dict) -> None:
+    """The outputs (name -> array, None skipped) share no element with each other or with the inputs:
+    a kernel writing one would change what it, or a later kernel, reads. Arrays whose byte spans
+    meet (packed views such as dq, dk, dv of one dqkv array interleave without sharing) are compared
+    element by element on the device, where the stream is not capturing a CUDA graph."""
+    named_outputs = [(name, x) for name, x in outputs.items() if x is not None and x.size]
+    others = named_outputs + [(name, x) for name, x in inputs.items() if x is not None and x.size]
+    for i, (name, x) in enumerate(named_outputs):
+        first, last = _byte_span(x)
+        for other, y in others[i + 1:]:
+            y_first, y_last = _byte_span(y)
+            if y_first >= last or first >= y_last:
+                continue
+            if device.stream_is_capturing():
+                raise ValueError(f"{name}'s memory range meets {other}'s (checked element by element outside "
+                                 "CUDA graph capture only)")
+            if x.itemsize != y.itemsize or device.cupy().shares_memory(x, y):
+                raise ValueError(f"{name} must not share memory with {other}")
 
 
 def lse_array(name: str, x, q, *, writable: bool, varlen: bool = False) -> None:
@@ -237,12 +286,12 @@ def cu_seqlens(name: str, x, total: int | None, batch: int | None = None) -> int
 
 
 def max_seqlen(name: str, value, cu_host=None) -> int:
-    """A valid max_seqlen: a positive int, at least the longest sequence of host cu_seqlens cu_host if given."""
+    """A valid max_seqlen: a positive int32, at least the longest sequence of host cu_seqlens cu_host if given."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     length = int(value)
-    if length <= 0:
-        raise ValueError(f"{name} must be a positive int, got {length}")
+    if not 0 < length < 2**31:
+        raise ValueError(f"{name} must be a positive int below 2^31 (the kernels count rows in int32), got {length}")
     if cu_host is not None:
         lengths = numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
         longest = int(lengths.max()) if lengths.size else 0

@@ -68,12 +68,13 @@ def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max
              dropout=(0.0, 0, 0)):
     """(causal, ScoreMods) of a varlen call: the options normalised at the longest lengths; dropout:
     (p, seed, offset), the mask over each sequence's own positions with b its index."""
-    window = validate.window_size(window_size, bool(causal))
+    causal = validate.flag("causal", causal)
+    window = validate.window_size(window_size, causal)
     cap = validate.softcap(softcap)
     slopes_stride = validate.alibi_slopes(alibi_slopes, num_seqs, q.shape[1])
     if alibi_slopes is not None:
         validate.same_device("alibi_slopes", alibi_slopes, q)
-    return normalise(bool(causal), window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
+    return normalise(causal, window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
                      Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout, q))
 
 
@@ -150,6 +151,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         _output("out", out, q, "q", result_dtype)
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True, varlen=True)
+    validate.disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     cp = cupy()
     with q.device:
         if out is None or lse is None:
@@ -188,6 +190,8 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         return (out, lse) if return_lse else out
     _require_3d(q=q)
     validate.check_headdim(q.shape[-1])  # before `out`, whose alignment follows from it
+    if isinstance(cu_seqlens_k, numpy.ndarray):  # the paged keys' count is the offsets' own last entry
+        validate.cu_seqlens("cu_seqlens_k", cu_seqlens_k, None)
     host_lengths = numpy.diff(cu_seqlens_k) if isinstance(cu_seqlens_k, numpy.ndarray) else None
     total_k = int(cu_seqlens_k[-1]) if host_lengths is not None else None
     cu_seqlens, _ = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], total_k, q.device)
@@ -195,6 +199,7 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         _output("out", out, q, "q")
     if lse is not None:
         validate.lse_array("lse", lse, q, writable=True, varlen=True)
+    validate.disjoint({"out": out, "lse": lse}, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     out, lse, plan = kv_cache.attention_paged_varlen(
         q, k_cache, v_cache, *cu_seqlens, max_seqlen_q, block_table, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, out=out, lse=lse,
@@ -216,7 +221,7 @@ def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     ndarray = ndarray_type()
     if any(type(x) is not ndarray for x in (*arrays, cu_seqlens_q, cu_seqlens_k)):
         return None
-    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or type(causal) is not bool:
         return None
     window_size, softcap, alibi_slopes = mods
     options = option_key(window_size, softcap, softmax_scale)
@@ -227,7 +232,7 @@ def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     except LookupError:
         return None
     return (tuple(layout(x) for x in arrays), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
-            bool(causal), options, optional, extra, dispatch.cache_state())
+            causal, options, optional, extra, dispatch.cache_state())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +264,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
     with the same offsets and options (dropout's too); deterministic, dq, dk, dv as `attention_backward`.
     """
-    key = None if dropout_p else _plan_key((dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k,
-                                           max_seqlen_q, max_seqlen_k, causal, (window_size, softcap, alibi_slopes),
-                                           softmax_scale, bool(deterministic))
+    key = None if dropout_p or type(deterministic) is not bool else _plan_key(
+        (dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        (window_size, softcap, alibi_slopes), softmax_scale, deterministic)
     plan = _bwd_plans.get(key) if key is not None else None
     if plan is not None:
         return plan.call(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
@@ -273,6 +278,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for name, x, ref, ref_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
             _output(name, x, ref, ref_name)
+    validate.disjoint({"dq": dq, "dk": dk, "dv": dv}, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     scale = validate.softmax_scale(softmax_scale, q.shape[2])
     device_id = validate.cuda_device(q)
     total_q, nheads, headdim = q.shape
@@ -292,7 +298,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dq4, dk4, dv4 = _packed(dq, dk, dv)
         lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)
         problem = dispatch.BwdProblem(dtype_name, headdim, causal, max_seqlen_q, max_seqlen_k, nheads // nheads_kv,
-                                      bool(deterministic), max_smem_per_block(device_id),
+                                      validate.flag("deterministic", deterministic), max_smem_per_block(device_id),
                                       compute_capability(device_id), mods)
         cfg, _ = dispatch.bwd_config(problem)
         prepared = launch.prepare_bwd(cfg, problem, scale, q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, device_id)

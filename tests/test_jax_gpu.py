@@ -122,6 +122,34 @@ def test_bad_alibi_slopes_are_named(rng):
             cuflash.jax.attention(q, k, v, alibi_slopes=bad)
 
 
+def test_bad_shapes_and_options_are_named_while_tracing():
+    """Checked when traced, before the backward is sized (which divides by nheads_kv): k's heads, head
+    dim and batch against q's, v against k, window_size a pair of ints (not truncated), flags bools."""
+    import cuflash.jax
+
+    q = jnp.zeros((2, 8, 4, 64), jnp.float16)
+
+    def grad(k, v, **options):
+        return jax.jit(jax.grad(lambda q: cuflash.jax.attention(q, k, v, **options).astype(jnp.float32).sum()))(q)
+
+    for shape, match in (((2, 8, 0, 64), "nheads_kv"), ((2, 8, 3, 64), "nheads_kv"), ((2, 8, 2, 32), "head dim"),
+                         ((1, 8, 2, 64), "batch size")):
+        k = jnp.zeros(shape, jnp.float16)
+        with pytest.raises(ValueError, match=match):
+            grad(k, k)
+    k = jnp.zeros((2, 8, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match=mentions("v")):
+        grad(k, k[:, :4])
+    cu = jnp.asarray([0, 8], jnp.int32)
+    with pytest.raises(ValueError, match="nheads_kv"):
+        cuflash.jax.attention_varlen(q[0], k[0, :, :0], k[0, :, :0], cu, cu, 8, 8)
+    for window in ((16, 2, 99), (16.9, 2)):
+        with pytest.raises(TypeError, match="window_size"):
+            grad(k, k, window_size=window)
+    with pytest.raises(TypeError, match="causal"):
+        grad(k, k, causal="False")
+
+
 def test_vmap_alibi_slopes_follow_each_element(rng):
     """jax.vmap over calls of batch 2 with ALiBi: slopes of shape (nheads,) shared by the elements
     (broadcast, then repeated over each element's batch) or mapped with them; each element's output

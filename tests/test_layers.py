@@ -19,7 +19,7 @@ LAYERS = {
     "dispatch": ["dispatch"],
     "tuning": ["tune_cache", "tune_common", "tune_fwd", "tune_bwd", "tuner"],
     "face": ["validate", "plans", "forward", "backward", "varlen", "kv_cache", "combine", "dropout_mask", "distributed",
-             "jax_callbacks", "jax", "jax_ring", "torch", "__init__"],
+             "jax_callbacks", "jax", "jax_ring", "torch", "torch_fa3", "__init__"],
     "top": ["bench", "cli", "__main__"],
 }
 RANK = {name: rank for rank, names in enumerate(LAYERS.values()) for name in names}

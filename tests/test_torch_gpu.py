@@ -314,7 +314,7 @@ def test_bad_alibi_slopes_are_named():
 
 
 def test_cpu_tensors_are_refused_by_name():
-    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
     q = torch.zeros((2, 8, 4, 64), dtype=torch.float16)
     with pytest.raises(ValueError, match="q must be a CUDA tensor, got one on cpu"):
@@ -322,6 +322,59 @@ def test_cpu_tensors_are_refused_by_name():
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):
         flash_attn_varlen_func(q.reshape(16, 4, 64), q.reshape(16, 4, 64), q.reshape(16, 4, 64), cu, cu, 8, 8)
+    # q on the GPU, another tensor on the CPU: named, not CuPy's "CPU arrays cannot be directly imported"
+    q = q.cuda()
+    with pytest.raises(ValueError, match="k must be a CUDA tensor on q's device, got one on cpu"):
+        flash_attn_func(q, q.cpu(), q)
+    packed = q.reshape(16, 4, 64)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be a CUDA tensor"):
+        flash_attn_varlen_func(packed, packed, packed, cu.cuda(), cu, 8, 8)
+    with pytest.raises(ValueError, match="cache_seqlens must be a CUDA tensor"):
+        flash_attn_with_kvcache(q, q, q, cache_seqlens=torch.zeros(2, dtype=torch.int32))
+
+
+def test_bad_window_size_and_flags_are_named():
+    """window_size that is not a pair of ints is refused, not truncated; a flag that is not a bool is
+    refused, not read by bool() ("False" is true)."""
+    from cuflash.torch import flash_attn_func, flash_attn_with_kvcache
+
+    q = torch.zeros((2, 8, 4, 64), dtype=torch.float16, device="cuda")
+    for window in ((16, 2, 99), (16.9, 2)):
+        with pytest.raises(TypeError, match="window_size"):
+            flash_attn_func(q, q, q, window_size=window)
+        with pytest.raises(TypeError, match="window_size"):
+            flash_attn_with_kvcache(q, q, q, window_size=window)
+    with pytest.raises(TypeError, match="causal"):
+        flash_attn_func(q, q, q, causal="False")
+    with pytest.raises(TypeError, match="rotary_interleaved"):
+        flash_attn_with_kvcache(q, q, q, rotary_interleaved="False")
+
+
+def test_kvcache_int_cache_seqlens_is_checked_on_the_host():
+    """An int cache_seqlens reaches cuflash as an int, eager and compiled: the same output and caches as
+    the int32 tensor of it, and cuflash's host checks: >= 0, room for the new keys in the cache (past
+    it, nothing would be written) and a rotary row for every position, on a repeat of a call too."""
+    from cuflash.torch import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    q = torch.randn((2, 1, 4, 64), device="cuda").half()
+    k_cache, v_cache, new = (torch.randn((2, n, 2, 64), device="cuda").half() for n in (64, 64, 1))
+    cos, sin = (torch.rand((16, 16), device="cuda").half() for _ in range(2))
+
+    def step(fn, lengths):
+        caches = k_cache.clone(), v_cache.clone()
+        out = fn(q, *caches, new, new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths, causal=True)
+        return out, *caches
+
+    expected = step(flash_attn_with_kvcache, torch.full((2,), 10, dtype=torch.int32, device="cuda"))
+    for fn in (flash_attn_with_kvcache, torch.compile(flash_attn_with_kvcache, fullgraph=True)):
+        for got, want in zip(step(fn, 10), expected):
+            assert torch.equal(got, want)
+    for bad in (-1, 64, 10**6):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            step(flash_attn_with_kvcache, bad)
+    with pytest.raises(ValueError, match="rotary_cos"):
+        step(flash_attn_with_kvcache, 20)
 
 
 def test_flash_attn_func_e4m3(rng):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import validate
+from cuflash import score_mods, validate
 from tests.numerics import DTYPES, mentions
 
 B, NQ, NK, H, D = 2, 8, 16, 4, 64
@@ -280,7 +280,7 @@ def test_softcap_accepted(value, want):
     assert got == want and type(got) is float
 
 
-@pytest.mark.parametrize("value", [-1, -0.5, math.nan, math.inf])
+@pytest.mark.parametrize("value", [-1, -0.5, math.nan, math.inf, 1e39, 2.0**61, 1e-42, 2.0**-61])
 def test_softcap_out_of_range(value):
     with pytest.raises(ValueError, match=mentions("softcap")):
         validate.softcap(value)
@@ -395,7 +395,8 @@ def test_max_seqlen_valid():
 
 
 @pytest.mark.parametrize("value,error", [
-    (0, ValueError), (-3, ValueError), (True, TypeError), (4.0, TypeError), ("4", TypeError), (None, TypeError),
+    (0, ValueError), (-3, ValueError), (2**31, ValueError), (True, TypeError), (4.0, TypeError), ("4", TypeError),
+    (None, TypeError),
 ])
 def test_max_seqlen_invalid(value, error):
     with pytest.raises(error, match=mentions("max_seqlen_q")):
@@ -414,11 +415,30 @@ def test_dropout_valid():
     p, seed, offset = validate.dropout(np.float32(0.25), np.uint64(2**64 - 1), np.int64(12))
     assert (p, seed, offset) == (0.25, 2**64 - 1, 12)
     assert type(p) is float and type(seed) is int and type(offset) is int
-    assert validate.dropout(math.nextafter(1.0, 0.0), 0, 0)[0] < 1.0
+    p = math.nextafter(score_mods.DROPOUT_P_LIMIT, 0.0)
+    assert validate.dropout(p, 0, 0)[0] == p and score_mods.Dropout(p, 0, 0).threshold == 1
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), 0, 1, np.int32(1)])
+def test_flag_valid(value):
+    assert validate.flag("causal", value) is bool(value)
+
+
+@pytest.mark.parametrize("value", ["False", "", 2, -1, 0.0, None, np.array([True])])
+def test_flag_invalid(value):
+    with pytest.raises(TypeError, match=mentions("causal")):
+        validate.flag("causal", value)
+
+
+@pytest.mark.parametrize("value", [1e39, 2.0**61, math.inf, 0.0, -1.0, math.nan])
+def test_softmax_scale_out_of_range(value):
+    with pytest.raises(ValueError, match=mentions("softmax_scale")):
+        validate.softmax_scale(value, 64)
 
 
 @pytest.mark.parametrize("p,error", [
     (1.0, ValueError), (1, ValueError), (-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    (math.nextafter(1.0, 0.0), ValueError), (1.0 - 2.0**-15, ValueError),
     (True, TypeError), (False, TypeError), ("0.1", TypeError), (None, TypeError), (np.array([0.1]), TypeError),
 ])
 def test_dropout_p_invalid(p, error):

@@ -283,3 +283,15 @@ def test_fp8_forward(rng, options, lengths):
                                                           values[2][None, rows_k], **options)[0]
     assert_close_2x(got.get().astype(np.float64), ref, naive, 1e-2)
     check_lse(lse, ref_lse)
+
+
+@pytest.mark.hopper
+def test_fp8_max_seqlen_past_the_packed_keys(rng):
+    """A max_seqlen_k far above the packed keys (valid up to 2^31) gives the result of the true one:
+    the V transpose's grid follows the packed keys (at 2^24 keys its y dim overflowed)."""
+    lengths = [17, 40]
+    cu = cupy.asarray(offsets(lengths))
+    codes = [cupy.asarray(rng.integers(0, 120, (sum(lengths), 2, 128), dtype=np.uint8)) for _ in range(3)]
+    want = cuflash.attention_varlen(*codes, cu, cu, 40, 40)
+    got = cuflash.attention_varlen(*codes, cu, cu, 40, 2**24)
+    assert bool((got.view(np.uint16) == want.view(np.uint16)).all())
