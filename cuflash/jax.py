@@ -326,7 +326,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     _require_gpu_backend()
     options = dict(option_items(causal, softmax_scale, window_size, softcap))
     options.update(rotary_interleaved=_validate.flag("rotary_interleaved", rotary_interleaved),
-                   num_splits=int(num_splits))
+                   num_splits=_validate.integer("num_splits", num_splits))
     arrays = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                   block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
                   k_descale=k_descale, v_descale=v_descale)

@@ -31,7 +31,7 @@ except ImportError:  # JAX < 0.7
 def option_items(causal, softmax_scale, window_size, softcap) -> tuple:
     """The options as hashable (name, value) pairs: custom_vjp's static arguments."""
     return (("causal", _validate.flag("causal", causal)), ("softmax_scale", softmax_scale),
-            ("window_size", _validate.window_size(window_size, causal=False)), ("softcap", float(softcap)))
+            ("window_size", _validate.window_size(window_size, causal=False)), ("softcap", _validate.softcap(softcap)))
 
 
 def dropout_state(dropout_p, dropout_key):

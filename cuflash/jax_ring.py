@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import distributed
+from . import validate as _validate
 from .jax_callbacks import backward_call, dropout_state, forward_call, option_items
 
 
@@ -177,5 +178,5 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, soft
     distributed.check_layout(layout)
     distributed.check_shard_length(q.shape[1], causal, layout)
     local = _bound(local or (_kernel_forward, _kernel_backward), softmax_scale, softcap)
-    out, lse = _ring(q, k, v, axis_name, bool(causal), layout, local)
+    out, lse = _ring(q, k, v, axis_name, _validate.flag("causal", causal), layout, local)
     return (out, jax.lax.stop_gradient(lse).astype(jnp.float32)) if return_lse else out

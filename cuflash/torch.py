@@ -206,8 +206,8 @@ class _FlashOptions(NamedTuple):
 
 def _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> _FlashOptions:
     left, right = _validate.window_size(window_size, causal=False)
-    scale = None if softmax_scale is None else float(softmax_scale)
-    return _FlashOptions(_validate.flag("causal", causal), scale, left, right, float(softcap),
+    scale = None if softmax_scale is None else _validate.given_scale(softmax_scale)
+    return _FlashOptions(_validate.flag("causal", causal), scale, left, right, _validate.softcap(softcap),
                          _validate.flag("deterministic", deterministic), _validate.dropout(dropout_p, 0, 0)[0])
 
 
@@ -609,8 +609,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, cache_length, cache_batch_idx, cache_leftpad,
                             block_table, rotary_cos, rotary_sin,
                             _validate.flag("rotary_interleaved", rotary_interleaved), _validate.flag("causal", causal),
-                            None if softmax_scale is None else float(softmax_scale), left, right, float(softcap),
-                            alibi_slopes, k_descale, v_descale, int(num_splits))
+                            None if softmax_scale is None else _validate.given_scale(softmax_scale), left, right,
+                            _validate.softcap(softcap), alibi_slopes, k_descale, v_descale,
+                            _validate.integer("num_splits", num_splits))
     return (out, lse) if _validate.flag("return_softmax_lse", return_softmax_lse) else out
 
 

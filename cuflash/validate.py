@@ -38,11 +38,21 @@ def flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def integer(name: str, value) -> int:
+    """An int argument (NumPy ints too; not a bool, a float or a string, which int() would convert)."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
 def softmax_scale(value, headdim: int) -> float:
-    """The scale of a call: 1/sqrt(headdim) for None, else a positive number up to score_mods.MAX_FACTOR
-    (the kernels multiply scores by it in float32)."""
-    if value is None:
-        return 1.0 / math.sqrt(headdim)
+    """The scale of a call: 1/sqrt(headdim) for None, else `given_scale`'s."""
+    return 1.0 / math.sqrt(headdim) if value is None else given_scale(value)
+
+
+def given_scale(value) -> float:
+    """A softmax_scale given: a positive number up to score_mods.MAX_FACTOR (the kernels multiply scores
+    by it in float32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, numpy.floating, numpy.integer)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
     scale = float(value)

@@ -348,6 +348,12 @@ def test_bad_window_size_and_flags_are_named():
         flash_attn_func(q, q, q, causal="False")
     with pytest.raises(TypeError, match="rotary_interleaved"):
         flash_attn_with_kvcache(q, q, q, rotary_interleaved="False")
+    with pytest.raises(TypeError, match="softcap"):
+        flash_attn_func(q, q, q, softcap="3")
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn_func(q, q, q, softmax_scale=1e39)
+    with pytest.raises(TypeError, match="num_splits"):
+        flash_attn_with_kvcache(q, q, q, num_splits=2.7)
 
 
 def test_kvcache_int_cache_seqlens_is_checked_on_the_host():
