@@ -4,6 +4,7 @@
     out = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True))(q, k, v)
     out = cuflash.jax.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed batches
     out, k_cache, v_cache = cuflash.jax.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n)
+    out = cuflash.jax.dot_product_attention(q, k, v, is_causal=True)  # jax.nn's name and semantics
 
 The kernels run through `jax.experimental.buffer_callback` (JAX 0.7 and
 later): XLA hands the callback its device buffers and its CUDA stream, and
@@ -38,6 +39,7 @@ import numpy
 
 from . import fp8 as _fp8
 from . import kv_cache as _kv_cache
+from . import score_mods as _score_mods
 from . import validate as _validate
 from . import varlen as _varlen
 from .jax_callbacks import (backward_call, buffer_callback, cupy_view, device_of, dropout_state,
@@ -148,6 +150,50 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
     return _attention(q, k, v, slopes, state, options, _validate.flag("deterministic", deterministic))
+
+
+# ---------------------------------------------------------------- jax.nn's interface
+
+_JAX_NN_IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual=False):
+    """`jax.nn.dot_product_attention` on cuflash's kernels (`attention`), with its semantics, for a port
+    that changes one name: query (B, T, N, H) or (T, N, H), key and value (B, S, K, H) or (S, K, H), N a
+    multiple of K (GQA), float16 or bfloat16; scale 1/sqrt(H) by default; is_causal and local_window_size
+    (an int: the same bound left and right) aligned to the top-left corner as there (query i sees keys
+    j <= i, and i - left <= j <= i + right), which cuflash runs as a bottom-right window over the keys
+    that can be seen (score_mods.from_top_left). implementation: accepted (None, "xla", "cudnn") and
+    unused. Not supported, each raising NotImplementedError by name: bias, mask, query_seq_lengths,
+    key_value_seq_lengths (padded batches: `attention_varlen` takes packed ones), return_residual, and
+    windows that leave a query without any key (jax.nn averages every value there)."""
+    for name, given in (("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
+                        ("key_value_seq_lengths", key_value_seq_lengths)):
+        if given is not None:
+            raise NotImplementedError(f"dot_product_attention: {name} is not supported by cuflash (pass None); "
+                                      "jax.nn.dot_product_attention runs it")
+    if _validate.flag("return_residual", return_residual):
+        raise NotImplementedError("dot_product_attention: return_residual is not supported by cuflash")
+    if implementation not in _JAX_NN_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {_JAX_NN_IMPLEMENTATIONS}, got {implementation!r}")
+    if query.ndim != key.ndim or key.ndim not in (3, 4):
+        raise ValueError(f"query, key and value must have 4 dims (B, T, N, H) or 3 (T, N, H), got shapes "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    if query.ndim == 3:
+        return dot_product_attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                                     local_window_size=local_window_size)[0]
+    if local_window_size is not None:
+        pair = (local_window_size,) * 2 if _validate.is_int(local_window_size) else local_window_size
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_validate.is_int(x) for x in pair):
+            raise TypeError(f"local_window_size must be an int or a pair of ints >= 0, got {local_window_size!r}")
+        local_window_size = tuple(int(x) for x in pair)
+    keys, window = _score_mods.from_top_left(query.shape[1], key.shape[1],
+                                             _validate.flag("is_causal", is_causal), local_window_size)
+    if keys < key.shape[1]:
+        key, value = key[:, :keys], value[:, :keys]
+    return attention(query, key, value, softmax_scale=scale, window_size=window)
 
 
 # ---------------------------------------------------------------- fp8 (forward only)

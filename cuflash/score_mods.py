@@ -208,6 +208,27 @@ def dropout_probability(value) -> float:
     return prob
 
 
+def from_top_left(seqlen_q: int, seqlen_k: int, causal: bool, window) -> tuple[int, tuple[int, int]]:
+    """A mask aligned to the top-left corner (jax.nn.dot_product_attention's: query i sees key j <= i
+    under causal, and i - left <= j <= i + right under a (left, right) window) in cuflash's terms,
+    whose diagonal is bottom-right (i + seqlen_k - seqlen_q): (the keys to attend, a prefix of
+    seqlen_k, and window_size over them). Keys past the last row's upper bound are cut, so that the
+    two diagonals meet or the upper bound stays non-negative. window: None or a pair of ints >= 0.
+    Raises NotImplementedError where the lower bound would pass the last key for some rows (no key
+    seen: jax.nn averages every value there, cuflash writes 0)."""
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if window is not None and (left < 0 or right < 0):
+        raise ValueError(f"local_window_size must be ints >= 0, got {window!r}")
+    if causal:
+        right = 0
+    keys = seqlen_k if right < 0 else min(seqlen_k, seqlen_q + right)
+    shift = keys - seqlen_q  # the bottom-right diagonal's offset from the top-left one
+    if left >= 0 and left + shift < 0:
+        raise NotImplementedError(f"local_window_size: with {seqlen_q} queries on {seqlen_k} keys a left window "
+                                  f"of {left} leaves the last queries without a key")
+    return keys, (-1 if left < 0 else left + shift, -1 if right < 0 else right - shift)
+
+
 def queries_rotate_apart(causal: bool, window: tuple[int, int], capacity: int) -> bool:
     """Whether a KV-cache step's query row i takes its rotary angles at position cache_seqlens + i
     (True) or every row at cache_seqlens (False), flash-attn's convention for `flash_attn_with_kvcache`:

@@ -490,3 +490,73 @@ def test_ring_attention_under_shard_map_on_the_gpus(rng):
     naives = reference.attention_backward_naive_lowp(dout_host, *host, causal=True, dtype=np.float16)
     for g, r, nv in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r[:, order], nv[:, order], atol + ring_rounding(world, r))
+
+
+def jax_nn_mask(nq, nk, causal, window):
+    """jax.nn.dot_product_attention's mask (top-left aligned), from its definition."""
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    mask = np.ones((nq, nk), bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        mask &= (i - left <= j) & (j <= i + right)
+    return mask
+
+
+@pytest.mark.parametrize("nq, nk, causal, window", [
+    (64, 64, True, None), (40, 97, True, None), (97, 40, True, None), (70, 70, False, (8, 3)),
+    (50, 90, True, 16), (90, 50, False, (60, 0)), (33, 120, False, 5), (120, 33, False, None),
+])
+def test_dot_product_attention_is_jax_nns(rng, nq, nk, causal, window):
+    """cuflash.jax.dot_product_attention against jax.nn.dot_product_attention (its top-left masks): the
+    float32 XLA computation is the reference and the float16 one the naive computation of the 2x rule,
+    for the output and the gradients, under jax.jit; 3-dim inputs too."""
+    import cuflash.jax
+
+    host, dout = inputs(rng, nq=nq, nk=nk)
+    options = dict(is_causal=causal, local_window_size=window)
+    assert jax_nn_mask(nq, nk, causal, window).any(axis=1).all()  # the cases keep a key in every row
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
+
+    got = jitted_value_and_grads(lambda q, k, v: cuflash.jax.dot_product_attention(q, k, v, **options),
+                                 *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    ref = jitted_value_and_grads(xla, *(jnp.asarray(x, jnp.float32) for x in host), jnp.asarray(dout))
+    naive = jitted_value_and_grads(xla, *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    atol = ATOL[np.dtype(np.float16)]
+    assert_close_2x(np.asarray(got[0], np.float64), np.asarray(ref[0], np.float64), np.asarray(naive[0]), atol)
+    for g, r, n in zip(got[1], ref[1], naive[1]):
+        assert_close_2x(np.asarray(g, np.float64), np.asarray(r, np.float64), np.asarray(n), atol)
+    one = cuflash.jax.dot_product_attention(*(jnp.asarray(x[0]) for x in host), **options)
+    batch_of_one = cuflash.jax.dot_product_attention(*(jnp.asarray(x[:1]) for x in host), **options)
+    assert np.array_equal(np.asarray(one), np.asarray(batch_of_one[0]))
+
+
+@pytest.mark.parametrize("extra, name", [
+    (lambda q: dict(bias=jnp.zeros((1, 1, 8, 8), jnp.float16)), "bias"),
+    (lambda q: dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
+    (lambda q: dict(query_seq_lengths=jnp.full((1,), 8, jnp.int32)), "query_seq_lengths"),
+    (lambda q: dict(key_value_seq_lengths=jnp.full((1,), 8, jnp.int32)), "key_value_seq_lengths"),
+    (lambda q: dict(return_residual=True), "return_residual"),
+    (lambda q: dict(local_window_size=(0, 0)), "local_window_size"),
+])
+def test_dot_product_attention_refuses_what_it_lacks(extra, name):
+    """What cuflash does not run raises NotImplementedError by name (a (0, 0) window with more queries
+    than keys leaves queries without a key, where jax.nn averages every value)."""
+    import cuflash.jax
+
+    q = jnp.zeros((1, 8, 2, 64), jnp.float16)
+    k = jnp.zeros((1, 4 if name == "local_window_size" else 8, 2, 64), jnp.float16)
+    with pytest.raises(NotImplementedError, match=name):
+        cuflash.jax.dot_product_attention(q, k, k, **extra(q))
+
+
+@pytest.mark.parametrize("window", [(4.5, 2), (1, 2, 3), "4", (-1, 2)])
+def test_dot_product_attention_names_a_bad_window(window):
+    import cuflash.jax
+
+    q = jnp.zeros((1, 8, 2, 64), jnp.float16)
+    with pytest.raises((TypeError, ValueError), match="local_window_size"):
+        cuflash.jax.dot_product_attention(q, q, q, local_window_size=window)

@@ -910,3 +910,34 @@ def test_kvcache_sequences_rotary_positions(apart):
     at_seven = apply_rotary(q[0, :1].astype(np.float64), cos, sin, np.array([7])).astype(np.float16)
     np.testing.assert_array_equal(qb[0], at_seven[0].astype(np.float64))
     assert np.array_equal(qb[1], qb[0]) is not apart
+
+
+def test_from_top_left_is_jax_nns_mask():
+    """score_mods.from_top_left's keys and window give, over cuflash's bottom-right diagonal, the mask
+    jax.nn.dot_product_attention defines (key j <= i under causal, i - left <= j <= i + right under a
+    window), and raise exactly where that mask leaves a query without a key."""
+    import itertools
+
+    from cuflash import reference, score_mods
+
+    def jax_nn(nq, nk, causal, window):
+        i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+        mask = np.ones((nq, nk), bool)
+        if causal:
+            mask &= j <= i
+        if window is not None:
+            mask &= (i - window[0] <= j) & (j <= i + window[1])
+        return mask
+
+    windows = [None, (0, 0), (3, 0), (0, 3), (4, 7), (100, 100), (1, 50)]
+    for nq, nk, causal, window in itertools.product([1, 2, 5, 17, 64], [1, 3, 5, 17, 64, 100], (False, True),
+                                                     windows):
+        want = jax_nn(nq, nk, causal, window)
+        try:
+            keys, window_size = score_mods.from_top_left(nq, nk, causal, window)
+        except NotImplementedError:
+            assert not want.any(axis=1).all(), (nq, nk, causal, window)
+            continue
+        got = np.zeros((nq, nk), bool)
+        got[:, :keys] = reference.visible_mask(nq, keys, window_size=window_size)
+        assert (got == want).all(), (nq, nk, causal, window)
