@@ -140,3 +140,16 @@ def paged_prefill_case(rng, page_size=32, nheads=4, nheads_kv=2, headdim=64, **o
                                         *(cupy.asarray(c) for c in case["cu"]), *case["lengths"],
                                         block_table=cupy.asarray(case["table"]), return_lse=True, **options)
     return case, out.get(), lse.get()
+
+
+def jax_nn_mask(nq, nk, causal, window):
+    """jax.nn.dot_product_attention's mask, from its definition (top-left aligned): key j <= i under
+    causal, i - left <= j <= i + right under a window (an int: the same bound on either side)."""
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    mask = np.ones((nq, nk), bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        mask &= (i - left <= j) & (j <= i + right)
+    return mask

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from tests.numerics import (ATOL, assert_close_2x, e4m3_kvcache_step, mentions, paged_prefill_case, randn,
-                            ring_rounding)
+from tests.numerics import (ATOL, assert_close_2x, e4m3_kvcache_step, jax_nn_mask, mentions, paged_prefill_case,
+                            randn, ring_rounding)
 
 # JAX would otherwise take 75% of the GPU's memory when it starts, from tests that share the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -490,18 +490,6 @@ def test_ring_attention_under_shard_map_on_the_gpus(rng):
     naives = reference.attention_backward_naive_lowp(dout_host, *host, causal=True, dtype=np.float16)
     for g, r, nv in zip(grads, refs, naives):
         assert_close_2x(np.asarray(g), r[:, order], nv[:, order], atol + ring_rounding(world, r))
-
-
-def jax_nn_mask(nq, nk, causal, window):
-    """jax.nn.dot_product_attention's mask (top-left aligned), from its definition."""
-    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-    mask = np.ones((nq, nk), bool)
-    if causal:
-        mask &= j <= i
-    if window is not None:
-        left, right = (window, window) if isinstance(window, int) else window
-        mask &= (i - left <= j) & (j <= i + right)
-    return mask
 
 
 @pytest.mark.parametrize("nq, nk, causal, window", [

@@ -919,20 +919,12 @@ def test_from_top_left_is_jax_nns_mask():
     import itertools
 
     from cuflash import reference, score_mods
-
-    def jax_nn(nq, nk, causal, window):
-        i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-        mask = np.ones((nq, nk), bool)
-        if causal:
-            mask &= j <= i
-        if window is not None:
-            mask &= (i - window[0] <= j) & (j <= i + window[1])
-        return mask
+    from tests.numerics import jax_nn_mask
 
     windows = [None, (0, 0), (3, 0), (0, 3), (4, 7), (100, 100), (1, 50)]
     for nq, nk, causal, window in itertools.product([1, 2, 5, 17, 64], [1, 3, 5, 17, 64, 100], (False, True),
                                                      windows):
-        want = jax_nn(nq, nk, causal, window)
+        want = jax_nn_mask(nq, nk, causal, window)
         try:
             keys, window_size = score_mods.from_top_left(nq, nk, causal, window)
         except NotImplementedError:
