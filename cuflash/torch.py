@@ -52,6 +52,11 @@ def _require_cuda(q: torch.Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be a CUDA tensor on q's device, got one on {x.device}")
 
 
+def _rows_contiguous(*tensors):
+    """The tensors with a contiguous last dim, copied where it is not (flash-attn's maybe_contiguous)."""
+    return [x if x is None or x.stride(-1) == 1 else x.contiguous() for x in tensors]
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -317,6 +322,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal, window and softcap."""
     _require_cuda(q, k=k, v=v, alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
                   v_descale=v_descale)
+    q, k, v = _rows_contiguous(q, k, v)
     pad = _headdim_padding(q)
     if pad:
         scale = _caller_scale(q, softmax_scale)
@@ -473,6 +479,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
     _require_cuda(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
                   block_table=block_table)
+    q, k, v = _rows_contiguous(q, k, v)
     pad = _headdim_padding(q)
     if pad:
         scale = _caller_scale(q, softmax_scale)
@@ -590,6 +597,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _require_cuda(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                   block_table=block_table, alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+    q, k, v = _rows_contiguous(q, k, v)  # the new keys and values; the caches are written in place
     pad = _headdim_padding(q) if k_cache.dtype in (torch.float16, torch.bfloat16) else 0
     if pad:  # as flash-attn: the caches padded in copies, and the appended rows copied back
         scale = _caller_scale(q, softmax_scale)

@@ -313,6 +313,22 @@ def test_bad_alibi_slopes_are_named():
             flash_attn_func(q, q, q, alibi_slopes=bad)
 
 
+def test_inputs_with_strided_rows_are_made_contiguous(rng):
+    """As flash-attn's maybe_contiguous: q, k, v whose last dim is strided are copied, with the same
+    output and gradients as contiguous ones."""
+    from cuflash.torch import flash_attn_func
+
+    host = [randn(rng, (2, 40, 2, 64), np.float16) for _ in range(3)]
+    dout = torch.from_numpy(randn(rng, (2, 40, 2, 64), np.float16).view(np.int16)).view(torch.float16).cuda()
+    plain = leaves(host)
+    strided = [torch.stack([x, x], dim=-1)[..., 0].detach().requires_grad_() for x in leaves(host)]
+    assert strided[0].stride(-1) == 2
+    want = grads_of(lambda q, k, v: flash_attn_func(q, k, v, causal=True), plain, dout)
+    got = grads_of(lambda q, k, v: flash_attn_func(q, k, v, causal=True), strided, dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_cpu_tensors_are_refused_by_name():
     from cuflash.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
