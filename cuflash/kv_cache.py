@@ -274,7 +274,7 @@ def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_i
 
 def _capacity(capacity: int, seqlen_q: int, what: str) -> int:
     """A cache's capacity in positions, which the kernels count (with the step's queries) in int32."""
-    if capacity + seqlen_q >= 2**31:
+    if capacity + seqlen_q >= validate.INT32_ROWS:
         raise ValueError(f"{what}: a cache of {capacity} positions (plus {seqlen_q} queries) exceeds the kernels' "
                          "int32 positions")
     return capacity

@@ -21,6 +21,8 @@ MAX_HEADDIM = 256
 HEADDIM_MULTIPLE = 8  # 16-byte rows of 16-bit elements
 # Grid dims y and z carry heads and batch in the sm_80 kernels.
 MAX_GRID_YZ = 65535
+# Rows and positions the kernels count in int32 (lengths, offsets, cache positions) stay below this.
+INT32_ROWS = 2**31
 
 
 def require_cupy_array(name: str, x) -> None:
@@ -300,7 +302,7 @@ def max_seqlen(name: str, value, cu_host=None) -> int:
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     length = int(value)
-    if not 0 < length < 2**31:
+    if not 0 < length < INT32_ROWS:
         raise ValueError(f"{name} must be a positive int below 2^31 (the kernels count rows in int32), got {length}")
     if cu_host is not None:
         lengths = numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
