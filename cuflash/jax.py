@@ -116,9 +116,27 @@ def _attention_bwd(options, deterministic, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention_and_lse(q, k, v, slopes, state, options, deterministic):
+    return forward_call(q, k, v, state, dict(options), slopes)
+
+
+def _attention_and_lse_fwd(q, k, v, slopes, state, options, deterministic):
+    out, lse = forward_call(q, k, v, state, dict(options), slopes)
+    return (out, lse), (q, k, v, out, lse, slopes, state)
+
+
+def _attention_and_lse_bwd(options, deterministic, residuals, cotangents):
+    # attention() returns the lse through stop_gradient: its cotangent is zero.
+    return _attention_bwd(options, deterministic, residuals, cotangents[0])
+
+
+_attention_and_lse.defvjp(_attention_and_lse_fwd, _attention_and_lse_bwd)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_key=None, q_descale=None,
-              k_descale=None, v_descale=None):
+              k_descale=None, v_descale=None, return_lse=False):
     """`cuflash.attention` on JAX arrays, usable inside `jax.jit`, differentiable (`jax.grad`, `jax.vjp`).
 
     alibi_slopes: float32 (nheads,) or (batch, nheads), as `cuflash.attention`'s; no gradient flows
@@ -131,6 +149,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     index in the merged batch), so a vmapped call is not the calls of its elements.
     fp8: q, k and v jnp.float8_e4m3fn with q_descale, k_descale, v_descale float32 (batch, nheads_kv)
     (ones where None); out is bfloat16. Forward only (Hopper), with causal, window and softcap.
+    return_lse: (out, lse), lse float32 (batch, nheads, seqlen_q) as `cuflash.attention`'s, through
+    jax.lax.stop_gradient (16-bit inputs).
     The shapes, flags, window_size and dropout_p are checked when traced, the other options when the
     kernels first run (inside the computation); their errors name the argument as `cuflash.attention`'s do.
     """
@@ -142,14 +162,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         raise ValueError(f"k must have q's batch size {q.shape[0]}, got shape {k.shape}")
     _check_heads(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    return_lse = _validate.flag("return_lse", return_lse)
     if q.dtype == jnp.float8_e4m3fn:
+        if return_lse:
+            raise NotImplementedError("cuflash.jax.attention: return_lse with fp8 (float8_e4m3fn) inputs is not "
+                                      "supported")
         return _fp8_attention(q, k, v, descales, option_items(causal, softmax_scale, window_size, softcap),
                               alibi_slopes, dropout_p)
     _fp8.refuse_descales(**descales)
     slopes = _alibi_operand(alibi_slopes, q.shape[2], q.shape[0])
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
-    return _attention(q, k, v, slopes, state, options, _validate.flag("deterministic", deterministic))
+    deterministic = _validate.flag("deterministic", deterministic)
+    if return_lse:
+        out, lse = _attention_and_lse(q, k, v, slopes, state, options, deterministic)
+        return out, jax.lax.stop_gradient(lse)
+    return _attention(q, k, v, slopes, state, options, deterministic)
 
 
 # ---------------------------------------------------------------- jax.nn's interface
@@ -166,24 +194,25 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     (an int: the same bound left and right) aligned to the top-left corner as there (query i sees keys
     j <= i, and i - left <= j <= i + right), which cuflash runs as a bottom-right window over the keys
     that can be seen (score_mods.from_top_left). implementation: accepted (None, "xla", "cudnn") and
-    unused. Not supported, each raising NotImplementedError by name: bias, mask, query_seq_lengths,
-    key_value_seq_lengths (padded batches: `attention_varlen` takes packed ones), return_residual, and
-    windows that leave a query without any key (jax.nn averages every value there)."""
+    unused. return_residual: (out, the logsumexp (B, T, N) or (T, N) in key's dtype, without gradient).
+    Not supported, each raising NotImplementedError by name: bias, mask, query_seq_lengths,
+    key_value_seq_lengths (padded batches: `attention_varlen` takes packed ones), and windows that
+    leave a query without any key (jax.nn averages every value there)."""
     for name, given in (("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
                         ("key_value_seq_lengths", key_value_seq_lengths)):
         if given is not None:
             raise NotImplementedError(f"dot_product_attention: {name} is not supported by cuflash (pass None); "
                                       "jax.nn.dot_product_attention runs it")
-    if _validate.flag("return_residual", return_residual):
-        raise NotImplementedError("dot_product_attention: return_residual is not supported by cuflash")
+    return_residual = _validate.flag("return_residual", return_residual)
     if implementation not in _JAX_NN_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {_JAX_NN_IMPLEMENTATIONS}, got {implementation!r}")
     if query.ndim != key.ndim or key.ndim not in (3, 4):
         raise ValueError(f"query, key and value must have 4 dims (B, T, N, H) or 3 (T, N, H), got shapes "
                          f"{query.shape}, {key.shape}, {value.shape}")
     if query.ndim == 3:
-        return dot_product_attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
-                                     local_window_size=local_window_size)[0]
+        result = dot_product_attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                                       local_window_size=local_window_size, return_residual=return_residual)
+        return (result[0][0], result[1][0]) if return_residual else result[0]
     if local_window_size is not None:
         pair = (local_window_size,) * 2 if _validate.is_int(local_window_size) else local_window_size
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_validate.is_int(x) for x in pair):
@@ -193,7 +222,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                                              _validate.flag("is_causal", is_causal), local_window_size)
     if keys < key.shape[1]:
         key, value = key[:, :keys], value[:, :keys]
-    return attention(query, key, value, softmax_scale=scale, window_size=window)
+    if not return_residual:
+        return attention(query, key, value, softmax_scale=scale, window_size=window)
+    out, lse = attention(query, key, value, softmax_scale=scale, window_size=window, return_lse=True)
+    return out, jnp.transpose(lse, (0, 2, 1)).astype(key.dtype)
 
 
 # ---------------------------------------------------------------- fp8 (forward only)

@@ -520,6 +520,14 @@ def test_dot_product_attention_is_jax_nns(rng, nq, nk, causal, window):
     one = cuflash.jax.dot_product_attention(*(jnp.asarray(x[0]) for x in host), **options)
     batch_of_one = cuflash.jax.dot_product_attention(*(jnp.asarray(x[:1]) for x in host), **options)
     assert np.array_equal(np.asarray(one), np.asarray(batch_of_one[0]))
+    # return_residual: the logsumexp (B, T, N) in key's dtype, as jax.nn's (float32 XLA's here)
+    out, residual = cuflash.jax.dot_product_attention(*(jnp.asarray(x) for x in host), return_residual=True,
+                                                      **options)
+    _, want = jax.nn.dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in host), implementation="xla",
+                                           return_residual=True, **options)
+    assert residual.shape == want.shape and residual.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(residual, np.float32), np.asarray(want), rtol=2e-3, atol=2e-3)
+    assert np.array_equal(np.asarray(out), np.asarray(got[0]))
 
 
 @pytest.mark.parametrize("extra, name", [
@@ -527,7 +535,6 @@ def test_dot_product_attention_is_jax_nns(rng, nq, nk, causal, window):
     (lambda q: dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
     (lambda q: dict(query_seq_lengths=jnp.full((1,), 8, jnp.int32)), "query_seq_lengths"),
     (lambda q: dict(key_value_seq_lengths=jnp.full((1,), 8, jnp.int32)), "key_value_seq_lengths"),
-    (lambda q: dict(return_residual=True), "return_residual"),
     (lambda q: dict(local_window_size=(0, 0)), "local_window_size"),
 ])
 def test_dot_product_attention_refuses_what_it_lacks(extra, name):
@@ -548,3 +555,27 @@ def test_dot_product_attention_names_a_bad_window(window):
     q = jnp.zeros((1, 8, 2, 64), jnp.float16)
     with pytest.raises((TypeError, ValueError), match="local_window_size"):
         cuflash.jax.dot_product_attention(q, q, q, local_window_size=window)
+
+
+def test_return_lse_is_cuflash_attentions_and_takes_no_gradient(rng):
+    """cuflash.jax.attention(return_lse=True): the lse of cuflash.attention, and gradients of a loss that
+    uses out and lse alike are those of out alone (the lse is stopped, as jax.nn's residual)."""
+    import cuflash.jax
+
+    host, dout = inputs(rng, nq=97, nk=130)
+    q, k, v = (jnp.asarray(x) for x in host)
+    out, lse = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True, return_lse=True))(q, k, v)
+    _, ref_lse = reference.attention(*host, causal=True, return_lse=True)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-3, atol=1e-3)
+
+    def with_lse(q, k, v):
+        out, lse = cuflash.jax.attention(q, k, v, causal=True, deterministic=True, return_lse=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)) + jnp.sum(lse)
+
+    def without(q, k, v):
+        out = cuflash.jax.attention(q, k, v, causal=True, deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32))
+
+    for a, b in zip(jax.jit(jax.grad(with_lse, argnums=(0, 1, 2)))(q, k, v),
+                    jax.jit(jax.grad(without, argnums=(0, 1, 2)))(q, k, v)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
