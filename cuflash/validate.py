@@ -208,11 +208,31 @@ def _byte_span(x) -> tuple[int, int]:
     return first, last + x.itemsize
 
 
+def shifted_copies_meet(shift: int, shape, strides, itemsize: int) -> bool:
+    """Whether an array of this layout and the same layout `shift` bytes on share a byte: whether
+    some difference of two element offsets, sum j_i strides_i with |j_i| < shape_i, lies within
+    itemsize of the shift. Dim by dim from the largest stride, trying each j_i that leaves the
+    rest within the smaller dims' reach (a few per dim)."""
+    dims = sorted(((abs(s), n) for n, s in zip(shape, strides) if n > 1 and s != 0), reverse=True)
+
+    def meet(rest: int, at: int) -> bool:
+        if at == len(dims):
+            return abs(rest) < itemsize
+        stride, extent = dims[at]
+        reach = sum((n - 1) * s for s, n in dims[at + 1:]) + itemsize - 1
+        low = max(-(extent - 1), -((reach - rest) // stride))
+        high = min(extent - 1, (rest + reach) // stride)
+        return any(meet(rest - j * stride, at + 1) for j in range(low, high + 1))
+
+    return meet(shift, 0)
+
+
 def disjoint(outputs: dict, inputs: dict) -> None:
     """The outputs (name -> array, None skipped) share no element with each other or with the inputs:
     a kernel writing one would change what it, or a later kernel, reads. Arrays whose byte spans
-    meet (packed views such as dq, dk, dv of one dqkv array interleave without sharing) are compared
-    element by element on the device, where the stream is not capturing a CUDA graph."""
+    meet are compared exactly: by their offsets where they have one layout (packed views such as
+    dq, dk, dv of one dqkv array interleave without sharing), else element by element on the
+    device, where the stream is not capturing a CUDA graph."""
     named_outputs = [(name, x) for name, x in outputs.items() if x is not None and x.size]
     others = named_outputs + [(name, x) for name, x in inputs.items() if x is not None and x.size]
     for i, (name, x) in enumerate(named_outputs):
@@ -220,6 +240,10 @@ def disjoint(outputs: dict, inputs: dict) -> None:
         for other, y in others[i + 1:]:
             y_first, y_last = _byte_span(y)
             if y_first >= last or first >= y_last:
+                continue
+            if x.shape == y.shape and x.strides == y.strides and x.itemsize == y.itemsize:
+                if shifted_copies_meet(y.data.ptr - x.data.ptr, x.shape, x.strides, x.itemsize):
+                    raise ValueError(f"{name} must not share memory with {other}")
                 continue
             if device.stream_is_capturing():
                 raise ValueError(f"{name}'s memory range meets {other}'s (checked element by element outside "

@@ -456,3 +456,31 @@ def test_dropout_seed_offset_invalid(arg, value, error):
     args[arg] = value
     with pytest.raises(error, match=mentions(arg)):
         validate.dropout(0.1, args["seed"], args["offset"])
+
+
+def test_shifted_copies_meet_is_numpys_shares_memory():
+    """validate.shifted_copies_meet, the exact overlap test of two arrays of one layout, against NumPy's
+    exact shares_memory on host views: packed layouts with gaps, permuted and negative strides, every
+    shift across the span (and a one-byte one); the views of one dqkv array share nothing."""
+    rng = np.random.default_rng(1)
+    buffer = np.zeros(100_000, np.float16)
+    for _ in range(500):
+        ndim = int(rng.integers(1, 5))
+        shape = [int(x) for x in rng.integers(1, 6, ndim)]
+        strides, step = [], 1
+        for extent in reversed(shape):
+            gap = int(rng.integers(1, 4))
+            strides.insert(0, step * gap)
+            step *= gap * extent
+        strides = [s * (-1 if rng.random() < 0.2 else 1) for s in rng.permutation(strides)]
+        span = sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + 1
+        shift = int(rng.integers(-span - 2, span + 3))
+        view = lambda at: np.lib.stride_tricks.as_strided(buffer[at:], shape, [2 * s for s in strides])  # noqa: E731
+        assert validate.shifted_copies_meet(2 * shift, shape, [2 * s for s in strides], 2) == \
+            np.shares_memory(view(50_000), view(50_000 + shift)), (shape, strides, shift)
+    assert validate.shifted_copies_meet(1, (4, 3), (12, 2), 2)
+    dqkv = np.zeros((2, 5, 3, 4, 8), np.float16)
+    dq, dk = dqkv[:, :, 0], dqkv[:, :, 1]
+    shift = dk.__array_interface__["data"][0] - dq.__array_interface__["data"][0]
+    assert not validate.shifted_copies_meet(shift, dq.shape, dq.strides, 2)
+    assert validate.shifted_copies_meet(0, dq.shape, dq.strides, 2)
