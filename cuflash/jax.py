@@ -69,19 +69,6 @@ def _alibi_operand(alibi_slopes, nheads: int, batch: int):
     return slopes
 
 
-def _check_heads(q, k, v) -> None:
-    """k and v of q's call checked while tracing, as cuflash.validate.qkv checks CuPy arrays (tracing the
-    backward divides by nheads_kv): v of k's shape, q's head dim, nheads a multiple of nheads_kv."""
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
-    nheads, headdim = q.shape[-2:]
-    if k.shape[-1] != headdim:
-        raise ValueError(f"k must have q's head dim {headdim}, got shape {k.shape}")
-    nheads_kv = k.shape[-2]
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
-
-
 def _codes(x):
     """An e4m3 array as its uint8 codes (buffer callbacks take no float8 buffer); others as they are."""
     return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
@@ -160,7 +147,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                          f"{k.shape}, {v.shape}")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k must have q's batch size {q.shape[0]}, got shape {k.shape}")
-    _check_heads(q, k, v)
+    _validate.head_shapes(q.shape, k.shape, v.shape)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     return_lse = _validate.flag("return_lse", return_lse)
     if q.dtype == jnp.float8_e4m3fn:
@@ -355,7 +342,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if q.ndim != 3 or k.ndim != k_rank or v.ndim != k_rank:
         raise ValueError(f"q must have 3 dims (total, nheads, headdim) and k and v {k_rank}, got shapes {q.shape}, "
                          f"{k.shape}, {v.shape}")
-    _check_heads(q, k, v)
+    _validate.head_shapes(q.shape, k.shape, v.shape)
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")

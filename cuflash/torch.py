@@ -45,8 +45,7 @@ def _gpu_index(q: torch.Tensor) -> int:
 def _require_cuda(q: torch.Tensor, **tensors) -> None:
     """q and a call's other tensors (None: absent) on the GPU, named where not (CuPy's import of a CPU
     tensor names none); arguments that are not tensors are left to the ops' schemas, which name them."""
-    if not q.is_cuda:
-        raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
+    _gpu_index(q)
     for name, x in tensors.items():
         if isinstance(x, torch.Tensor) and not x.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor on q's device, got one on {x.device}")

@@ -125,16 +125,10 @@ def qkv(q, k, v, allow_fp8: bool = False) -> str:
     batch, _, nheads, headdim = q.shape
     if k.shape[0] != batch:
         raise ValueError(f"k must have q's batch size {batch}, got shape {k.shape}")
-    if k.shape[3] != headdim:
-        raise ValueError(f"k must have q's head dim {headdim}, got shape {k.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+    head_shapes(q.shape, k.shape, v.shape)
     check_headdim(headdim)
     if name_of_dtype == FP8_DTYPE_NAME and headdim % 16 != 0:
         raise ValueError(f"q: fp8 head dim must be a multiple of 16 (16-byte rows), got {headdim}")
-    nheads_kv = k.shape[2]
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise ValueError(f"q: batch and nheads must each be at most {MAX_GRID_YZ}, got shape {q.shape}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -143,6 +137,19 @@ def qkv(q, k, v, allow_fp8: bool = False) -> str:
     for name, x in (("k", k), ("v", v)):
         same_device(name, x, q)
     return name_of_dtype
+
+
+def head_shapes(q_shape, k_shape, v_shape) -> None:
+    """The heads of q, k, v (their last two dims, so packed 3-dim shapes and traced ones take it too):
+    v of k's shape, k of q's head dim, q's nheads a multiple of k's nheads_kv >= 1."""
+    nheads, headdim = q_shape[-2:]
+    if k_shape[-1] != headdim:
+        raise ValueError(f"k must have q's head dim {headdim}, got shape {k_shape}")
+    if v_shape != k_shape:
+        raise ValueError(f"v must have k's shape {k_shape}, got {v_shape}")
+    nheads_kv = k_shape[-2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_kv ({nheads_kv})")
 
 
 def like(name: str, x, ref, ref_name: str, dtype=None) -> None:

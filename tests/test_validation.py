@@ -484,3 +484,16 @@ def test_shifted_copies_meet_is_numpys_shares_memory():
     shift = dk.__array_interface__["data"][0] - dq.__array_interface__["data"][0]
     assert not validate.shifted_copies_meet(shift, dq.shape, dq.strides, 2)
     assert validate.shifted_copies_meet(0, dq.shape, dq.strides, 2)
+
+
+@pytest.mark.parametrize("q, k, v, match", [
+    ((2, 9, 4, 64), (2, 9, 2, 32), (2, 9, 2, 32), "head dim"),
+    ((2, 9, 4, 64), (2, 9, 2, 64), (2, 8, 2, 64), "v must have k's shape"),
+    ((2, 9, 4, 64), (2, 9, 3, 64), (2, 9, 3, 64), "nheads_kv"),
+    ((9, 4, 64), (9, 0, 64), (9, 0, 64), "nheads_kv"),
+])
+def test_head_shapes_named(q, k, v, match):
+    """validate.head_shapes, which validate.qkv and cuflash.jax (on traced shapes) share."""
+    with pytest.raises(ValueError, match=match):
+        validate.head_shapes(q, k, v)
+    validate.head_shapes(q, q[:-2] + (q[-2] // 2 or 1, q[-1]), q[:-2] + (q[-2] // 2 or 1, q[-1]))
