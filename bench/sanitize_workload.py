@@ -140,6 +140,13 @@ def varlen():
                                                     out=poisoned(q), **opts)
                 cuflash.attention_varlen_backward(cupy.ones_like(q), q, k, v, written(out), lse, cu_q, cu_k,
                                                   *longest, deterministic=deterministic, **opts)
+            # seqused on the device, past a span (5 of 1, 40 of 33) and negative (the kernels clamp them),
+            # with top-left masks: the rows past them are not written (cuflash zeroes the arrays it makes).
+            used = dict(seqused_q=cupy.asarray([9, 0, 5, 130, 1], dtype=cupy.int32),
+                        seqused_k=cupy.asarray([40, -3, 0, 100, 64], dtype=cupy.int32), mask_alignment="top_left")
+            out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, *longest, return_lse=True, **used, **opts)
+            cuflash.attention_varlen_backward(cupy.ones_like(q), q, k, v, out, lse, cu_q, cu_k, *longest,
+                                              deterministic=deterministic, **used, **opts)
 
 
 def kvcache():

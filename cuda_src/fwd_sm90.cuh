@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(384, 1)
         OutRows varlen_rows{tile, 0};  // varlen: the tile's rows in O and its sequence
         if constexpr (Mods::VARLEN) {
             const SeqSpan seq = segment.seq();
-            mods.set_lengths(seq.nq, seq.nk);
+            mods.set_lengths(mod_args, seq.nq, seq.nk);
             varlen_rows = OutRows{Tile{seq.q0 + tile.m0, tile.h, 0}, seq.nq - tile.m0};
         }
         const KeyBlocks blocks = mods.template key_blocks<BC>(tile.m0, BR);

@@ -61,7 +61,7 @@ __device__ __forceinline__ void fwd_sm90_produce(const FwdSm90Smem<T>& sm, const
         if constexpr (Mods::VARLEN) {
             tile = varlen_tile;
             seg.tile = tile_index<BR, CAUSAL>(tile, (nq_t + BR - 1) / BR, nheads);
-            tile_mods.set_lengths(seq.nq, seq.nk);
+            tile_mods.set_lengths(mod_args, seq.nq, seq.nk);
             batch = 0;
         }
         const int hk = tile.h / group;

@@ -10,7 +10,9 @@
 //   varlen   a packed batch: sequence b's queries and keys are rows
 //            [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], ...) of the
 //            packed q and k, each its own attention (nq, nk and diag per sequence:
-//            seq_span.cuh).
+//            seq_span.cuh), of only the first seqused_q[b] and seqused_k[b] of
+//            those rows where given; diag = 0 in every sequence where top_left
+//            (jax.nn's masks on padded batches).
 // Each option is a bit of a kernel's MODS template argument, so a kernel
 // without it compiles no trace of it; ScoreModArgs carries the values.
 //
@@ -48,6 +50,9 @@ struct ScoreModArgs {
     unsigned dropout_threshold;                     // keep a draw below this (of 2^14: dropout.cuh)
     float dropout_scale;                            // 1 / (1 - p)
     const unsigned* dropout_state;                  // MOD_DROPOUT_STATE: seed lo, hi, offset lo, hi
+    const int* seqused_q;           // varlen, or null: sequence b uses the first seqused_q[b] rows of its span
+    const int* seqused_k;           // and the first seqused_k[b] keys (flash-attn 3's seqused)
+    int top_left;                   // varlen: the masks' diagonal is i (diag = 0), not i + nk - nq
 };
 
 __device__ __forceinline__ float tanh_approx(float x) {
@@ -80,8 +85,9 @@ struct ScoreMods {
     float tanh_scale, inv_score_log2;
     float alibi_slope;  // in the kernel's score units
 
+    // nq_, nk_: the call's lengths, or varlen's sequence's (set_lengths for later ones).
     __device__ __forceinline__ ScoreMods(const ScoreModArgs& args, int nq_, int nk_)
-        : nq(nq_), nk(nk_), diag(nk_ - nq_) {
+        : nq(nq_), nk(nk_), diag(VARLEN && args.top_left ? 0 : nk_ - nq_) {
         left = WINDOW ? args.window_left : 0;
         right = WINDOW && !CAUSAL ? args.window_right : 0;
         tanh_scale = SOFTCAP ? args.tanh_scale : 0.f;
@@ -89,10 +95,10 @@ struct ScoreMods {
         alibi_slope = 0.f;
     }
     // The lengths of one sequence of a packed batch (varlen).
-    __device__ __forceinline__ void set_lengths(int nq_, int nk_) {
+    __device__ __forceinline__ void set_lengths(const ScoreModArgs& args, int nq_, int nk_) {
         nq = nq_;
         nk = nk_;
-        diag = nk_ - nq_;
+        diag = args.top_left ? 0 : nk_ - nq_;
     }
     // The scores of query head h of batch b (ALiBi's slope).
     __device__ __forceinline__ void set_head(const ScoreModArgs& args, int b, int h) {
@@ -221,7 +227,7 @@ struct QueryBlockSteps {
             m_begin = range.x;
             per_head = range.y - range.x;
         } else {  // the plain and causal kernels' arithmetic as it was: with the window's, they spilled
-            const int m_blocks = (mods.nq + BM - 1) / BM, diag = mods.nk - mods.nq;
+            const int m_blocks = (mods.nq + BM - 1) / BM, diag = Mods::VARLEN ? mods.diag : mods.nk - mods.nq;
             m_begin = Mods::RIGHT_BOUND ? (n0 - diag <= 0 ? 0 : (n0 - diag) / BM) : 0;
             per_head = m_blocks > m_begin ? m_blocks - m_begin : 0;
         }

@@ -37,7 +37,8 @@ struct SeqSpan {
 };
 
 // Batch b's span; nq, nk: the call's lengths (varlen: the longest sequence's,
-// which bound every span's lengths). Offsets are clamped into the packed rows,
+// which bound every span's lengths). Varlen: nq and nk of the span are the
+// used lengths (seqused_q, seqused_k: score_mods.cuh) where those are given. Offsets are clamped into the packed rows,
 // so that no cu_seqlens content makes a kernel read or write outside them.
 template <bool VARLEN>
 __device__ __forceinline__ SeqSpan seq_span(const ScoreModArgs& args, int b, int nq, int nk) {
@@ -47,7 +48,11 @@ __device__ __forceinline__ SeqSpan seq_span(const ScoreModArgs& args, int b, int
         const int k0 = min(max(__ldg(args.cu_seqlens_k + b), 0), args.total_k);
         const int q1 = min(max(__ldg(args.cu_seqlens_q + b + 1), q0), args.total_q);
         const int k1 = min(max(__ldg(args.cu_seqlens_k + b + 1), k0), args.total_k);
-        return SeqSpan{q0, k0, min(q1 - q0, nq), min(k1 - k0, nk)};
+        int used_q = min(q1 - q0, nq), used_k = min(k1 - k0, nk);
+        // seqused: the first rows of the span only (a branch on a kernel parameter, uniform per CTA).
+        if (args.seqused_q != nullptr) used_q = min(max(__ldg(args.seqused_q + b), 0), used_q);
+        if (args.seqused_k != nullptr) used_k = min(max(__ldg(args.seqused_k + b), 0), used_k);
+        return SeqSpan{q0, k0, used_q, used_k};
     } else {
         return SeqSpan{0, 0, nq, nk};
     }

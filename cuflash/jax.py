@@ -43,7 +43,7 @@ from . import score_mods as _score_mods
 from . import validate as _validate
 from . import varlen as _varlen
 from .jax_callbacks import (backward_call, buffer_callback, cupy_view, device_of, dropout_state,
-                            forward_call, on_xla_stream, operands, option_items, split_dropout, with_dropout)
+                            forward_call, on_xla_stream, option_items, split_dropout, with_dropout)
 
 
 def _require_gpu_backend() -> None:
@@ -182,11 +182,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     j <= i, and i - left <= j <= i + right), which cuflash runs as a bottom-right window over the keys
     that can be seen (score_mods.from_top_left). implementation: accepted (None, "xla", "cudnn") and
     unused. return_residual: (out, the logsumexp (B, T, N) or (T, N) in key's dtype, without gradient).
-    Not supported, each raising NotImplementedError by name: bias, mask, query_seq_lengths,
-    key_value_seq_lengths (padded batches: `attention_varlen` takes packed ones), and windows that
-    leave a query without any key (jax.nn averages every value there)."""
-    for name, given in (("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
-                        ("key_value_seq_lengths", key_value_seq_lengths)):
+    query_seq_lengths, key_value_seq_lengths: int32 (B,), a padded batch whose sequence b uses its
+    first rows only (the others take no part; out and the gradients hold 0 in the query and key rows
+    past them): `attention_varlen` runs it as a packed batch of spans T and S with those used
+    lengths and the masks aligned top-left. A query row that sees no key gets 0 there.
+    Not supported, each raising NotImplementedError by name: bias, mask, and windows that leave a
+    query without any key in a call without lengths (jax.nn averages every value there)."""
+    for name, given in (("bias", bias), ("mask", mask)):
         if given is not None:
             raise NotImplementedError(f"dot_product_attention: {name} is not supported by cuflash (pass None); "
                                       "jax.nn.dot_product_attention runs it")
@@ -198,6 +200,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                          f"{query.shape}, {key.shape}, {value.shape}")
     if query.ndim == 3:
         result = dot_product_attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                                       query_seq_lengths=query_seq_lengths,
+                                       key_value_seq_lengths=key_value_seq_lengths,
                                        local_window_size=local_window_size, return_residual=return_residual)
         return (result[0][0], result[1][0]) if return_residual else result[0]
     if local_window_size is not None:
@@ -205,6 +209,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_validate.is_int(x) for x in pair):
             raise TypeError(f"local_window_size must be an int or a pair of ints >= 0, got {local_window_size!r}")
         local_window_size = tuple(int(x) for x in pair)
+        if any(x < 0 for x in local_window_size):
+            raise ValueError(f"local_window_size must be ints >= 0, got {local_window_size!r}")
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        return _padded_batch(query, key, value, scale, _validate.flag("is_causal", is_causal), local_window_size,
+                             (query_seq_lengths, key_value_seq_lengths), return_residual)
     keys, window = _score_mods.from_top_left(query.shape[1], key.shape[1],
                                              _validate.flag("is_causal", is_causal), local_window_size)
     if keys < key.shape[1]:
@@ -213,6 +222,31 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         return attention(query, key, value, softmax_scale=scale, window_size=window)
     out, lse = attention(query, key, value, softmax_scale=scale, window_size=window, return_lse=True)
     return out, jnp.transpose(lse, (0, 2, 1)).astype(key.dtype)
+
+
+def _padded_batch(query, key, value, scale, is_causal: bool, window, seq_lengths: tuple, return_residual: bool):
+    """dot_product_attention of a padded batch with sequence lengths: a packed batch of B spans of T
+    query and S key rows, the used rows the lengths (None: the whole span), masks aligned top-left."""
+    batch, seqlen_q, nheads, headdim = query.shape
+    seqlen_k, nheads_kv = key.shape[1], key.shape[2]
+    used = []
+    for name, lengths in zip(("query_seq_lengths", "key_value_seq_lengths"), seq_lengths):
+        if lengths is not None:
+            lengths = jnp.asarray(lengths)
+            _int32_vector(name, lengths, batch)
+        used.append(lengths)
+    starts = jnp.arange(batch + 1, dtype=jnp.int32)
+    result = attention_varlen(query.reshape(batch * seqlen_q, nheads, headdim),
+                              *(x.reshape(batch * seqlen_k, nheads_kv, headdim) for x in (key, value)),
+                              starts * seqlen_q, starts * seqlen_k, seqlen_q, seqlen_k, causal=is_causal,
+                              softmax_scale=scale, window_size=(-1, -1) if window is None else window,
+                              seqused_q=used[0], seqused_k=used[1], mask_alignment="top_left",
+                              return_lse=return_residual)
+    out, lse = result if return_residual else (result, None)
+    out = out.reshape(query.shape)
+    if not return_residual:
+        return out
+    return out, jnp.transpose(lse.reshape(nheads, batch, seqlen_q), (1, 2, 0)).astype(key.dtype)
 
 
 # ---------------------------------------------------------------- fp8 (forward only)
@@ -246,75 +280,92 @@ def _fp8_attention(q, k, v, descales: dict, options: tuple, alibi_slopes, dropou
 
 # ---------------------------------------------------------------- packed batches
 
-def _varlen_slopes(slopes: tuple, device_id: int):
-    return cupy_view(slopes[0], slopes[0].shape, device_id) if slopes else None
+# The optional array operands of a packed batch's callbacks, by cuflash.attention_varlen's names.
+_VARLEN_OPERANDS = ("alibi_slopes", "block_table", "seqused_q", "seqused_k")
+
+
+def _varlen_operands(names: tuple, buffers: tuple, device_id: int) -> dict:
+    return {name: cupy_view(x, x.shape, device_id) for name, x in zip(names, buffers)}
 
 
 def _varlen_forward_callback(lengths, kwargs, p, names, ctx, outputs, q, k, v, cu_q, cu_k, state, *named):
     """The forward of a packed batch; `named` holds the optional operands named in `names`
-    (alibi_slopes, block_table), passed to cuflash.attention_varlen by those names."""
+    (_VARLEN_OPERANDS), passed to cuflash.attention_varlen by those names. With seqused_q the rows
+    the kernels leave are set first: out 0, lse -inf (XLA's buffers start undefined)."""
     device_id = device_of(outputs[0], ctx.stream)
     out, lse = (cupy_view(x, x.shape, device_id) for x in outputs)
     with on_xla_stream(ctx, out):
+        if "seqused_q" in names:
+            out.fill(0)
+            lse.fill(-numpy.inf)
         _varlen.attention_varlen(*(cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
-                                 out=out, lse=lse,
-                                 **{name: cupy_view(x, x.shape, device_id) for name, x in zip(names, named)},
+                                 out=out, lse=lse, **_varlen_operands(names, named, device_id),
                                  **with_dropout(kwargs, p, state, device_id))
 
 
-def _varlen_backward_callback(lengths, kwargs, p, deterministic, ctx, outputs, dout, q, k, v, out, lse, cu_q,
-                              cu_k, state, *slopes):
+def _varlen_backward_callback(lengths, kwargs, p, deterministic, names, ctx, outputs, dout, q, k, v, out, lse, cu_q,
+                              cu_k, state, *named):
+    """The backward of a packed batch; gradient rows past seqused_q (dq) and seqused_k (dk, dv) are 0."""
     device_id = device_of(outputs[0], ctx.stream)
     dq, dk, dv = (cupy_view(x, x.shape, device_id) for x in outputs)
     arrays = [cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
     with on_xla_stream(ctx, dq):
+        for grad, used in ((dq, "seqused_q"), (dk, "seqused_k"), (dv, "seqused_k")):
+            if used in names:
+                grad.fill(0)
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
-                                          alibi_slopes=_varlen_slopes(slopes, device_id),
+                                          **_varlen_operands(names, named, device_id),
                                           **with_dropout(kwargs, p, state, device_id))
 
 
-def _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, options, block_table=None):
-    named = {name: x for name, x in (("alibi_slopes", slopes), ("block_table", block_table)) if x is not None}
+def _varlen_forward_call(q, k, v, cu_q, cu_k, named: tuple, state, names: tuple, lengths, options):
+    """(out, lse) of cuflash.attention_varlen on JAX arrays; named: the operands named in `names`."""
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
-    call = buffer_callback(functools.partial(_varlen_forward_callback, lengths, *split_dropout(options),
-                                             tuple(named)), shapes, vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k, state, *named.values())
+    call = buffer_callback(functools.partial(_varlen_forward_callback, lengths, *split_dropout(options), names),
+                           shapes, vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k, state, *named)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention_varlen(q, k, v, cu_q, cu_k, slopes, state, lengths, options, deterministic):
-    return _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, dict(options))[0]
+def _operand_cotangent(x):
+    """No gradient reaches a packed batch's optional operands: zeros (ALiBi's slopes, as in flash-attn),
+    float0 for integer ones."""
+    return jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else _no_cotangent(x)
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, slopes, state, lengths, options, deterministic):
-    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, slopes, state, lengths, dict(options))
-    return out, (q, k, v, cu_q, cu_k, slopes, state, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _attention_varlen(q, k, v, cu_q, cu_k, named, state, names, lengths, options, deterministic):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, named, state, names, lengths, dict(options))
 
 
-def _attention_varlen_bwd(lengths, options, deterministic, residuals, dout):
-    q, k, v, cu_q, cu_k, slopes, state, out, lse = residuals
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, named, state, names, lengths, options, deterministic):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, named, state, names, lengths, dict(options))
+    return (out, lse), (q, k, v, cu_q, cu_k, named, state, out, lse)
+
+
+def _attention_varlen_bwd(names, lengths, options, deterministic, residuals, cotangents):
+    # The lse leaves attention_varlen through stop_gradient: its cotangent is zero.
+    q, k, v, cu_q, cu_k, named, state, out, lse = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = buffer_callback(functools.partial(_varlen_backward_callback, lengths, *split_dropout(dict(options)),
-                                             deterministic), shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, state, *operands(slopes))
-    return (dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), _slopes_cotangent(slopes),
+                                             deterministic, names), shapes, vmap_method="sequential")
+    dq, dk, dv = call(cotangents[0], q, k, v, out, lse, cu_q, cu_k, state, *named)
+    return (dq, dk, dv, _no_cotangent(cu_q), _no_cotangent(cu_k), tuple(_operand_cotangent(x) for x in named),
             _no_cotangent(state))
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _attention_varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, slopes, state, lengths, options):
-    return _varlen_forward_call(q, k_cache, v_cache, cu_q, cu_k, slopes, state, lengths, dict(options),
-                                block_table)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention_varlen_paged(q, k_cache, v_cache, cu_q, cu_k, named, state, names, lengths, options):
+    return _varlen_forward_call(q, k_cache, v_cache, cu_q, cu_k, named, state, names, lengths, dict(options))
 
 
 def _attention_varlen_paged_fwd(*args):
     return _attention_varlen_paged(*args), None
 
 
-def _attention_varlen_paged_bwd(lengths, options, residuals, dout):
+def _attention_varlen_paged_bwd(names, lengths, options, residuals, cotangents):
     raise NotImplementedError("cuflash.jax.attention_varlen: with block_table (a paged KV cache) there is a "
                               "forward only")
 
@@ -322,9 +373,15 @@ def _attention_varlen_paged_bwd(lengths, options, residuals, dout):
 _attention_varlen_paged.defvjp(_attention_varlen_paged_fwd, _attention_varlen_paged_bwd)
 
 
+def _int32_vector(name: str, x, size: int):
+    if x.dtype != jnp.int32 or x.shape != (size,):
+        raise ValueError(f"{name} must be an int32 array of shape ({size},), got {x.dtype} {x.shape}")
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                     dropout_p=0.0, dropout_key=None, block_table=None):
+                     dropout_p=0.0, dropout_key=None, block_table=None, seqused_q=None, seqused_k=None,
+                     mask_alignment="bottom_right", return_lse=False):
     """`cuflash.attention_varlen` on JAX arrays inside `jax.jit`, differentiable in q, k and v.
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim); cu_seqlens_q and
@@ -336,6 +393,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages,
     page_size, nheads_kv, headdim), as `cuflash.attention_varlen` takes it (chunked prefill;
     forward only: its gradient raises).
+    seqused_q, seqused_k: int32 (batch,) JAX arrays, and mask_alignment, as cuflash.attention_varlen's;
+    the rows past the used ones hold 0 in out and the gradients (-inf in the lse).
+    return_lse: (out, lse), lse float32 (nheads, total_q), through jax.lax.stop_gradient.
     """
     _require_gpu_backend()
     k_rank = 3 if block_table is None else 4
@@ -346,15 +406,31 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != jnp.int32 or x.ndim != 1:
             raise ValueError(f"{name} must be an int32 array of shape (batch + 1,), got {x.dtype} {x.shape}")
+    batch = cu_seqlens_q.shape[0] - 1
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
-    slopes = _alibi_operand(alibi_slopes, q.shape[1], cu_seqlens_q.shape[0] - 1)
+    named = {"alibi_slopes": _alibi_operand(alibi_slopes, q.shape[1], batch), "block_table": block_table}
+    for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if x is not None:
+            named[name] = x = jnp.asarray(x)
+            _int32_vector(name, x, batch)
+    named = {name: x for name, x in named.items() if x is not None}
+    _validate.mask_alignment(mask_alignment)
+    return_lse = _validate.flag("return_lse", return_lse)
     p, state = dropout_state(dropout_p, dropout_key)
-    options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
+    options = (*option_items(causal, softmax_scale, window_size, softcap), ("mask_alignment", mask_alignment),
+               ("dropout_p", p))
     if block_table is not None:
-        return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, slopes, state, lengths,
-                                       options)
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, state, lengths, options,
-                             _validate.flag("deterministic", deterministic))
+        if p:
+            raise ValueError("dropout_p: the paged prefill takes no dropout")
+        if seqused_q is not None or seqused_k is not None or mask_alignment != "bottom_right":
+            raise NotImplementedError("seqused_q, seqused_k, mask_alignment: the paged prefill takes the cache "
+                                      "lengths from cu_seqlens_k and aligns to the bottom right")
+        out, lse = _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(named.values()), state,
+                                           tuple(named), lengths, options)
+    else:
+        out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(named.values()), state,
+                                     tuple(named), lengths, options, _validate.flag("deterministic", deterministic))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 # ---------------------------------------------------------------- KV cache

@@ -15,6 +15,7 @@ captures a CUDA graph: a buffer that would have to grow raises instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 
@@ -25,7 +26,7 @@ from .arrays import aligned_copy, contiguous_strides, elem_strides
 from .config import BWD_ROW_PAD, FP8_DTYPE_NAME, BwdConfig, preprocess_row_lanes
 from .device import cupy, sm_count, stream_is_capturing
 from .kernel_call import KernelArgs, LaunchAfterPrior, kernel
-from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD
+from .score_mods import ALIBI_SLOPES_WORD, CU_SEQLENS_K_WORD, CU_SEQLENS_Q_WORD, SEQUSED_K_WORD, SEQUSED_Q_WORD
 
 # A tensor-map argument before run() writes the call's maps.
 UNSET_MAP = numpy.zeros(tma.TMA_DESC_WORDS, numpy.uint64)
@@ -44,15 +45,18 @@ def _address(x) -> int:
     return 0 if x is None else x.data.ptr
 
 
-def _option_addresses(slopes, cu_seqlens) -> tuple[int, int, int]:
-    """The addresses a call's options point the kernels at: ALiBi slopes, varlen cu_seqlens_q and _k."""
-    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (None, None)
-    return _address(slopes), _address(cu_q), _address(cu_k)
+def _option_addresses(slopes, cu_seqlens) -> tuple[int, ...]:
+    """The addresses a call's options point the kernels at: ALiBi slopes, then varlen's cu_seqlens_q,
+    cu_seqlens_k and the optional seqused_q and seqused_k (cu_seqlens: those arrays, 2 or 4)."""
+    if cu_seqlens is None:
+        return (_address(slopes),)
+    return (_address(slopes), *map(_address, cu_seqlens))
 
 
-def _point_options(args: KernelArgs, addresses: tuple[int, int, int]) -> None:
-    """Those addresses into the ScoreModArgs argument, every kernel's last."""
-    for address, word in zip(addresses, (ALIBI_SLOPES_WORD, CU_SEQLENS_Q_WORD, CU_SEQLENS_K_WORD)):
+def _point_options(args: KernelArgs, addresses: tuple[int, ...]) -> None:
+    """Those addresses into the ScoreModArgs argument, every kernel's last; varlen's absent ones 0."""
+    words = (ALIBI_SLOPES_WORD, CU_SEQLENS_Q_WORD, CU_SEQLENS_K_WORD, SEQUSED_Q_WORD, SEQUSED_K_WORD)
+    for word, address in itertools.zip_longest(words, addresses, fillvalue=0):
         args.set_address(-1, address, word)
 
 

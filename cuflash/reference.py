@@ -42,7 +42,14 @@ headdim) and k, v (total_k, nheads_kv, headdim), the sequences packed one
 after another; cu_seqlens_q and cu_seqlens_k (batch + 1,) hold their
 offsets.  Sequence b is attention of q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
 on its own keys, with every option applied per sequence (the causal and
-window diagonals bottom-right aligned in each).
+window diagonals bottom-right aligned in each, or top-left aligned with
+mask_alignment="top_left"). seqused_q and seqused_k (batch,) keep only the
+first rows of each sequence's spans; the rows past them are not attention's
+(out 0, lse -inf, gradients 0).
+
+mask_alignment, here and in `attention`: "bottom_right" (query i's diagonal
+key is i + seqlen_k - seqlen_q, flash-attn's) or "top_left" (i, jax.nn's), for
+the causal mask, the window and ALiBi's distance.
 """
 
 import math
@@ -54,12 +61,19 @@ import numpy as np
 from .score_mods import DROPOUT_DRAW_BITS, Dropout, queries_rotate_apart
 
 
-def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+def _diagonal(seqlen_q, seqlen_k, mask_alignment):
+    """Each query's diagonal key, a (seqlen_q, 1) column (mask_alignment: the module docstring's)."""
+    if mask_alignment not in ("bottom_right", "top_left"):
+        raise ValueError(f"mask_alignment must be 'bottom_right' or 'top_left', got {mask_alignment!r}")
+    return np.arange(seqlen_q)[:, None] + (0 if mask_alignment == "top_left" else seqlen_k - seqlen_q)
+
+
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), mask_alignment="bottom_right"):
     """Boolean (seqlen_q, seqlen_k) matrix, True where query i may see key j."""
     left, right = (int(x) for x in window_size)
     if causal:
         right = 0
-    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    diagonal = _diagonal(seqlen_q, seqlen_k, mask_alignment)
     j = np.arange(seqlen_k)[None, :]
     mask = np.ones((seqlen_q, seqlen_k), dtype=bool)
     if left >= 0:
@@ -94,7 +108,7 @@ class _ScoreMods(NamedTuple):
     softcap: float
     mask: np.ndarray  # (seqlen_q, seqlen_k) bool, True where visible
     slopes: np.ndarray | None  # (batch, nheads) float64
-    distance: np.ndarray  # (seqlen_q, seqlen_k) |i + seqlen_k - seqlen_q - j|
+    distance: np.ndarray  # (seqlen_q, seqlen_k) |query i's diagonal key - j|
 
     def modify(self, s, b, h, rnd=None):
         """Softcap, ALiBi bias and mask applied to the scaled scores s of (batch b, head h).
@@ -115,7 +129,8 @@ class _ScoreMods(NamedTuple):
         return np.where(self.mask, s, real(-np.inf)), tanh
 
 
-def _heads(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def _heads(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+           mask_alignment="bottom_right"):
     """The score modifications of the call and, per (batch, head), (b, h, q rows, k rows, v rows)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -125,8 +140,8 @@ def _heads(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, al
         raise ValueError(f"softcap must be >= 0, got {softcap}")
     group = nheads // nheads_kv
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-    mods = _ScoreMods(scale, float(softcap), visible_mask(seqlen_q, seqlen_k, causal, window_size),
+    diagonal = _diagonal(seqlen_q, seqlen_k, mask_alignment)
+    mods = _ScoreMods(scale, float(softcap), visible_mask(seqlen_q, seqlen_k, causal, window_size, mask_alignment),
                       _host_slopes(alibi_slopes, batch, nheads),
                       np.abs(diagonal - np.arange(seqlen_k)[None, :]).astype(np.float64))
     heads = ((b, h, q[b, :, h], k[b, :, h // group], v[b, :, h // group])
@@ -173,7 +188,7 @@ def _softmax_rows(s):
 
 
 def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
+              softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0, mask_alignment="bottom_right"):
     """Exact attention in float64, with the options of the module docstring.
 
     Returns out (float64, shaped like q) and, with return_lse=True, also
@@ -182,7 +197,7 @@ def attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf)
-    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, mask_alignment)
     keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, _ = mods.modify(mods.scale * (qh @ kh.T), b, h)
@@ -213,7 +228,7 @@ def _rounder(dtype):
 
 
 def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                         softmax_scale=None, dtype, dropout_mask=None, dropout_p=0.0):
+                         softmax_scale=None, dtype, dropout_mask=None, dropout_p=0.0, mask_alignment="bottom_right"):
     """Attention computed the naive way in a low-precision dtype.
 
     Mimics what a GPU framework does with a kernel per step in
@@ -231,7 +246,7 @@ def attention_naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap
     rnd = _rounder(dtype)
     q, k, v = rnd(q), rnd(k), rnd(v)
     out = np.zeros(q.shape, dtype=np.float32)
-    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, mask_alignment)
     keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, _ = mods.modify(rnd(rnd(qh * np.float32(mods.scale)) @ kh.T), b, h, rnd)
@@ -286,7 +301,7 @@ def attention_naive_fp8(q, k, v, *, causal=False, window_size=(-1, -1), softcap=
 
 
 def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+                       softmax_scale=None, dropout_mask=None, dropout_p=0.0, mask_alignment="bottom_right"):
     """Gradients of attention in float64, from the closed form.
 
     For a loss L with dL/dout = dout, per batch and query head, with S the
@@ -318,7 +333,7 @@ def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), sof
     dq = np.zeros(q.shape, dtype=np.float64)
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
-    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, mask_alignment)
     keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
         s, tanh = mods.modify(mods.scale * (qh @ kh.T), b, h)
@@ -340,7 +355,7 @@ def attention_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), sof
 
 def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
                                   alibi_slopes=None, softmax_scale=None, dtype, dropout_mask=None,
-                                  dropout_p=0.0):
+                                  dropout_p=0.0, mask_alignment="bottom_right"):
     """Gradients of attention computed the naive way in a low-precision dtype.
 
     What reverse-mode autodiff through `attention_naive_lowp` does in
@@ -372,7 +387,7 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
     dq = np.zeros(q.shape, dtype=np.float32)
     dk = np.zeros(k.shape, dtype=np.float32)
     dv = np.zeros(v.shape, dtype=np.float32)
-    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    mods, heads = _heads(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, mask_alignment)
     scale = np.float32(mods.scale)
     keep, rescale = _dropout_keep(dropout_mask, dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for b, h, qh, kh, vh in heads:
@@ -399,8 +414,10 @@ def attention_backward_naive_lowp(dout, q, k, v, *, causal=False, window_size=(-
 # --- Variable-length batches -----------------------------------------------
 
 
-def _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_mask):
+def _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_mask, seqused=(None, None)):
     """Per sequence b: (rows of q, rows of k, per-sequence options) of a varlen call.
+
+    seqused: (seqused_q, seqused_k), each None or (batch,): the rows kept of each span.
 
     The options are alibi_slopes (nheads,) of sequence b, or None, and
     dropout_mask (nheads, seqlen_q_b, seqlen_k_b) of sequence b wrapped to
@@ -426,8 +443,16 @@ def _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_ma
                 or mask.shape[3] < longest[1]:
             raise ValueError(f"dropout_mask must have shape (batch, nheads, >= max seqlen_q, >= max seqlen_k) = "
                              f"({batch}, {nheads}, >= {longest[0]}, >= {longest[1]}), got {mask.shape}")
+    used = []
+    for name, x, cu in (("seqused_q", seqused[0], cu_q), ("seqused_k", seqused[1], cu_k)):
+        spans = np.diff(cu)
+        x = spans if x is None else np.asarray(x.get() if hasattr(x, "get") else x)
+        if x.shape != (batch,) or np.any(x < 0) or np.any(x > spans):
+            raise ValueError(f"{name} must have shape ({batch},) and values in [0, each span's length], got {x}")
+        used.append(x)
     for b in range(batch):
-        rows_q, rows_k = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        rows_q = slice(int(cu_q[b]), int(cu_q[b] + used[0][b]))
+        rows_k = slice(int(cu_k[b]), int(cu_k[b] + used[1][b]))
         seq_mask = None
         if mask is not None:
             seq_mask = mask[b : b + 1, :, : rows_q.stop - rows_q.start, : rows_k.stop - rows_k.start]
@@ -445,7 +470,8 @@ def _check_varlen(q, k, v, dout=None):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
+                     alibi_slopes=None, softmax_scale=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
+                     seqused_q=None, seqused_k=None, mask_alignment="bottom_right"):
     """Exact attention of a variable-length batch in float64 (`attention` per sequence).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim);
@@ -463,59 +489,63 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                     dropout_mask):
+                                                     dropout_mask, (seqused_q, seqused_k)):
         o, l = attention(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal, window_size=window_size,
                          softcap=softcap, softmax_scale=softmax_scale, return_lse=True, dropout_p=dropout_p,
-                         **per_seq)
+                         mask_alignment=mask_alignment, **per_seq)
         out[rows_q], lse[:, rows_q] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+                              softcap=0.0, alibi_slopes=None, softmax_scale=None, dropout_mask=None, dropout_p=0.0,
+                              seqused_q=None, seqused_k=None, mask_alignment="bottom_right"):
     """Gradients (dq, dk, dv) of `attention_varlen` in float64 (`attention_backward` per sequence)."""
     dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
     _check_varlen(q, k, v, dout)
     dq, dk, dv = (np.zeros(x.shape, dtype=np.float64) for x in (q, k, v))
     for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                     dropout_mask):
+                                                     dropout_mask, (seqused_q, seqused_k)):
         grads = attention_backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
                                    causal=causal, window_size=window_size, softcap=softcap,
-                                   softmax_scale=softmax_scale, dropout_p=dropout_p, **per_seq)
+                                   softmax_scale=softmax_scale, dropout_p=dropout_p, mask_alignment=mask_alignment,
+                                   **per_seq)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
 
 
 def attention_varlen_naive_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window_size=(-1, -1),
                                 softcap=0.0, alibi_slopes=None, softmax_scale=None, dtype, dropout_mask=None,
-                                dropout_p=0.0):
+                                dropout_p=0.0, seqused_q=None, seqused_k=None, mask_alignment="bottom_right"):
     """`attention_naive_lowp` per sequence of a variable-length batch; float32 (total_q, nheads, headdim)."""
     rnd = _rounder(dtype)
     q, k, v = rnd(q), rnd(k), rnd(v)
     _check_varlen(q, k, v)
     out = np.zeros(q.shape, dtype=np.float32)
     for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                     dropout_mask):
+                                                     dropout_mask, (seqused_q, seqused_k)):
         out[rows_q] = attention_naive_lowp(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal,
                                            window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
-                                           dtype=dtype, dropout_p=dropout_p, **per_seq)[0]
+                                           dtype=dtype, dropout_p=dropout_p, mask_alignment=mask_alignment,
+                                           **per_seq)[0]
     return out
 
 
 def attention_varlen_backward_naive_lowp(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
                                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
-                                         dtype, dropout_mask=None, dropout_p=0.0):
+                                         dtype, dropout_mask=None, dropout_p=0.0, seqused_q=None, seqused_k=None,
+                                         mask_alignment="bottom_right"):
     """`attention_backward_naive_lowp` per sequence of a variable-length batch; float32 (dq, dk, dv)."""
     rnd = _rounder(dtype)
     dout, q, k, v = rnd(dout), rnd(q), rnd(k), rnd(v)
     _check_varlen(q, k, v, dout)
     dq, dk, dv = (np.zeros(x.shape, dtype=np.float32) for x in (q, k, v))
     for rows_q, rows_k, per_seq in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                     dropout_mask):
+                                                     dropout_mask, (seqused_q, seqused_k)):
         grads = attention_backward_naive_lowp(dout[None, rows_q], q[None, rows_q], k[None, rows_k],
                                               v[None, rows_k], causal=causal, window_size=window_size,
                                               softcap=softcap, softmax_scale=softmax_scale, dtype=dtype,
-                                              dropout_p=dropout_p, **per_seq)
+                                              dropout_p=dropout_p, mask_alignment=mask_alignment, **per_seq)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
 

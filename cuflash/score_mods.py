@@ -33,20 +33,26 @@ KERNEL_ARGS_DTYPE = numpy.dtype([
     ("cu_seqlens_q", "<u8"), ("cu_seqlens_k", "<u8"), ("total_q", "<i4"), ("total_k", "<i4"), ("num_seqs", "<i4"),
     ("dropout_seed_lo", "<u4"), ("dropout_seed_hi", "<u4"), ("dropout_offset_lo", "<u4"), ("dropout_offset_hi", "<u4"),
     ("dropout_threshold", "<u4"), ("dropout_scale", "<f4"), ("dropout_state", "<u8"),
+    ("seqused_q", "<u8"), ("seqused_k", "<u8"), ("top_left", "<i4"),
 ], align=True)
 # The 8-byte words of the packed struct that hold addresses (rewritten per call).
 ALIBI_SLOPES_WORD = KERNEL_ARGS_DTYPE.fields["alibi_slopes"][1] // 8
 CU_SEQLENS_Q_WORD = KERNEL_ARGS_DTYPE.fields["cu_seqlens_q"][1] // 8
 CU_SEQLENS_K_WORD = KERNEL_ARGS_DTYPE.fields["cu_seqlens_k"][1] // 8
+SEQUSED_Q_WORD = KERNEL_ARGS_DTYPE.fields["seqused_q"][1] // 8
+SEQUSED_K_WORD = KERNEL_ARGS_DTYPE.fields["seqused_k"][1] // 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Varlen:
-    """A packed batch (cuda_src/seq_span.cuh): num_seqs sequences in total_q query and total_k key rows."""
+    """A packed batch (cuda_src/seq_span.cuh): num_seqs sequences in total_q query and total_k key rows.
+    top_left: every sequence's masks align to its top-left corner (query i's diagonal key is i: jax.nn's),
+    not to its bottom-right one (i + nk - nq of its used lengths: flash-attn's)."""
 
     num_seqs: int
     total_q: int
     total_k: int
+    top_left: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +149,7 @@ class ScoreMods:
         if self.varlen is not None:
             args["total_q"], args["total_k"], args["num_seqs"] = (self.varlen.total_q, self.varlen.total_k,
                                                                   self.varlen.num_seqs)
+            args["top_left"] = self.varlen.top_left
         if self.dropout is not None:
             d = self.dropout
             (args["dropout_seed_lo"], args["dropout_seed_hi"], args["dropout_offset_lo"],
@@ -213,12 +220,11 @@ def from_top_left(seqlen_q: int, seqlen_k: int, causal: bool, window) -> tuple[i
     under causal, and i - left <= j <= i + right under a (left, right) window) in cuflash's terms,
     whose diagonal is bottom-right (i + seqlen_k - seqlen_q): (the keys to attend, a prefix of
     seqlen_k, and window_size over them). Keys past the last row's upper bound are cut, so that the
-    two diagonals meet or the upper bound stays non-negative. window: None or a pair of ints >= 0.
+    two diagonals meet or the upper bound stays non-negative. window: None or a pair of ints >= 0
+    (checked by the caller).
     Raises NotImplementedError where the lower bound would pass the last key for some rows (no key
     seen: jax.nn averages every value there, cuflash writes 0)."""
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    if window is not None and (left < 0 or right < 0):
-        raise ValueError(f"local_window_size must be ints >= 0, got {window!r}")
     if causal:
         right = 0
     keys = seqlen_k if right < 0 else min(seqlen_k, seqlen_q + right)
@@ -243,15 +249,17 @@ def normalise(causal: bool, window: tuple[int, int], softcap: float, alibi_batch
     """(causal, ScoreMods) for validated options at these lengths (varlen: the longest sequence's).
 
     A bound that every (query, key) pair passes is dropped (left >= seqlen_k - 1,
-    right >= seqlen_q - 1), so such a window runs the plain kernel; a window
+    right >= seqlen_q - 1; aligned to the top-left corner, left >= seqlen_q - 1 and
+    right >= seqlen_k - 1), so such a window runs the plain kernel; a window
     whose right bound is 0 and left unbounded is the causal mask.
     """
     left, right = window
     if causal:
         right = 0
-    if left >= seqlen_k - 1:
+    top_left = varlen is not None and varlen.top_left
+    if left >= (seqlen_q if top_left else seqlen_k) - 1:
         left = -1
-    if right >= seqlen_q - 1:
+    if right >= (seqlen_k if top_left else seqlen_q) - 1:
         right = -1
     if right == 0:
         causal = True

@@ -380,16 +380,19 @@ def _fp8_fwd_fake(q, *rest):
 @_op("varlen_fwd", seeded=True)
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                alibi_slopes: torch.Tensor | None, causal: bool,
-                softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
+                alibi_slopes: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+                causal: bool, softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
                 deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    # Rows past seqused_q are not written: 0 and -inf there, as cuflash.attention_varlen allocates them.
+    out = torch.empty_like(q) if seqused_q is None else torch.zeros_like(q)
+    lse_shape = (q.shape[1], q.shape[0])
+    lse = q.new_empty(lse_shape, dtype=torch.float32) if seqused_q is None else \
+        q.new_full(lse_shape, float("-inf"), dtype=torch.float32)
     draw = _dropout_draw(dropout_p)
     with _on_torch_stream(q):
         _varlen.attention_varlen(_cp(q), _cp(k), _cp(v), _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q,
                                  max_seqlen_k, out=_cp(out), lse=_cp(lse), alibi_slopes=_cp(alibi_slopes),
-                                 **_dropout(dropout_p, draw),
+                                 seqused_q=_cp(seqused_q), seqused_k=_cp(seqused_k), **_dropout(dropout_p, draw),
                                  **_options(causal, softmax_scale, window_left, window_right, softcap))
     return out, lse, draw
 
@@ -403,17 +406,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @_op("varlen_bwd")
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, draw: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: torch.Tensor | None, causal: bool,
-                softmax_scale: float | None, window_left: int,
-                window_right: int, softcap: float, deterministic: bool,
-                dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: torch.Tensor | None,
+                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, causal: bool,
+                softmax_scale: float | None, window_left: int, window_right: int, softcap: float,
+                deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Rows past seqused_q (dq) and seqused_k (dk, dv) are not written: 0 there.
+    dq = torch.empty_like(q) if seqused_q is None else torch.zeros_like(q)
+    dk, dv = (torch.empty_like(x) if seqused_k is None else torch.zeros_like(x) for x in (k, v))
     dout = dout.contiguous()  # held here: the view of it does not keep it alive
     with _on_torch_stream(q):
         _varlen.attention_varlen_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse),
                                           _cp(cu_seqlens_q), _cp(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                                           dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), deterministic=deterministic,
-                                          alibi_slopes=_cp(alibi_slopes), **_dropout(dropout_p, draw),
+                                          alibi_slopes=_cp(alibi_slopes), seqused_q=_cp(seqused_q),
+                                          seqused_k=_cp(seqused_k), **_dropout(dropout_p, draw),
                                           **_options(causal, softmax_scale, window_left, window_right, softcap))
     return dq, dk, dv
 
@@ -424,15 +430,16 @@ def _varlen_bwd_fake(dout, q, k, v, *rest):
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, slopes, *options = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, slopes, *output)
+    q, k, v, cu_q, cu_k, max_q, max_k, slopes, used_q, used_k, *options = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, slopes, used_q, used_k, *output)
     ctx.lengths, ctx.options = (max_q, max_k), options
 
 
 def _varlen_backward(ctx, dout, dlse, ddraw):
-    q, k, v, cu_q, cu_k, slopes, out, lse, draw = ctx.saved_tensors
-    grads = _varlen_bwd(dout, q, k, v, out, lse, draw, cu_q, cu_k, *ctx.lengths, slopes, *ctx.options)
-    return (*grads, None, None, None, None, None, *[None] * len(ctx.options))
+    q, k, v, cu_q, cu_k, slopes, used_q, used_k, out, lse, draw = ctx.saved_tensors
+    grads = _varlen_bwd(dout, q, k, v, out, lse, draw, cu_q, cu_k, *ctx.lengths, slopes, used_q, used_k,
+                        *ctx.options)
+    return (*grads, *[None] * 7, *[None] * len(ctx.options))
 
 
 torch.library.register_autograd("cuflash::varlen_fwd", _varlen_backward, setup_context=_varlen_setup)
@@ -468,16 +475,19 @@ torch.library.register_autograd("cuflash::varlen_paged_fwd", _paged_backward)
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None):
     """flash-attn's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k, nheads_kv,
     headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with return_attn_probs,
     (out, lse (nheads, total_q), S_dmask) (S_dmask as flash_attn_func's; None with block_table).
     dropout_p and alibi_slopes as in flash_attn_func.
     block_table: int32 (batch, max_pages); k and v are then a paged KV cache (num_pages, page_size,
     nheads_kv, headdim), sequence b's keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions
-    (chunked prefill, as `cuflash.attention_varlen`'s; forward only)."""
+    (chunked prefill, as `cuflash.attention_varlen`'s; forward only).
+    seqused_q, seqused_k: int32 CUDA tensors (batch,), flash-attn 3's (cuflash.attention_varlen's):
+    the rows used of each sequence's spans; out and the gradients hold 0 past them."""
     _require_cuda(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
-                  block_table=block_table)
+                  block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k)
     q, k, v = _rows_contiguous(q, k, v)
     pad = _headdim_padding(q)
     if pad:
@@ -485,17 +495,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _unpadded(flash_attn_varlen_func(_padded(q, pad), _padded(k, pad), _padded(v, pad), cu_seqlens_q,
                                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal,
                                                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                                block_table), q.shape[-1])
+                                                block_table, seqused_q=seqused_q, seqused_k=seqused_k), q.shape[-1])
     options = _flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     return_attn_probs = _validate.flag("return_attn_probs", return_attn_probs)
     if block_table is not None:
+        if seqused_q is not None or seqused_k is not None:
+            raise NotImplementedError("seqused_q, seqused_k: the paged prefill takes the cache lengths from "
+                                      "cu_seqlens_k (pass None)")
         out, lse = _varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      block_table, alibi_slopes, options.causal, options.softmax_scale,
                                      options.window_left, options.window_right, options.softcap, options.dropout_p)
     else:
         out, lse, draw = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                     alibi_slopes, *options)
+                                     alibi_slopes, seqused_q, seqused_k, *options)
         if return_attn_probs and options.dropout_p:
+            if seqused_q is not None or seqused_k is not None:
+                raise NotImplementedError("return_attn_probs: S_dmask with seqused_q or seqused_k is not supported")
             return out, lse, _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                 int(max_seqlen_k), draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out

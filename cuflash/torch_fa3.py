@@ -10,8 +10,10 @@ softmax_scale, causal, ...)`; return_attn_probs gives (out, softmax_lse); the KV
 there. Arguments that only tune flash-attn 3's kernels (num_splits of the dense and varlen calls,
 pack_gqa, sm_margin, scheduler_metadata) are accepted and have no effect: cuflash's dispatch makes
 those choices. Features cuflash does not have raise NotImplementedError naming the argument: qv,
-attention_chunk, seqused_q and seqused_k, and flash_attn_with_kvcache's packed queries
-(cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), rotary_seqlens and fp8 queries (q_descale).
+attention_chunk, and flash_attn_with_kvcache's packed queries (cu_seqlens_q, cu_seqlens_k_new,
+max_seqlen_q), rotary_seqlens and fp8 queries (q_descale). flash_attn_varlen_func's seqused_q and
+seqused_k are cuflash.attention_varlen's (out and the gradients hold 0 in the rows past them, where
+flash-attn 3 leaves them unwritten).
 """
 
 from __future__ import annotations
@@ -71,14 +73,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn 3's `flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k,
     nheads_kv, headdim), cu_seqlens int32 CUDA tensors (batch + 1,). Returns out; with
     return_attn_probs, (out, softmax_lse (nheads, total_q))."""
-    _refuse("flash_attn_varlen_func", seqused_q=seqused_q, seqused_k=seqused_k, qv=qv,
-            attention_chunk=attention_chunk)
+    _refuse("flash_attn_varlen_func", qv=qv, attention_chunk=attention_chunk)
     if q_descale is not None or k_descale is not None or v_descale is not None:
         raise NotImplementedError("flash_attn_varlen_func: fp8 descales are not supported by cuflash's torch "
                                   "varlen op (cuflash.attention_varlen takes them)")
     result = _fa2.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                          softmax_scale, causal, window_size, softcap, None, deterministic,
-                                         return_attn_probs)
+                                         return_attn_probs, seqused_q=seqused_q, seqused_k=seqused_k)
     return result[:2] if return_attn_probs else result
 
 

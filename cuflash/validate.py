@@ -328,19 +328,59 @@ def cu_seqlens(name: str, x, total: int | None, batch: int | None = None) -> int
     return count
 
 
-def max_seqlen(name: str, value, cu_host=None) -> int:
-    """A valid max_seqlen: a positive int32, at least the longest sequence of host cu_seqlens cu_host if given."""
+def max_seqlen(name: str, value, lengths=None) -> int:
+    """A valid max_seqlen: a positive int32, at least the longest of the sequences' host `lengths` if given."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     length = int(value)
     if not 0 < length < INT32_ROWS:
         raise ValueError(f"{name} must be a positive int below 2^31 (the kernels count rows in int32), got {length}")
-    if cu_host is not None:
-        lengths = numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
+    if lengths is not None:
         longest = int(lengths.max()) if lengths.size else 0
         if length < longest:
             raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {length}")
     return length
+
+
+# attention_varlen's mask_alignment: where each sequence's causal mask and window diagonals start.
+MASK_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def mask_alignment(value) -> bool:
+    """Whether a varlen call's masks align to each sequence's top-left corner (query i's diagonal key
+    is i, as jax.nn's) rather than its bottom-right one (i + nk - nq, flash-attn's)."""
+    if not isinstance(value, str) or value not in MASK_ALIGNMENTS:
+        raise ValueError(f"mask_alignment must be one of {MASK_ALIGNMENTS}, got {value!r}")
+    return value == "top_left"
+
+
+def seqused(name: str, x, batch: int, cu_host=None):
+    """Sequence lengths used within the spans of cu_seqlens (flash-attn 3's seqused_q, seqused_k): None,
+    or an int32 array of shape (batch,), NumPy or contiguous CuPy. On the host the values are checked,
+    each in [0, its span's length] where the host offsets cu_host are given, and returned as int64;
+    a CuPy array's values are the caller's contract (the kernels clamp them into the spans): None."""
+    if x is None:
+        return None
+    on_host = isinstance(x, numpy.ndarray)
+    if not on_host and not isinstance(x, device.cupy().ndarray):
+        raise TypeError(f"{name} must be None or an int32 numpy.ndarray or cupy.ndarray of shape (batch,), "
+                        f"got {type(x).__module__}.{type(x).__name__}")
+    if x.dtype != numpy.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
+    if not on_host:
+        if x.strides[0] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
+        return None
+    used = x.astype(numpy.int64)
+    spans = None if cu_host is None else numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
+    bad = (used < 0) | (used > spans) if spans is not None else used < 0
+    if numpy.any(bad):
+        at = int(numpy.argmax(bad))
+        bound = f"[0, {int(spans[at])}] (its span in cu_seqlens)" if spans is not None else ">= 0"
+        raise ValueError(f"{name}[{at}] must be in {bound}, got {int(used[at])}")
+    return used
 
 
 def dropout(p, seed, offset) -> tuple[float, object, int]:

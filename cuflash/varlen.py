@@ -37,37 +37,48 @@ def _require_3d(**arrays) -> None:
             raise ValueError(f"{name} must have 3 dims (total, nheads, headdim), got shape {x.shape}")
 
 
-def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None, device):
-    """(cu_seqlens_q, cu_seqlens_k) on q's device, after validation, and the sequence count.
+def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int | None, device,
+             seqused_q=None, seqused_k=None):
+    """(cu_seqlens_q, cu_seqlens_k) on q's device, after validation, and the sequence count; with
+    seqused_q or seqused_k, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), an absent one None.
 
-    Host (NumPy) offsets are checked value by value and copied to the device;
-    device offsets are the caller's contract (reading them would synchronise):
+    Host (NumPy) arrays are checked value by value and copied to the device;
+    device arrays are the caller's contract (reading them would synchronise):
     the kernels clamp every offset into the packed rows and every length to
-    max_seqlen, so wrong ones give wrong results, never an access outside q, k, v or out.
+    max_seqlen and its span, so wrong ones give wrong results, never an access outside q, k, v or out.
+    With seqused, max_seqlen bounds the used lengths, not the spans.
     """
     num_seqs = validate.cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
     validate.cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, num_seqs)
-    for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        validate.max_seqlen(name, value, cu if isinstance(cu, numpy.ndarray) else None)
+    for name, value, cu, used_name, used in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q, "seqused_q", seqused_q),
+                                             ("max_seqlen_k", max_seqlen_k, cu_seqlens_k, "seqused_k", seqused_k)):
+        cu_host = cu if isinstance(cu, numpy.ndarray) else None
+        used_lengths = validate.seqused(used_name, used, num_seqs, cu_host)
+        spans = None if cu_host is None else numpy.diff(cu_host.astype(numpy.int64))
+        validate.max_seqlen(name, value, used_lengths if used is not None else spans)
     if num_seqs > validate.MAX_GRID_YZ:
         raise ValueError(f"cu_seqlens_q: at most {validate.MAX_GRID_YZ} sequences, got {num_seqs}")
+    arrays = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    if seqused_q is not None or seqused_k is not None:
+        arrays.update(seqused_q=seqused_q, seqused_k=seqused_k)
     cp = cupy()
     on_device = []
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if isinstance(cu, numpy.ndarray):
+    for name, x in arrays.items():
+        if isinstance(x, numpy.ndarray):
             launch.require_not_capturing(f"attention_varlen with a host {name}")
             with device:
-                cu = cp.asarray(cu)
-        elif cu.device != device:
-            raise ValueError(f"{name} is on device {cu.device.id}, q on device {device.id}")
-        on_device.append(cu)
+                x = cp.asarray(x)
+        elif x is not None and x.device != device:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
+        on_device.append(x)
     return tuple(on_device), num_seqs
 
 
 def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
-             dropout=(0.0, 0, 0)):
+             dropout=(0.0, 0, 0), mask_alignment="bottom_right"):
     """(causal, ScoreMods) of a varlen call: the options normalised at the longest lengths; dropout:
     (p, seed, offset), the mask over each sequence's own positions with b its index."""
+    top_left = validate.mask_alignment(mask_alignment)
     causal = validate.flag("causal", causal)
     window = validate.window_size(window_size, causal)
     cap = validate.softcap(softcap)
@@ -75,7 +86,7 @@ def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max
     if alibi_slopes is not None:
         validate.same_device("alibi_slopes", alibi_slopes, q)
     return normalise(causal, window, cap, slopes_stride, max_seqlen_q, max_seqlen_k,
-                     Varlen(num_seqs, q.shape[0], k.shape[0]), validate.dropout_option(*dropout, q))
+                     Varlen(num_seqs, q.shape[0], k.shape[0], top_left), validate.dropout_option(*dropout, q))
 
 
 def _packed(*arrays):
@@ -97,7 +108,8 @@ def _output(name: str, x, ref, ref_name: str, dtype=None) -> None:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, return_lse=False,
                      out=None, lse=None, q_descale=None, k_descale=None, v_descale=None, block_table=None,
-                     dropout_p=0.0, seed=0, offset=0):
+                     dropout_p=0.0, seed=0, offset=0, seqused_q=None, seqused_k=None,
+                     mask_alignment="bottom_right"):
     """Exact attention of a packed batch of sequences of different lengths.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), cupy
@@ -116,21 +128,37 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions (chunked prefill; 16-bit, forward only).
     dropout_p, seed, offset: as `attention`'s, the mask over each sequence's own positions with b
     the sequence's index.
+    seqused_q, seqused_k: int32 (batch,), NumPy (checked) or CuPy (clamped into the spans), flash-attn
+    3's: sequence b is only the first seqused_q[b] query rows and seqused_k[b] keys of its spans in
+    cu_seqlens (a padded batch: cu_seqlens at multiples of the padded length); max_seqlen then bounds
+    the used lengths. Rows past the used ones are not written: out and lse arrays cuflash allocates
+    hold 0 and -inf there, given ones keep their contents.
+    mask_alignment: "bottom_right" (flash-attn's: query i's diagonal key is i + nk - nq of the
+    sequence's used lengths) or "top_left" (jax.nn's: i), for causal, window_size and ALiBi alike.
     Returns out; with return_lse=True, (out, lse).
     """
     if block_table is not None:
         if dropout_p:
             raise ValueError("dropout_p: the paged prefill takes no dropout")
+        for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if x is not None:
+                raise NotImplementedError(f"{name}: the paged prefill takes the cache lengths from cu_seqlens_k "
+                                          "(pass None)")
+        if mask_alignment != "bottom_right":
+            raise NotImplementedError("mask_alignment: the paged prefill aligns to the bottom right only")
         return _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
                       window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse,
                       (q_descale, k_descale, v_descale))
     key = None
-    if q_descale is None and k_descale is None and v_descale is None and not dropout_p:  # fp8, dropout: full path
-        key = _plan_key((q, k, v), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        (window_size, softcap, alibi_slopes), softmax_scale)
+    # fp8, dropout and other spellings of mask_alignment: the full path
+    if q_descale is None and k_descale is None and v_descale is None and not dropout_p and \
+            type(mask_alignment) is str:
+        key = _plan_key((q, k, v), (out, lse), (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), max_seqlen_q,
+                        max_seqlen_k, causal, (window_size, softcap, alibi_slopes), softmax_scale, mask_alignment)
     plan = _fwd_plans.get(key) if key is not None else None
     if plan is not None:
-        return plan.call(q, k, v, out, lse, return_lse, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
+        return plan.call(q, k, v, out, lse, return_lse, alibi_slopes,
+                         _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
     _require_3d(q=q, k=k, v=v)
     q4, k4, v4 = _packed(q, k, v)
     dtype_name = validate.qkv(q4, k4, v4, allow_fp8=True)
@@ -142,9 +170,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_q, nheads, headdim = q.shape
     total_k, nheads_kv = k.shape[:2]
     cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
-                                    q.device)
+                                    q.device, seqused_q, seqused_k)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
-                            (dropout_p, seed, offset))
+                            (dropout_p, seed, offset), mask_alignment)
     descale = fp8.validate_descales(q_descale, k_descale, v_descale, num_seqs, nheads_kv, is_fp8, q.device)
     result_dtype = out_dtype(dtype_name, q.dtype)
     if out is not None:
@@ -154,10 +182,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     validate.disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     cp = cupy()
     with q.device:
-        if out is None or lse is None:
-            launch.require_not_capturing("attention_varlen without out= and lse=")
-        out = cp.empty(q.shape, result_dtype) if out is None else out
-        lse = cp.empty((nheads, total_q), numpy.float32) if lse is None else lse
+        out, lse = _forward_outputs(q, out, lse, result_dtype, seqused_q is not None)
         if total_q == 0:
             return (out, lse) if return_lse else out
         if total_k == 0:
@@ -172,8 +197,31 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
         prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes, cu_seqlens)
     if key is not None and not is_fp8:
-        _fwd_plans.store(key, _FwdPlan(prepared, device_id))
+        _fwd_plans.store(key, _FwdPlan(prepared, device_id, seqused_q is not None))
     return (out, lse) if return_lse else out
+
+
+def _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> tuple:
+    """The device arrays a launch points the kernels at (launch._option_addresses)."""
+    if seqused_q is None and seqused_k is None:
+        return cu_seqlens_q, cu_seqlens_k
+    return cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k
+
+
+def _forward_outputs(q, out, lse, dtype, rows_unused: bool):
+    """out and lse as given, the missing ones new arrays (never while the stream captures a CUDA graph);
+    rows_unused (seqused_q): new ones start as unused rows read, 0 and -inf."""
+    if out is not None and lse is not None:
+        return out, lse
+    launch.require_not_capturing("attention_varlen without out= and lse=")
+    cp = cupy()
+    total_q, nheads = q.shape[:2]
+    if out is None:
+        out = cp.zeros(q.shape, dtype) if rows_unused else cp.empty(q.shape, dtype)
+    if lse is None:
+        lse = cp.full((nheads, total_q), -numpy.inf, numpy.float32) if rows_unused else \
+            cp.empty((nheads, total_q), numpy.float32)
+    return out, lse
 
 
 def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
@@ -182,8 +230,8 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     signature with device offsets takes its plan."""
     if any(x is not None for x in descales):
         raise ValueError("block_table: a paged cache takes float16 or bfloat16, not fp8 with descales")
-    key = _plan_key((q, k_cache, v_cache, block_table), (out, lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, causal, (window_size, softcap, alibi_slopes), softmax_scale, "paged")
+    key = _plan_key((q, k_cache, v_cache, block_table), (out, lse), (cu_seqlens_q, cu_seqlens_k, None, None),
+                    max_seqlen_q, max_seqlen_k, causal, (window_size, softcap, alibi_slopes), softmax_scale, "paged")
     plan = _fwd_plans.get(key) if key is not None else None
     if plan is not None:
         out, lse = plan.call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, out, lse)
@@ -214,11 +262,12 @@ _fwd_plans = PlanCache()
 _bwd_plans = PlanCache()
 
 
-def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, mods, softmax_scale,
-              extra=None):
+def _plan_key(arrays, outputs, offsets, max_seqlen_q, max_seqlen_k, causal, mods, softmax_scale, extra=None):
     """The plan key of a call, or None where only the full path applies (host offsets, other spellings).
-    arrays: the inputs; outputs: the optional outputs; mods: (window_size, softcap, alibi_slopes) as given."""
+    arrays: the inputs; outputs: the optional outputs; offsets: (cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k), the last two optional; mods: (window_size, softcap, alibi_slopes) as given."""
     ndarray = ndarray_type()
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = offsets
     if any(type(x) is not ndarray for x in (*arrays, cu_seqlens_q, cu_seqlens_k)):
         return None
     if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or type(causal) is not bool:
@@ -228,7 +277,7 @@ def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if options is None:
         return None
     try:
-        optional = tuple(optional_layout(x) for x in (*outputs, alibi_slopes))
+        optional = tuple(optional_layout(x) for x in (*outputs, alibi_slopes, seqused_q, seqused_k))
     except LookupError:
         return None
     return (tuple(layout(x) for x in arrays), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
@@ -239,16 +288,14 @@ def _plan_key(arrays, outputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 class _FwdPlan:
     launch: object  # launch.FwdSm80Launch | launch.FwdSm90Launch
     device_id: int
+    rows_unused: bool  # seqused_q given
 
     def call(self, q, k, v, out, lse, return_lse: bool, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(q, k, v, out, lse, return_lse, slopes, cu_seqlens)
-        if out is None or lse is None:
-            launch.require_not_capturing("attention_varlen without out= and lse=")
-            out = cp.empty(q.shape, q.dtype) if out is None else out
-            lse = cp.empty((q.shape[1], q.shape[0]), numpy.float32) if lse is None else lse
+        out, lse = _forward_outputs(q, out, lse, q.dtype, self.rows_unused)
         q_, k_, v_ = _aligned(q, k, v)
         (out4,) = _packed(out)
         self.launch.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, slopes, cu_seqlens)
@@ -258,18 +305,23 @@ class _FwdPlan:
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
-                              seed=0, offset=0):
+                              seed=0, offset=0, seqused_q=None, seqused_k=None, mask_alignment="bottom_right"):
     """Gradients (dq, dk, dv) of `attention_varlen` given dout = dL/d(out).
 
     out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
-    with the same offsets and options (dropout's too); deterministic, dq, dk, dv as `attention_backward`.
+    with the same offsets and options (dropout's, seqused's and mask_alignment's too); deterministic,
+    dq, dk, dv as `attention_backward`. Rows past seqused_q (dq) and seqused_k (dk, dv) are not
+    written: arrays cuflash allocates hold 0 there, given ones keep their contents.
     """
-    key = None if dropout_p or type(deterministic) is not bool else _plan_key(
-        (dout, q, k, v, out, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        (window_size, softcap, alibi_slopes), softmax_scale, deterministic)
+    key = None
+    if not dropout_p and type(deterministic) is bool and type(mask_alignment) is str:
+        key = _plan_key((dout, q, k, v, out, lse), (dq, dk, dv), (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                        max_seqlen_q, max_seqlen_k, causal, (window_size, softcap, alibi_slopes), softmax_scale,
+                        (deterministic, mask_alignment))
     plan = _bwd_plans.get(key) if key is not None else None
     if plan is not None:
-        return plan.call(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
+        return plan.call(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes,
+                         _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
     _require_3d(dout=dout, q=q, k=k, v=v, out=out)
     dtype_name = validate.qkv(*_packed(q, k, v))
     validate.like("dout", dout, q, "q")
@@ -284,12 +336,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     total_q, nheads, headdim = q.shape
     total_k, nheads_kv = k.shape[:2]
     cu_seqlens, num_seqs = _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
-                                    q.device)
+                                    q.device, seqused_q, seqused_k)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
-                            (dropout_p, seed, offset))
+                            (dropout_p, seed, offset), mask_alignment)
+    unused = (seqused_q is not None, seqused_k is not None)
     cp = cupy()
     with q.device:
-        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, unused)
         if total_q == 0 or total_k == 0:
             for g in (dq, dk, dv):
                 g.fill(0)
@@ -305,21 +358,33 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         prepared.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None,
                      alibi_slopes, cu_seqlens)
     if key is not None:
-        _bwd_plans.store(key, _BwdPlan(prepared, device_id))
+        _bwd_plans.store(key, _BwdPlan(prepared, device_id, unused))
     return dq, dk, dv
+
+
+def _gradient_outputs(q, k, v, dq, dk, dv, unused: tuple[bool, bool]):
+    """backward.gradient_outputs; unused: (seqused_q, seqused_k) given, where new arrays start at 0 (dq
+    for the first, dk and dv for the second), as the rows the kernels leave read."""
+    zero = (dq is None and unused[0], dk is None and unused[1], dv is None and unused[1])
+    grads = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
+    for grad, fill in zip(grads, zero):
+        if fill:
+            grad.fill(0)
+    return grads
 
 
 @dataclasses.dataclass(frozen=True)
 class _BwdPlan:
     launch: launch.BwdLaunch
     device_id: int
+    unused: tuple[bool, bool]  # seqused_q, seqused_k given
 
     def call(self, dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens)
-        dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, self.unused)
         q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
         dq4, dk4, dv4 = _packed(dq, dk, dv)
         lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)
@@ -330,11 +395,12 @@ class _BwdPlan:
 
 def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None, dropout_p=0.0,
-                         seed=0, offset=0):
+                         seed=0, offset=0, seqused_q=None, seqused_k=None, mask_alignment="bottom_right"):
     """out = attention_varlen(...) and a function dout -> (dq, dk, dv), as `attention_vjp`."""
     offsets = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, offset=offset)
+                   softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, offset=offset, seqused_q=seqused_q,
+                   seqused_k=seqused_k, mask_alignment=mask_alignment)
     out, lse = attention_varlen(q, k, v, *offsets, return_lse=True, **options)
 
     def vjp(dout, *, deterministic=False):

@@ -530,11 +530,74 @@ def test_dot_product_attention_is_jax_nns(rng, nq, nk, causal, window):
     assert np.array_equal(np.asarray(out), np.asarray(got[0]))
 
 
+@pytest.mark.parametrize("nq, nk, causal, window, q_lengths, kv_lengths", [
+    (64, 64, True, None, [64, 17], [64, 17]), (97, 120, False, None, [1, 97], [120, 33]),
+    (90, 50, True, None, [90, 40], [50, 20]), (70, 70, False, (8, 3), [70, 30], [70, 33]),
+    (50, 80, True, None, [50, 7], None), (80, 50, False, None, None, [50, 1]),
+])
+def test_dot_product_attention_with_lengths_is_jax_nns(rng, nq, nk, causal, window, q_lengths, kv_lengths):
+    """Padded batches (query_seq_lengths, key_value_seq_lengths) against jax.nn's float32 XLA
+    computation with the 2x rule (float16 XLA as the naive one): out and gradients, 0 in the padded
+    rows as there; the residual on the rows in use. Every row in use sees a key (else XLA averages)."""
+    import cuflash.jax
+
+    host, dout = inputs(rng, nq=nq, nk=nk)
+    options = dict(is_causal=causal, local_window_size=window,
+                   query_seq_lengths=None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
+                   key_value_seq_lengths=None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32))
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
+
+    got = jitted_value_and_grads(lambda q, k, v: cuflash.jax.dot_product_attention(q, k, v, **options),
+                                 *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    ref = jitted_value_and_grads(xla, *(jnp.asarray(x, jnp.float32) for x in host), jnp.asarray(dout))
+    naive = jitted_value_and_grads(xla, *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    atol = ATOL[np.dtype(np.float16)]
+    for g, r, n in zip((got[0], *got[1]), (ref[0], *ref[1]), (naive[0], *naive[1])):
+        assert_close_2x(np.asarray(g, np.float64), np.asarray(r, np.float64), np.asarray(n), atol)
+    used = np.arange(nq)[None, :] < np.asarray(q_lengths if q_lengths is not None else [nq] * 2)[:, None]
+    assert np.all(np.asarray(got[0])[~used] == 0)
+    _, residual = cuflash.jax.dot_product_attention(*(jnp.asarray(x) for x in host), return_residual=True,
+                                                    **options)
+    _, want = jax.nn.dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in host), implementation="xla",
+                                           return_residual=True, **options)
+    assert residual.shape == want.shape and residual.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(residual, np.float32)[used], np.asarray(want)[used], rtol=2e-3,
+                               atol=2e-3)
+
+
+def test_varlen_seqused_in_jit(rng):
+    """cuflash.jax.attention_varlen with seqused (device lengths) and bottom-right masks: the
+    reference's, 0 in the unused rows of out and the gradients."""
+    import cuflash.jax
+
+    spans, used_q, used_k = [40, 0, 130], np.array([17, 0, 100], np.int32), np.array([40, 0, 64], np.int32)
+    cu = np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)
+    host = [randn(rng, (170, 4, 64), np.float16)] + [randn(rng, (170, 2, 64), np.float16) for _ in range(2)]
+    dout = randn(rng, (170, 4, 64), np.float16)
+    extra = dict(seqused_q=used_q, seqused_k=used_k)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention_varlen(q, k, v, jnp.asarray(cu), jnp.asarray(cu), 100, 64, causal=True,
+                                           **{name: jnp.asarray(x) for name, x in extra.items()})
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        *(jnp.asarray(x) for x in host))
+    ref = reference.attention_varlen(*host, cu, cu, causal=True, **extra)
+    naive = reference.attention_varlen_naive_lowp(*host, cu, cu, dtype=np.float16, causal=True, **extra)
+    assert_close_2x(np.asarray(out), ref, naive, ATOL[np.dtype(np.float16)])
+    refs = reference.attention_varlen_backward(dout, *host, cu, cu, causal=True, **extra)
+    naives = reference.attention_varlen_backward_naive_lowp(dout, *host, cu, cu, dtype=np.float16, causal=True,
+                                                            **extra)
+    for g, r, n in zip(grads, refs, naives):
+        assert_close_2x(np.asarray(g), r, n, ATOL[np.dtype(np.float16)])
+
+
 @pytest.mark.parametrize("extra, name", [
     (lambda q: dict(bias=jnp.zeros((1, 1, 8, 8), jnp.float16)), "bias"),
     (lambda q: dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
-    (lambda q: dict(query_seq_lengths=jnp.full((1,), 8, jnp.int32)), "query_seq_lengths"),
-    (lambda q: dict(key_value_seq_lengths=jnp.full((1,), 8, jnp.int32)), "key_value_seq_lengths"),
     (lambda q: dict(local_window_size=(0, 0)), "local_window_size"),
 ])
 def test_dot_product_attention_refuses_what_it_lacks(extra, name):

@@ -933,3 +933,50 @@ def test_from_top_left_is_jax_nns_mask():
         got = np.zeros((nq, nk), bool)
         got[:, :keys] = reference.visible_mask(nq, keys, window_size=window_size)
         assert (got == want).all(), (nq, nk, causal, window)
+
+
+def test_top_left_alignment():
+    """Top-left masks: causal over more keys than queries sees none past the queries (so it is the
+    bottom-right mask of the first nq keys); a window's and ALiBi's diagonal is i itself."""
+    rng = np.random.default_rng(41)
+    q, k, v = (rng.standard_normal((1, n, 2, 16)) for n in (5, 9, 9))
+    top_left = attention(q, k, v, causal=True, mask_alignment="top_left")
+    np.testing.assert_allclose(top_left, attention(q, k[:, :5], v[:, :5], causal=True), atol=1e-12)
+    slopes = np.array([0.5, 0.25])
+    got = attention(q, k, v, window_size=(2, 1), alibi_slopes=slopes, mask_alignment="top_left")
+    i, j = np.arange(5)[:, None], np.arange(9)[None, :]
+    for h in range(2):
+        s = q[0, :, h] @ k[0, :, h].T / 4.0 - slopes[h] * np.abs(i - j)
+        s = np.where((j >= i - 2) & (j <= i + 1), s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(got[0, :, h], (p / p.sum(axis=1, keepdims=True)) @ v[0, :, h], atol=1e-12)
+    with pytest.raises(ValueError, match="mask_alignment"):
+        attention(q, k, v, mask_alignment="top-left")
+
+
+def test_varlen_seqused_is_the_packed_batch_of_used_rows():
+    rng = np.random.default_rng(42)
+    cu_q, cu_k = np.array([0, 6, 6, 15]), np.array([0, 4, 9, 20])
+    used_q, used_k = np.array([3, 0, 9]), np.array([4, 2, 7])
+    q, k, v = rng.standard_normal((15, 2, 8)), rng.standard_normal((20, 1, 8)), rng.standard_normal((20, 1, 8))
+    dout = rng.standard_normal(q.shape)
+    rows_q = np.concatenate([np.arange(cu_q[b], cu_q[b] + used_q[b]) for b in range(3)])
+    rows_k = np.concatenate([np.arange(cu_k[b], cu_k[b] + used_k[b]) for b in range(3)])
+    packed_cu_q, packed_cu_k = np.concatenate([[0], np.cumsum(used_q)]), np.concatenate([[0], np.cumsum(used_k)])
+    for alignment in ("bottom_right", "top_left"):
+        kw = dict(causal=True, mask_alignment=alignment)
+        out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_q=used_q, seqused_k=used_k, return_lse=True, **kw)
+        ref, ref_lse = attention_varlen(q[rows_q], k[rows_k], v[rows_k], packed_cu_q, packed_cu_k, return_lse=True,
+                                        **kw)
+        np.testing.assert_array_equal(out[rows_q], ref)
+        np.testing.assert_array_equal(lse[:, rows_q], ref_lse)
+        unused = np.setdiff1d(np.arange(15), rows_q)
+        assert np.all(out[unused] == 0) and np.all(np.isneginf(lse[:, unused]))
+        grads = attention_varlen_backward(dout, q, k, v, cu_q, cu_k, seqused_q=used_q, seqused_k=used_k, **kw)
+        refs = attention_varlen_backward(dout[rows_q], q[rows_q], k[rows_k], v[rows_k], packed_cu_q, packed_cu_k,
+                                         **kw)
+        for grad, grad_ref, rows in zip(grads, refs, (rows_q, rows_k, rows_k)):
+            np.testing.assert_array_equal(grad[rows], grad_ref)
+            assert np.all(np.delete(grad, rows, axis=0) == 0)
+    with pytest.raises(ValueError, match="seqused_k"):
+        attention_varlen(q, k, v, cu_q, cu_k, seqused_k=np.array([5, 2, 7]))

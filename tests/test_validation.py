@@ -388,10 +388,10 @@ def test_max_seqlen_valid():
     assert validate.max_seqlen("max_seqlen_q", 7) == 7
     assert validate.max_seqlen("max_seqlen_q", np.int64(4)) == 4
     assert type(validate.max_seqlen("max_seqlen_q", np.int32(4))) is int
-    cu = np.array([0, 3, 3, 7], np.int32)
-    assert validate.max_seqlen("max_seqlen_k", 4, cu) == 4
-    assert validate.max_seqlen("max_seqlen_k", 100, cu) == 100
-    assert validate.max_seqlen("max_seqlen_k", 1, np.array([0, 0, 0], np.int32)) == 1
+    lengths = np.array([3, 0, 4])
+    assert validate.max_seqlen("max_seqlen_k", 4, lengths) == 4
+    assert validate.max_seqlen("max_seqlen_k", 100, lengths) == 100
+    assert validate.max_seqlen("max_seqlen_k", 1, np.array([0, 0])) == 1
 
 
 @pytest.mark.parametrize("value,error", [
@@ -405,7 +405,7 @@ def test_max_seqlen_invalid(value, error):
 
 def test_max_seqlen_below_longest_sequence():
     with pytest.raises(ValueError, match=mentions("max_seqlen_k")) as info:
-        validate.max_seqlen("max_seqlen_k", 3, np.array([0, 3, 3, 7], np.int32))
+        validate.max_seqlen("max_seqlen_k", 3, np.array([3, 0, 4]))
     assert info.match(r"longest sequence \(4\)")
 
 
@@ -497,3 +497,34 @@ def test_head_shapes_named(q, k, v, match):
     with pytest.raises(ValueError, match=match):
         validate.head_shapes(q, k, v)
     validate.head_shapes(q, q[:-2] + (q[-2] // 2 or 1, q[-1]), q[:-2] + (q[-2] // 2 or 1, q[-1]))
+
+
+def test_seqused_host_values():
+    cu = np.array([0, 3, 3, 7], np.int32)
+    assert validate.seqused("seqused_q", None, 3) is None
+    np.testing.assert_array_equal(validate.seqused("seqused_q", np.array([3, 0, 2], np.int32), 3, cu), [3, 0, 2])
+    np.testing.assert_array_equal(validate.seqused("seqused_q", np.array([9, 0, 2], np.int32), 3), [9, 0, 2])
+    for used, error in ((np.array([4, 0, 2], np.int32), ValueError), (np.array([3, 0, -1], np.int32), ValueError),
+                        (np.array([3, 0], np.int32), ValueError), (np.array([3, 0, 2], np.int64), TypeError),
+                        ([3, 0, 2], TypeError)):
+        with pytest.raises(error, match=mentions("seqused_q")):
+            validate.seqused("seqused_q", used, 3, cu)
+
+
+def test_mask_alignment():
+    assert validate.mask_alignment("top_left") is True
+    assert validate.mask_alignment("bottom_right") is False
+    for value in ("top-left", None, ["top_left"]):
+        with pytest.raises(ValueError, match=mentions("mask_alignment")):
+            validate.mask_alignment(value)
+
+
+def test_normalise_drops_bounds_each_alignment_passes_everywhere():
+    """A left bound of 10 over 5 queries on 100 keys passes every pair aligned to the top left (row
+    4's bound is key -6), not to the bottom right (row 0's is key 85); a right bound of 10 the reverse."""
+    top_left = score_mods.Varlen(1, 5, 100, top_left=True)
+    bottom_right = score_mods.Varlen(1, 5, 100)
+    assert score_mods.normalise(False, (10, -1), 0.0, None, 5, 100, top_left)[1].window is None
+    assert score_mods.normalise(False, (10, -1), 0.0, None, 5, 100, bottom_right)[1].window == (10, -1)
+    assert score_mods.normalise(False, (-1, 10), 0.0, None, 5, 100, top_left)[1].window == (-1, 10)
+    assert score_mods.normalise(False, (-1, 10), 0.0, None, 5, 100, bottom_right)[1].window is None

@@ -295,3 +295,120 @@ def test_fp8_max_seqlen_past_the_packed_keys(rng):
     want = cuflash.attention_varlen(*codes, cu, cu, 40, 40)
     got = cuflash.attention_varlen(*codes, cu, cu, 40, 2**24)
     assert bool((got.view(np.uint16) == want.view(np.uint16)).all())
+
+
+# --- seqused and mask_alignment --------------------------------------------
+# Spans of a padded batch and the rows each sequence uses of them (empty, whole and partial uses;
+# Nq != Nk). The unused rows of q, k and v hold UNUSED, far from the data: a kernel that read one
+# would be far off.
+SPANS = ([40, 1, 300, 7, 97, 130], [60, 17, 257, 5, 97, 129])
+USED = ([17, 1, 257, 0, 50, 129], [60, 0, 200, 5, 1, 129])
+UNUSED = 30.0
+ALIGNED_OPTIONS = ["plain", "causal", "window", "window_causal", "softcap_alibi", "all_causal"]
+
+
+def padded(rng, dtype, nheads, nheads_kv, headdim, with_dout=False):
+    """packed()'s arrays over SPANS with UNUSED past USED rows; (host, device, cu_q, cu_k, used_q, used_k)."""
+    host, _, cu_q, cu_k = packed(rng, dtype, *SPANS, nheads, nheads_kv, headdim, with_dout)
+    used_q, used_k = (np.array(u, np.int32) for u in USED)
+    arrays = list(zip(host, ["q"] * (len(host) - 2) + ["k", "k"]))
+    for x, side in arrays:
+        cu, used = (cu_q, used_q) if side == "q" else (cu_k, used_k)
+        for b in range(len(used)):
+            x[cu[b] + used[b]: cu[b + 1]] = UNUSED
+    return host, [cupy.asarray(x) for x in host], cu_q, cu_k, used_q, used_k
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("name", ALIGNED_OPTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seqused_forward(kernel, rng, dtype, name, alignment):
+    host, dev, cu_q, cu_k, used_q, used_k = padded(rng, dtype, 4, 2, 128)
+    host_kw, dev_kw = materialise(name, rng, len(used_q), 4)
+    extra = dict(seqused_q=used_q, seqused_k=used_k, mask_alignment=alignment)
+    device_arrays = name == "plain"  # host arrays (checked, copied) elsewhere
+    used = (cupy.asarray(used_q), cupy.asarray(used_k)) if device_arrays else (used_q, used_k)
+    out, lse = cuflash.attention_varlen(*dev, cupy.asarray(cu_q) if device_arrays else cu_q, cu_k, max(USED[0]),
+                                        max(USED[1]), return_lse=True, seqused_q=used[0], seqused_k=used[1],
+                                        mask_alignment=alignment, **dev_kw)
+    ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, return_lse=True, **extra, **host_kw)
+    naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=dtype, **extra, **host_kw)
+    assert_close_2x(out.get(), ref, naive, ATOL[np.dtype(dtype)])  # unused rows: 0 in both
+    check_lse(lse, ref_lse)  # unused rows: -inf in both
+
+
+def test_seqused_leaves_given_outputs_unused_rows(kernel, rng):
+    """Rows past seqused_q in given out and lse keep their contents; the used rows are written."""
+    host, dev, cu_q, cu_k, used_q, used_k = padded(rng, np.float16, 2, 2, 64)
+    out = cupy.full(dev[0].shape, POISON, cupy.float16)
+    lse = cupy.full((2, dev[0].shape[0]), POISON, cupy.float32)
+    cuflash.attention_varlen(*dev, cu_q, cu_k, max(USED[0]), max(USED[1]), out=out, lse=lse, causal=True,
+                             seqused_q=used_q, seqused_k=used_k)
+    ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, return_lse=True, causal=True, seqused_q=used_q,
+                                              seqused_k=used_k)
+    rows = np.concatenate([np.arange(cu_q[b], cu_q[b] + used_q[b]) for b in range(len(used_q))])
+    unused = np.setdiff1d(np.arange(dev[0].shape[0]), rows)
+    assert np.all(out.get()[unused] == np.float16(POISON)) and np.all(lse.get()[:, unused] == POISON)
+    naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=np.float16, causal=True,
+                                                  seqused_q=used_q, seqused_k=used_k)
+    assert_close_2x(out.get()[rows], ref[rows], naive[rows], ATOL[np.dtype(np.float16)])
+    np.testing.assert_allclose(lse.get()[:, rows], ref_lse[:, rows], atol=1e-3)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("name", ["plain", "window_causal", "all_causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seqused_backward(kernel, rng, dtype, name, alignment, deterministic):
+    host, dev, cu_q, cu_k, used_q, used_k = padded(rng, dtype, 4, 2, 128, with_dout=True)
+    host_kw, dev_kw = materialise(name, rng, len(used_q), 4)
+    extra = dict(seqused_q=used_q, seqused_k=used_k, mask_alignment=alignment)
+    out, vjp = cuflash.attention_varlen_vjp(*dev[1:], cupy.asarray(cu_q), cupy.asarray(cu_k), max(USED[0]),
+                                            max(USED[1]), **extra, **dev_kw)
+    grads = vjp(dev[0], deterministic=deterministic)  # allocated by cuflash: 0 in unused rows
+    refs = reference.attention_varlen_backward(*host, cu_q, cu_k, **extra, **host_kw)
+    naives = reference.attention_varlen_backward_naive_lowp(*host, cu_q, cu_k, dtype=dtype, **extra, **host_kw)
+    for grad, ref, naive in zip(grads, refs, naives):
+        assert_close_2x(grad.get(), ref, naive, ATOL[np.dtype(dtype)])
+
+
+def test_seqused_padded_batch_equals_packed(kernel, rng):
+    """A padded batch with seqused gives the packed batch of the used rows, forward and backward."""
+    host, dev, cu_q, cu_k, used_q, used_k = padded(rng, np.float16, 2, 1, 64, with_dout=True)
+    kw = dict(causal=True)
+    out, vjp = cuflash.attention_varlen_vjp(*dev[1:], cu_q, cu_k, max(USED[0]), max(USED[1]), seqused_q=used_q,
+                                            seqused_k=used_k, **kw)
+    grads = vjp(dev[0])
+    rows = [np.concatenate([np.arange(cu[b], cu[b] + used[b]) for b in range(len(used))])
+            for cu, used in ((cu_q, used_q), (cu_k, used_k))]
+    packed_arrays = [x[rows[0]] for x in dev[:2]] + [x[rows[1]] for x in dev[2:]]
+    packed_out, packed_vjp = cuflash.attention_varlen_vjp(*packed_arrays[1:], offsets(USED[0]), offsets(USED[1]),
+                                                          max(USED[0]), max(USED[1]), **kw)
+    packed_grads = packed_vjp(packed_arrays[0])
+    np.testing.assert_array_equal(out.get()[rows[0]], packed_out.get())
+    for grad, packed_grad, r in zip(grads, packed_grads, (rows[0], rows[1], rows[1])):
+        np.testing.assert_allclose(grad.get()[r].astype(np.float32), packed_grad.get().astype(np.float32),
+                                   atol=2e-3, rtol=1e-3)
+
+
+def test_bad_seqused_names_the_argument(rng):
+    host, dev, cu_q, cu_k = packed(rng, np.float16, [5, 7], [5, 7], 2, 2, 64)
+    q, k, v = dev
+    cases = [
+        (dict(seqused_q=np.array([5, 7], np.int64)), "seqused_q", TypeError),
+        (dict(seqused_k=np.array([5], np.int32)), "seqused_k", ValueError),  # another batch size
+        (dict(seqused_k=np.array([6, 7], np.int32)), "seqused_k", ValueError),  # past its span
+        (dict(seqused_q=np.array([-1, 7], np.int32)), "seqused_q", ValueError),
+        (dict(seqused_q=cupy.zeros(4, cupy.int32)[::2]), "seqused_q", ValueError),  # strided
+        (dict(seqused_q=[5, 7]), "seqused_q", TypeError),
+        (dict(seqused_q=np.array([3, 7], np.int32), max_seqlen_q=6), "max_seqlen_q", ValueError),
+        (dict(mask_alignment="top-left"), "mask_alignment", ValueError),
+    ]
+    for change, name, error in cases:
+        args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7)
+        args.update(change)
+        with pytest.raises(error, match=mentions(name)):
+            cuflash.attention_varlen(q, k, v, **args)
+    # max_seqlen bounds the used lengths, not the spans
+    out = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 7, seqused_q=np.array([4, 3], np.int32))
+    assert np.all(np.isfinite(out.get()))
