@@ -17,6 +17,9 @@ Columns, in TFLOP/s over the (query, key) pairs that attention computes
 * ``cuflash-padded``: ``attention`` on the batch padded to its longest
   sequence, the call a library without varlen makes; its wasted work shows
   as a lower rate over the same real pairs (docs and equal only);
+* ``cuflash-jax``: ``cuflash.jax.dot_product_attention`` with jax-cudnn's
+  arguments and inputs (the padded batch and its lengths), timed as that is:
+  what a JAX port that changes one name gets (ours, not a peer);
 * ``torch-flash``: FlashAttention-2's varlen kernels inside torch
   (``torch.ops.aten._flash_attention_forward`` / ``_backward`` with cu_seqlens);
 * ``jax-cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on
@@ -162,15 +165,15 @@ def _torch_flash(torch, x: Inputs, causal: bool, backward: bool) -> Peer:
     return Peer(run, TorchEvents(torch), packed)
 
 
-def _jax_cudnn(jax, x: Inputs, causal: bool, backward: bool) -> Peer:
+def _jax_padded(jax, attend, x: Inputs, causal: bool, backward: bool) -> Peer:
+    """A jitted jax.nn.dot_product_attention-style call `attend` on the padded batch with its lengths."""
     length = -(-x.longest // JAX_LENGTH_MULTIPLE) * JAX_LENGTH_MULTIPLE
     padded = x.padded_to(length)
     args = [jax.dlpack.from_dlpack(t) for t in padded[:3]]
     lengths = jax.numpy.asarray(numpy.asarray(x.lengths, numpy.int32))
 
     def forward(q, k, v, lengths):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=lengths,
-                                            key_value_seq_lengths=lengths, implementation="cudnn")
+        return attend(q, k, v, is_causal=causal, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
 
     def forward_backward(q, k, v, dout, lengths):
         _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, lengths), q, k, v)
@@ -189,13 +192,17 @@ def _jax_cudnn(jax, x: Inputs, causal: bool, backward: bool) -> Peer:
 
 
 def _peers(torch, jax, x: Inputs, causal: bool, backward: bool) -> tuple[dict, dict, dict]:
-    """For the peers that run this row, name -> Peer and name -> its result; for those that cannot,
-    name -> {"skipped": why}."""
+    """For the peers (and cuflash-jax) that run this row, name -> Peer and name -> its result; for those
+    that cannot, name -> {"skipped": why}."""
     makers = {}
     if torch is not None:
         makers["torch-flash"] = functools.partial(_torch_flash, torch)
     if jax is not None:
-        makers["jax-cudnn"] = functools.partial(_jax_cudnn, jax)
+        import cuflash.jax
+
+        cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+        makers["jax-cudnn"] = functools.partial(_jax_padded, jax, cudnn)
+        makers["cuflash-jax"] = functools.partial(_jax_padded, jax, cuflash.jax.dot_product_attention)
     peers, results, skipped = {}, {}, {}
     for name, make in makers.items():
         try:
@@ -267,7 +274,8 @@ def run(args) -> int:
 def _print(rows) -> None:
     from tabulate import tabulate
 
-    columns = ["batch", "sequences", "longest", "headdim", "causal", "cuflash", "cuflash-padded", *PEERS]
+    columns = ["batch", "sequences", "longest", "headdim", "causal", "cuflash", "cuflash-padded", "cuflash-jax",
+               *PEERS]
     table = [[row.get(c) for c in columns] for row in rows]
     for row, line in zip(rows, table):
         peers = [row[name] for name in PEERS if row.get(name)]
