@@ -229,6 +229,11 @@ def _padded_batch(query, key, value, scale, is_causal: bool, window, seq_lengths
     query and S key rows, the used rows the lengths (None: the whole span), masks aligned top-left."""
     batch, seqlen_q, nheads, headdim = query.shape
     seqlen_k, nheads_kv = key.shape[1], key.shape[2]
+    if key.shape[0] != batch:
+        raise ValueError(f"key must have query's batch size {batch}, got shape {key.shape}")
+    if batch * max(seqlen_q, seqlen_k) >= _validate.INT32_ROWS:
+        raise ValueError(f"query_seq_lengths: a padded batch of {batch} x {max(seqlen_q, seqlen_k)} rows passes "
+                         "the kernels' int32 row count")
     used = []
     for name, lengths in zip(("query_seq_lengths", "key_value_seq_lengths"), seq_lengths):
         if lengths is not None:

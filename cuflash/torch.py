@@ -506,11 +506,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      block_table, alibi_slopes, options.causal, options.softmax_scale,
                                      options.window_left, options.window_right, options.softcap, options.dropout_p)
     else:
+        if return_attn_probs and options.dropout_p and (seqused_q is not None or seqused_k is not None):
+            raise NotImplementedError("return_attn_probs: S_dmask with seqused_q or seqused_k is not supported")
         out, lse, draw = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      alibi_slopes, seqused_q, seqused_k, *options)
         if return_attn_probs and options.dropout_p:
-            if seqused_q is not None or seqused_k is not None:
-                raise NotImplementedError("return_attn_probs: S_dmask with seqused_q or seqused_k is not supported")
             return out, lse, _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                 int(max_seqlen_k), draw, alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out

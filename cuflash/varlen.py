@@ -144,7 +144,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             if x is not None:
                 raise NotImplementedError(f"{name}: the paged prefill takes the cache lengths from cu_seqlens_k "
                                           "(pass None)")
-        if mask_alignment != "bottom_right":
+        if validate.mask_alignment(mask_alignment):
             raise NotImplementedError("mask_alignment: the paged prefill aligns to the bottom right only")
         return _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
                       window_size, softcap, alibi_slopes, softmax_scale, return_lse, out, lse,
@@ -210,7 +210,7 @@ def _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> tuple:
 
 def _forward_outputs(q, out, lse, dtype, rows_unused: bool):
     """out and lse as given, the missing ones new arrays (never while the stream captures a CUDA graph);
-    rows_unused (seqused_q): new ones start as unused rows read, 0 and -inf."""
+    rows_unused (seqused_q given): new ones start at what the rows past the used ones read, 0 and -inf."""
     if out is not None and lse is not None:
         return out, lse
     launch.require_not_capturing("attention_varlen without out= and lse=")
@@ -363,8 +363,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _gradient_outputs(q, k, v, dq, dk, dv, unused: tuple[bool, bool]):
-    """backward.gradient_outputs; unused: (seqused_q, seqused_k) given, where new arrays start at 0 (dq
-    for the first, dk and dv for the second), as the rows the kernels leave read."""
+    """backward.gradient_outputs; unused: whether (seqused_q, seqused_k) are given, where new arrays
+    start at 0 (dq for the first, dk and dv for the second), what the rows the kernels leave read."""
     zero = (dq is None and unused[0], dk is None and unused[1], dv is None and unused[1])
     grads = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
     for grad, fill in zip(grads, zero):
