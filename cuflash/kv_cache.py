@@ -189,25 +189,6 @@ def _check_rotary_rows(cache_seqlens, extra: int, rows: int) -> None:
         raise ValueError(f"rotary_cos must have a row for every position up to {longest - 1}, got {rows} rows")
 
 
-def _int_vector(name: str, x, batch: int, upper: int | None = None):
-    """Validate an optional int32 (batch,) array, NumPy (values checked in [lower, upper)) or CuPy."""
-    if x is None:
-        return
-    if not isinstance(x, (numpy.ndarray, cupy().ndarray)):
-        raise TypeError(f"{name} must be an int32 numpy.ndarray or cupy.ndarray of shape (batch,), "
-                        f"got {type(x).__module__}.{type(x).__name__}")
-    if x.dtype != numpy.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
-    if x.shape != (batch,):
-        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
-    if isinstance(x, numpy.ndarray):
-        bad = (x < 0) | ((x >= upper) if upper is not None else False)
-        if numpy.any(bad):
-            at = int(numpy.argmax(bad))
-            raise ValueError(f"{name}[{at}] = {int(x[at])} is out of range [0, {upper if upper is not None else 'inf'})")
-    elif x.strides[0] != x.itemsize and batch > 1:
-        raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
-
 
 def _query_and_cache(q, k_cache, v_cache, block_table, batch: int, cache_batch_idx=None, cache_leftpad=None,
                      names=("k_cache", "v_cache")) -> tuple[str, bool, int, bool]:
@@ -362,12 +343,12 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if n_new > capacity:
         raise ValueError(f"k: {n_new} new keys exceed the cache's capacity {capacity}")
 
-    _int_vector("cache_batch_idx", cache_batch_idx, batch, upper=cache_rows)
+    validate.int32_vector("cache_batch_idx", cache_batch_idx, batch, upper=cache_rows)
     if n_new and isinstance(cache_batch_idx, numpy.ndarray) and numpy.unique(cache_batch_idx).size < batch:
         raise ValueError("cache_batch_idx must not repeat a cache row when new keys are appended (k, v): two "
                          f"batches would write the same row, got {cache_batch_idx.tolist()}")
     if cache_seqlens is not None and not validate.is_int(cache_seqlens):
-        _int_vector("cache_seqlens", cache_seqlens, batch)
+        validate.int32_vector("cache_seqlens", cache_seqlens, batch)
     # Every batch's length where the host has it (None: the cache's capacity less the new keys).
     if cache_seqlens is None or validate.is_int(cache_seqlens):
         host_lengths = numpy.full(batch, capacity - n_new if cache_seqlens is None else int(cache_seqlens),
@@ -377,7 +358,7 @@ def _validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_
     if host_lengths is not None:
         _check_host_lengths(host_lengths, capacity, n_new)
     if cache_leftpad is not None:
-        _int_vector("cache_leftpad", cache_leftpad, batch, upper=capacity + 1)
+        validate.int32_vector("cache_leftpad", cache_leftpad, batch, upper=capacity + 1)
         if isinstance(cache_leftpad, numpy.ndarray) and host_lengths is not None:
             over = cache_leftpad > host_lengths
             if numpy.any(over):

@@ -354,33 +354,35 @@ def mask_alignment(value) -> bool:
     return value == "top_left"
 
 
-def seqused(name: str, x, batch: int, cu_host=None):
-    """Sequence lengths used within the spans of cu_seqlens (flash-attn 3's seqused_q, seqused_k): None,
-    or an int32 array of shape (batch,), NumPy or contiguous CuPy. On the host the values are checked,
-    each in [0, its span's length] where the host offsets cu_host are given, and returned as int64;
-    a CuPy array's values are the caller's contract (the kernels clamp them into the spans): None."""
+def int32_vector(name: str, x, batch: int, upper=None) -> None:
+    """Validate an optional int32 (batch,) array: NumPy, its values checked in [0, upper) (upper: one
+    bound, one per element, or None for none), or CuPy, contiguous (its values the caller's contract)."""
     if x is None:
-        return None
-    on_host = isinstance(x, numpy.ndarray)
-    if not on_host and not isinstance(x, device.cupy().ndarray):
-        raise TypeError(f"{name} must be None or an int32 numpy.ndarray or cupy.ndarray of shape (batch,), "
+        return
+    if not isinstance(x, (numpy.ndarray, device.cupy().ndarray)):
+        raise TypeError(f"{name} must be an int32 numpy.ndarray or cupy.ndarray of shape (batch,), "
                         f"got {type(x).__module__}.{type(x).__name__}")
     if x.dtype != numpy.int32:
         raise TypeError(f"{name} must be int32, got {x.dtype}")
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
-    if not on_host:
-        if x.strides[0] != x.itemsize:
-            raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
-        return None
-    used = x.astype(numpy.int64)
+    if isinstance(x, numpy.ndarray):
+        bad = (x < 0) | ((x >= upper) if upper is not None else False)
+        if numpy.any(bad):
+            at = int(numpy.argmax(bad))
+            bound = "inf" if upper is None else int(numpy.broadcast_to(upper, x.shape)[at])
+            raise ValueError(f"{name}[{at}] = {int(x[at])} is out of range [0, {bound})")
+    elif x.strides[0] != x.itemsize and batch > 1:
+        raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
+
+
+def seqused(name: str, x, batch: int, cu_host=None):
+    """Sequence lengths used within the spans of cu_seqlens (flash-attn 3's seqused_q, seqused_k):
+    int32_vector's, each at most its span's length where the host offsets cu_host are given. Returns
+    a NumPy array's values as int64, else None (a CuPy array's: the kernels clamp them into the spans)."""
     spans = None if cu_host is None else numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
-    bad = (used < 0) | (used > spans) if spans is not None else used < 0
-    if numpy.any(bad):
-        at = int(numpy.argmax(bad))
-        bound = f"[0, {int(spans[at])}] (its span in cu_seqlens)" if spans is not None else ">= 0"
-        raise ValueError(f"{name}[{at}] must be in {bound}, got {int(used[at])}")
-    return used
+    int32_vector(name, x, batch, None if spans is None else spans + 1)
+    return x.astype(numpy.int64) if isinstance(x, numpy.ndarray) else None
 
 
 def dropout(p, seed, offset) -> tuple[float, object, int]:

@@ -492,6 +492,20 @@ def test_ring_attention_under_shard_map_on_the_gpus(rng):
         assert_close_2x(np.asarray(g), r[:, order], nv[:, order], atol + ring_rounding(world, r))
 
 
+def against_jax_nn(host, dout, options):
+    """(cuflash's, float32 XLA's, float16 XLA's) jitted value and gradients of dot_product_attention."""
+    import cuflash.jax
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
+
+    got = jitted_value_and_grads(lambda q, k, v: cuflash.jax.dot_product_attention(q, k, v, **options),
+                                 *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    ref = jitted_value_and_grads(xla, *(jnp.asarray(x, jnp.float32) for x in host), jnp.asarray(dout))
+    naive = jitted_value_and_grads(xla, *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    return got, ref, naive
+
+
 @pytest.mark.parametrize("nq, nk, causal, window", [
     (64, 64, True, None), (40, 97, True, None), (97, 40, True, None), (70, 70, False, (8, 3)),
     (50, 90, True, 16), (90, 50, False, (60, 0)), (33, 120, False, 5), (120, 33, False, None),
@@ -506,13 +520,7 @@ def test_dot_product_attention_is_jax_nns(rng, nq, nk, causal, window):
     options = dict(is_causal=causal, local_window_size=window)
     assert jax_nn_mask(nq, nk, causal, window).any(axis=1).all()  # the cases keep a key in every row
 
-    def xla(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
-
-    got = jitted_value_and_grads(lambda q, k, v: cuflash.jax.dot_product_attention(q, k, v, **options),
-                                 *(jnp.asarray(x) for x in host), jnp.asarray(dout))
-    ref = jitted_value_and_grads(xla, *(jnp.asarray(x, jnp.float32) for x in host), jnp.asarray(dout))
-    naive = jitted_value_and_grads(xla, *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    got, ref, naive = against_jax_nn(host, dout, options)
     atol = ATOL[np.dtype(np.float16)]
     assert_close_2x(np.asarray(got[0], np.float64), np.asarray(ref[0], np.float64), np.asarray(naive[0]), atol)
     for g, r, n in zip(got[1], ref[1], naive[1]):
@@ -546,13 +554,7 @@ def test_dot_product_attention_with_lengths_is_jax_nns(rng, nq, nk, causal, wind
                    query_seq_lengths=None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
                    key_value_seq_lengths=None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32))
 
-    def xla(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, implementation="xla", **options)
-
-    got = jitted_value_and_grads(lambda q, k, v: cuflash.jax.dot_product_attention(q, k, v, **options),
-                                 *(jnp.asarray(x) for x in host), jnp.asarray(dout))
-    ref = jitted_value_and_grads(xla, *(jnp.asarray(x, jnp.float32) for x in host), jnp.asarray(dout))
-    naive = jitted_value_and_grads(xla, *(jnp.asarray(x) for x in host), jnp.asarray(dout))
+    got, ref, naive = against_jax_nn(host, dout, options)
     atol = ATOL[np.dtype(np.float16)]
     for g, r, n in zip((got[0], *got[1]), (ref[0], *ref[1]), (naive[0], *naive[1])):
         assert_close_2x(np.asarray(g, np.float64), np.asarray(r, np.float64), np.asarray(n), atol)
