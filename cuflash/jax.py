@@ -86,39 +86,23 @@ def _slopes_cotangent(slopes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, slopes, state, options, deterministic):
-    return forward_call(q, k, v, state, dict(options), slopes)[0]
+    """(out, lse) of cuflash.attention; the lse leaves `attention` through stop_gradient."""
+    return forward_call(q, k, v, state, dict(options), slopes)
 
 
 def _attention_fwd(q, k, v, slopes, state, options, deterministic):
     out, lse = forward_call(q, k, v, state, dict(options), slopes)
-    return out, (q, k, v, out, lse, slopes, state)
+    return (out, lse), (q, k, v, out, lse, slopes, state)
 
 
-def _attention_bwd(options, deterministic, residuals, dout):
+def _attention_bwd(options, deterministic, residuals, cotangents):
+    # The lse's cotangent is zero (stop_gradient): only out's is taken.
     q, k, v, out, lse, slopes, state = residuals
-    return (*backward_call(dout, q, k, v, out, lse, state, dict(options), deterministic, slopes),
+    return (*backward_call(cotangents[0], q, k, v, out, lse, state, dict(options), deterministic, slopes),
             _slopes_cotangent(slopes), _no_cotangent(state))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention_and_lse(q, k, v, slopes, state, options, deterministic):
-    return forward_call(q, k, v, state, dict(options), slopes)
-
-
-def _attention_and_lse_fwd(q, k, v, slopes, state, options, deterministic):
-    out, lse = forward_call(q, k, v, state, dict(options), slopes)
-    return (out, lse), (q, k, v, out, lse, slopes, state)
-
-
-def _attention_and_lse_bwd(options, deterministic, residuals, cotangents):
-    # attention() returns the lse through stop_gradient: its cotangent is zero.
-    return _attention_bwd(options, deterministic, residuals, cotangents[0])
-
-
-_attention_and_lse.defvjp(_attention_and_lse_fwd, _attention_and_lse_bwd)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
@@ -161,10 +145,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("dropout_p", p))
     deterministic = _validate.flag("deterministic", deterministic)
-    if return_lse:
-        out, lse = _attention_and_lse(q, k, v, slopes, state, options, deterministic)
-        return out, jax.lax.stop_gradient(lse)
-    return _attention(q, k, v, slopes, state, options, deterministic)
+    out, lse = _attention(q, k, v, slopes, state, options, deterministic)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 # ---------------------------------------------------------------- jax.nn's interface

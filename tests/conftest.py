@@ -83,3 +83,11 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tune_cache, "_memo", {})
     monkeypatch.setattr(tune_cache, "_warned", set())
     return tmp_path
+
+
+@pytest.fixture
+def torch_cuda():
+    """Skips a test unless torch is installed and sees a CUDA device."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")

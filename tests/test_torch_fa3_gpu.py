@@ -6,23 +6,9 @@ import pytest
 
 from cuflash import reference
 from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, randn
+from tests.torch_support import half, leaves, torch
 
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def cuda_device():
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-
-
-def half(x):
-    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.float16).cuda()
-
-
-def leaves(host):
-    return [half(x).requires_grad_() for x in host]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("torch_cuda")]
 
 
 def test_flash_attn_func_positional_order_and_lse(rng):

@@ -6,19 +6,9 @@ import pytest
 
 from cuflash import reference
 from tests.numerics import ATOL, assert_close_2x, e4m3_kvcache_step, mentions, paged_prefill_case, randn
+from tests.torch_support import half, leaves, torch
 
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def cuda_device():
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-
-
-def leaves(host):
-    return [torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda().requires_grad_() for x in host]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("torch_cuda")]
 
 
 def grads_of(fn, tensors, dout):
@@ -422,22 +412,19 @@ def test_flash_attn_func_e4m3(rng):
         out = fn(*codes)
         assert out.dtype == torch.bfloat16
         np.testing.assert_array_equal(out.cpu().view(torch.int16).numpy(), expected.get().view(np.int16))
-    half = torch.zeros((2, 130, 2, 64), dtype=torch.float16, device="cuda")
+    fp16 = torch.zeros((2, 130, 2, 64), dtype=torch.float16, device="cuda")
     with pytest.raises(TypeError, match=mentions("k")):
-        flash_attn_func(codes[0], half, codes[2])
+        flash_attn_func(codes[0], fp16, codes[2])
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attn_func(*codes, dropout_p=0.1)
     with pytest.raises(ValueError, match="q_descale"):
-        flash_attn_func(half, half, half, q_descale=descales["q_descale"])
+        flash_attn_func(fp16, fp16, fp16, q_descale=descales["q_descale"])
 
 
 def test_flash_attn_with_kvcache_e4m3_cache(rng):
     """A torch.float8_e4m3fn cache with descales, eager and compiled: the same output and cache bits as
     cuflash.attention_with_kvcache on the uint8 codes."""
     from cuflash.torch import flash_attn_with_kvcache
-
-    def half(x):
-        return torch.from_numpy(x.view(np.int16)).view(torch.float16).cuda()
 
     step, expected, expected_caches = e4m3_kvcache_step(rng)
     compiled = torch.compile(flash_attn_with_kvcache, fullgraph=True)
