@@ -346,7 +346,7 @@ def test_seqused_leaves_given_outputs_unused_rows(kernel, rng):
                              seqused_q=used_q, seqused_k=used_k)
     ref, ref_lse = reference.attention_varlen(*host, cu_q, cu_k, return_lse=True, causal=True, seqused_q=used_q,
                                               seqused_k=used_k)
-    rows = np.concatenate([np.arange(cu_q[b], cu_q[b] + used_q[b]) for b in range(len(used_q))])
+    rows = used_rows(cu_q, used_q)
     unused = np.setdiff1d(np.arange(dev[0].shape[0]), rows)
     assert np.all(out.get()[unused] == np.float16(POISON)) and np.all(lse.get()[:, unused] == POISON)
     naive = reference.attention_varlen_naive_lowp(*host, cu_q, cu_k, dtype=np.float16, causal=True,
@@ -379,8 +379,7 @@ def test_seqused_padded_batch_equals_packed(kernel, rng):
     out, vjp = cuflash.attention_varlen_vjp(*dev[1:], cu_q, cu_k, max(USED[0]), max(USED[1]), seqused_q=used_q,
                                             seqused_k=used_k, **kw)
     grads = vjp(dev[0])
-    rows = [np.concatenate([np.arange(cu[b], cu[b] + used[b]) for b in range(len(used))])
-            for cu, used in ((cu_q, used_q), (cu_k, used_k))]
+    rows = [used_rows(cu_q, used_q), used_rows(cu_k, used_k)]
     packed_arrays = [x[rows[0]] for x in dev[:2]] + [x[rows[1]] for x in dev[2:]]
     packed_out, packed_vjp = cuflash.attention_varlen_vjp(*packed_arrays[1:], offsets(USED[0]), offsets(USED[1]),
                                                           max(USED[0]), max(USED[1]), **kw)
@@ -412,3 +411,29 @@ def test_bad_seqused_names_the_argument(rng):
     # max_seqlen bounds the used lengths, not the spans
     out = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 7, seqused_q=np.array([4, 3], np.int32))
     assert np.all(np.isfinite(out.get()))
+
+
+def used_rows(cu, used):
+    return np.concatenate([np.arange(cu[b], cu[b] + used[b]) for b in range(len(used))])
+
+
+@pytest.mark.hopper
+def test_seqused_fp8_and_dropout_equal_the_packed_used_rows(rng):
+    """fp8 (its V transpose over the whole spans) and dropout (its mask over each sequence's own
+    positions) with seqused give the packed batch of the used rows: fp8 within bf16 rounding,
+    dropout bit for bit (the same mask)."""
+    _, dev, cu_q, cu_k, used_q, used_k = padded(rng, np.float16, 4, 2, 128)
+    rows_q, rows_k = used_rows(cu_q, used_q), used_rows(cu_k, used_k)
+    longest = (max(USED[0]), max(USED[1]))
+    packed_cu = (offsets(USED[0]), offsets(USED[1]))
+    used = dict(seqused_q=used_q, seqused_k=used_k)
+    codes = [cupy.asarray(rng.integers(0, 120, x.shape, dtype=np.uint8)) for x in dev]
+    got = cuflash.attention_varlen(*codes, cu_q, cu_k, *longest, causal=True, **used)
+    want = cuflash.attention_varlen(codes[0][rows_q], codes[1][rows_k], codes[2][rows_k], *packed_cu, *longest,
+                                    causal=True)
+    np.testing.assert_allclose(got.get()[rows_q].astype(np.float32), want.get().astype(np.float32), rtol=1e-2,
+                               atol=1e-2)
+    drop = dict(dropout_p=0.2, seed=7, offset=3, causal=True)
+    got = cuflash.attention_varlen(*dev, cu_q, cu_k, *longest, **used, **drop)
+    want = cuflash.attention_varlen(dev[0][rows_q], dev[1][rows_k], dev[2][rows_k], *packed_cu, *longest, **drop)
+    np.testing.assert_array_equal(got.get()[rows_q], want.get())
