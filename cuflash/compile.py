@@ -32,7 +32,6 @@ FAMILY_HEADERS = {
     "decode_sm90": "decode_sm80.cuh",
     "combine": "combine.cuh",
     "dropout_mask": "dropout_mask.cuh",
-    "varlen_rows": "varlen_rows.cuh",
 }
 
 # Families built for one architecture only: wgmma needs the sm_90a target.

@@ -278,16 +278,16 @@ def _varlen_operands(names: tuple, buffers: tuple, device_id: int) -> dict:
 def _varlen_forward_callback(lengths, kwargs, p, names, ctx, outputs, q, k, v, cu_q, cu_k, state, *named):
     """The forward of a packed batch; `named` holds the optional operands named in `names`
     (_VARLEN_OPERANDS), passed to cuflash.attention_varlen by those names. With seqused_q the rows
-    the kernels leave are set too: out 0, lse -inf (XLA's buffers start undefined)."""
+    the kernels leave are set first: out 0, lse -inf (XLA's buffers start undefined)."""
     device_id = device_of(outputs[0], ctx.stream)
     out, lse = (cupy_view(x, x.shape, device_id) for x in outputs)
-    operands = _varlen_operands(names, named, device_id)
-    cu_q, cu_k = (cupy_view(x, x.shape, device_id) for x in (cu_q, cu_k))
     with on_xla_stream(ctx, out):
-        if "seqused_q" in operands:
-            _varlen.clear_unused_rows(cu_q, operands["seqused_q"], lengths[0], out, lse)
-        _varlen.attention_varlen(*(cupy_view(x, x.shape, device_id) for x in (q, k, v)), cu_q, cu_k, *lengths,
-                                 out=out, lse=lse, **operands, **with_dropout(kwargs, p, state, device_id))
+        if "seqused_q" in names:
+            out.fill(0)
+            lse.fill(-numpy.inf)
+        _varlen.attention_varlen(*(cupy_view(x, x.shape, device_id) for x in (q, k, v, cu_q, cu_k)), *lengths,
+                                 out=out, lse=lse, **_varlen_operands(names, named, device_id),
+                                 **with_dropout(kwargs, p, state, device_id))
 
 
 def _varlen_backward_callback(lengths, kwargs, p, deterministic, names, ctx, outputs, dout, q, k, v, out, lse, cu_q,
@@ -296,14 +296,13 @@ def _varlen_backward_callback(lengths, kwargs, p, deterministic, names, ctx, out
     device_id = device_of(outputs[0], ctx.stream)
     dq, dk, dv = (cupy_view(x, x.shape, device_id) for x in outputs)
     arrays = [cupy_view(x, x.shape, device_id) for x in (dout, q, k, v, out, lse, cu_q, cu_k)]
-    operands = _varlen_operands(names, named, device_id)
     with on_xla_stream(ctx, dq):
-        for grads, cu, used, longest in (((dq,), arrays[6], "seqused_q", lengths[0]),
-                                         ((dk, dv), arrays[7], "seqused_k", lengths[1])):
-            for grad in grads if used in operands else ():
-                _varlen.clear_unused_rows(cu, operands[used], longest, grad)
+        for grad, used in ((dq, "seqused_q"), (dk, "seqused_k"), (dv, "seqused_k")):
+            if used in names:
+                grad.fill(0)
         _varlen.attention_varlen_backward(*arrays, *lengths, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
-                                          **operands, **with_dropout(kwargs, p, state, device_id))
+                                          **_varlen_operands(names, named, device_id),
+                                          **with_dropout(kwargs, p, state, device_id))
 
 
 def _varlen_forward_call(q, k, v, cu_q, cu_k, named: tuple, state, names: tuple, lengths, options):

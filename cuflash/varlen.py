@@ -24,16 +24,10 @@ import numpy
 from . import dispatch, fp8, kv_cache, launch, validate
 from .arrays import aligned_copy, is_aligned, out_dtype
 from .backward import gradient_outputs
-from .compile import cpp_int_constant
 from .config import FP8_DTYPE_NAME
 from .device import compute_capability, cupy, max_smem_per_block
-from .kernel_call import KernelArgs, kernel
 from .plans import PlanCache, layout, ndarray_type, option_key, optional_layout
 from .score_mods import Varlen, normalise
-
-# cuda_src/varlen_rows.cuh
-CLEAR_UNUSED_ROWS_KERNEL = "cuflash::clear_unused_rows_kernel"
-CLEAR_ROWS_PER_CTA = cpp_int_constant("varlen_rows.cuh", "CLEAR_ROWS_PER_CTA")
 
 
 def _require_3d(**arrays) -> None:
@@ -188,7 +182,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     validate.disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     cp = cupy()
     with q.device:
-        out, lse = _forward_outputs(q, out, lse, result_dtype, cu_seqlens, max_seqlen_q)
+        out, lse = _forward_outputs(q, out, lse, result_dtype, seqused_q is not None)
         if total_q == 0:
             return (out, lse) if return_lse else out
         if total_k == 0:
@@ -203,7 +197,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
         prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes, cu_seqlens)
     if key is not None and not is_fp8:
-        _fwd_plans.store(key, _FwdPlan(prepared, device_id, max_seqlen_q))
+        _fwd_plans.store(key, _FwdPlan(prepared, device_id, seqused_q is not None))
     return (out, lse) if return_lse else out
 
 
@@ -214,37 +208,19 @@ def _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> tuple:
     return cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k
 
 
-def clear_unused_rows(cu_seqlens, seqused, max_seqlen: int, rows=None, lse=None) -> None:
-    """Set the rows past each sequence's used length to 0 in `rows` (total, heads, headdim), C-contiguous,
-    and to -inf in `lse` (nheads, total), on the current stream (cuda_src/varlen_rows.cuh): what the
-    rows attention_varlen leaves unwritten under seqused read, in arrays whose memory starts undefined.
-    cu_seqlens, seqused: the call's int32 device arrays of those rows' side (queries or keys)."""
-    total = rows.shape[0] if rows is not None else lse.shape[1]
-    if total == 0:
-        return
-    row_words = 0 if rows is None else rows[0].nbytes // 16  # rows of whole 16-byte words: headdim % 8 == 0
-    args = KernelArgs([numpy.uint64(0) if rows is None else rows, numpy.int32(row_words),
-                       numpy.uint64(0) if lse is None else lse, numpy.int32(0 if lse is None else lse.shape[0]),
-                       numpy.int32(total), cu_seqlens, seqused, numpy.int32(cu_seqlens.shape[0] - 1),
-                       numpy.int32(max_seqlen)])
-    device_id = (rows if rows is not None else lse).device.id
-    kernel("varlen_rows", CLEAR_UNUSED_ROWS_KERNEL, 0, device_id).launch(
-        (-(-total // CLEAR_ROWS_PER_CTA), 1, 1), 32 * CLEAR_ROWS_PER_CTA, args, cupy().cuda.get_current_stream().ptr)
-
-
-def _forward_outputs(q, out, lse, dtype, offsets: tuple, max_seqlen_q: int):
+def _forward_outputs(q, out, lse, dtype, rows_unused: bool):
     """out and lse as given, the missing ones new arrays (never while the stream captures a CUDA graph);
-    with seqused_q (offsets: _call_offsets'), a new one's rows past the used ones hold 0 and -inf."""
+    rows_unused (seqused_q given): new ones start at what the rows past the used ones read, 0 and -inf."""
     if out is not None and lse is not None:
         return out, lse
     launch.require_not_capturing("attention_varlen without out= and lse=")
     cp = cupy()
     total_q, nheads = q.shape[:2]
-    new_out, new_lse = out is None, lse is None
-    out = cp.empty(q.shape, dtype) if new_out else out
-    lse = cp.empty((nheads, total_q), numpy.float32) if new_lse else lse
-    if len(offsets) == 4 and offsets[2] is not None:
-        clear_unused_rows(offsets[0], offsets[2], max_seqlen_q, out if new_out else None, lse if new_lse else None)
+    if out is None:
+        out = cp.zeros(q.shape, dtype) if rows_unused else cp.empty(q.shape, dtype)
+    if lse is None:
+        lse = cp.full((nheads, total_q), -numpy.inf, numpy.float32) if rows_unused else \
+            cp.empty((nheads, total_q), numpy.float32)
     return out, lse
 
 
@@ -312,14 +288,14 @@ def _plan_key(arrays, outputs, offsets, max_seqlen_q, max_seqlen_k, causal, mods
 class _FwdPlan:
     launch: object  # launch.FwdSm80Launch | launch.FwdSm90Launch
     device_id: int
-    max_seqlen_q: int
+    rows_unused: bool  # seqused_q given
 
     def call(self, q, k, v, out, lse, return_lse: bool, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(q, k, v, out, lse, return_lse, slopes, cu_seqlens)
-        out, lse = _forward_outputs(q, out, lse, q.dtype, cu_seqlens, self.max_seqlen_q)
+        out, lse = _forward_outputs(q, out, lse, q.dtype, self.rows_unused)
         q_, k_, v_ = _aligned(q, k, v)
         (out4,) = _packed(out)
         self.launch.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, slopes, cu_seqlens)
@@ -363,9 +339,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                     q.device, seqused_q, seqused_k)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
                             (dropout_p, seed, offset), mask_alignment)
+    unused = (seqused_q is not None, seqused_k is not None)
     cp = cupy()
     with q.device:
-        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, cu_seqlens, (max_seqlen_q, max_seqlen_k))
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, unused)
         if total_q == 0 or total_k == 0:
             for g in (dq, dk, dv):
                 g.fill(0)
@@ -381,21 +358,18 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         prepared.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None,
                      alibi_slopes, cu_seqlens)
     if key is not None:
-        _bwd_plans.store(key, _BwdPlan(prepared, device_id, (max_seqlen_q, max_seqlen_k)))
+        _bwd_plans.store(key, _BwdPlan(prepared, device_id, unused))
     return dq, dk, dv
 
 
-def _gradient_outputs(q, k, v, dq, dk, dv, offsets: tuple, max_seqlens: tuple[int, int]):
-    """backward.gradient_outputs; with seqused (offsets: _call_offsets'), a new dq's rows past
-    seqused_q and a new dk's and dv's past seqused_k hold 0."""
-    new = (dq is None, dk is None, dv is None)
+def _gradient_outputs(q, k, v, dq, dk, dv, unused: tuple[bool, bool]):
+    """backward.gradient_outputs; unused: whether (seqused_q, seqused_k) are given, where new arrays
+    start at 0 (dq for the first, dk and dv for the second), what the rows the kernels leave read."""
+    zero = (dq is None and unused[0], dk is None and unused[1], dv is None and unused[1])
     grads = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
-    if len(offsets) == 4:
-        cu_q, cu_k, used_q, used_k = offsets
-        for grad, is_new, cu, used, longest in zip(grads, new, (cu_q, cu_k, cu_k), (used_q, used_k, used_k),
-                                                   (max_seqlens[0], max_seqlens[1], max_seqlens[1])):
-            if is_new and used is not None:
-                clear_unused_rows(cu, used, longest, grad)
+    for grad, fill in zip(grads, zero):
+        if fill:
+            grad.fill(0)
     return grads
 
 
@@ -403,14 +377,14 @@ def _gradient_outputs(q, k, v, dq, dk, dv, offsets: tuple, max_seqlens: tuple[in
 class _BwdPlan:
     launch: launch.BwdLaunch
     device_id: int
-    max_seqlens: tuple[int, int]
+    unused: tuple[bool, bool]  # seqused_q, seqused_k given
 
     def call(self, dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens)
-        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, cu_seqlens, self.max_seqlens)
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, self.unused)
         q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
         dq4, dk4, dv4 = _packed(dq, dk, dv)
         lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)

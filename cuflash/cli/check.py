@@ -45,7 +45,6 @@ from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbac
 from ..dropout_mask import KERNEL_NAME as DROPOUT_MASK_KERNEL
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
-from ..varlen import CLEAR_UNUSED_ROWS_KERNEL
 from . import sass as _sass
 
 FAST_PATH_HEADDIMS = (64, 128)
@@ -160,7 +159,6 @@ def shipped_specialisations():
     add(HEURISTIC_FP8[128], TRANSPOSE_V_KERNEL, 0, family="fp8_prep")
     add(HEURISTIC_FP8[128], TRANSPOSE_V_VARLEN_KERNEL, 0, family="fp8_prep")
     add(HEURISTIC_FP8[128], DROPOUT_MASK_KERNEL, 0, family="dropout_mask")
-    add(HEURISTIC_FP8[128], CLEAR_UNUSED_ROWS_KERNEL, 0, family="varlen_rows")
     any_bwd = next(iter(HEURISTIC_BWD.values()))
     for dtype_name, varlen in itertools.product(DTYPE_NAMES, (False, True)):  # row-wise helpers: no dynamic smem
         for cfg in HEURISTIC_BWD.values():  # the preprocess's lanes per row follow the head dim
