@@ -267,18 +267,15 @@ def _fp8_attention(q, k, v, descales: dict, options: tuple, alibi_slopes, dropou
 
 # ---------------------------------------------------------------- packed batches
 
-# The optional array operands of a packed batch's callbacks, by cuflash.attention_varlen's names.
-_VARLEN_OPERANDS = ("alibi_slopes", "block_table", "seqused_q", "seqused_k")
-
-
 def _varlen_operands(names: tuple, buffers: tuple, device_id: int) -> dict:
     return {name: cupy_view(x, x.shape, device_id) for name, x in zip(names, buffers)}
 
 
 def _varlen_forward_callback(lengths, kwargs, p, names, ctx, outputs, q, k, v, cu_q, cu_k, state, *named):
     """The forward of a packed batch; `named` holds the optional operands named in `names`
-    (_VARLEN_OPERANDS), passed to cuflash.attention_varlen by those names. With seqused_q the rows
-    the kernels leave are set first: out 0, lse -inf (XLA's buffers start undefined)."""
+    (alibi_slopes, block_table, seqused_q, seqused_k), passed to cuflash.attention_varlen by those
+    names. With seqused_q the rows the kernels leave are set first: out 0, lse -inf (XLA's buffers
+    start undefined)."""
     device_id = device_of(outputs[0], ctx.stream)
     out, lse = (cupy_view(x, x.shape, device_id) for x in outputs)
     with on_xla_stream(ctx, out):

@@ -132,7 +132,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     3's: sequence b is only the first seqused_q[b] query rows and seqused_k[b] keys of its spans in
     cu_seqlens (a padded batch: cu_seqlens at multiples of the padded length); max_seqlen then bounds
     the used lengths. Rows past the used ones are not written: out and lse arrays cuflash allocates
-    hold 0 and -inf there, given ones keep their contents.
+    hold 0 and -inf there, given ones keep their contents (but for a batch without any key, whose
+    every row is then 0 and -inf).
     mask_alignment: "bottom_right" (flash-attn's: query i's diagonal key is i + nk - nq of the
     sequence's used lengths) or "top_left" (jax.nn's: i), for causal, window_size and ALiBi alike.
     Returns out; with return_lse=True, (out, lse).
@@ -311,7 +312,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     out and lse are the forward's results (`attention_varlen(..., return_lse=True)`)
     with the same offsets and options (dropout's, seqused's and mask_alignment's too); deterministic,
     dq, dk, dv as `attention_backward`. Rows past seqused_q (dq) and seqused_k (dk, dv) are not
-    written: arrays cuflash allocates hold 0 there, given ones keep their contents.
+    written: arrays cuflash allocates hold 0 there, given ones keep their contents (but for a batch
+    without any query or key, whose every gradient row is then 0).
     """
     key = None
     if not dropout_p and type(deterministic) is bool and type(mask_alignment) is str:
