@@ -398,7 +398,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             named[name] = x = jnp.asarray(x)
             _int32_vector(name, x, batch)
     named = {name: x for name, x in named.items() if x is not None}
-    _validate.mask_alignment(mask_alignment)
+    top_left = _validate.mask_alignment(mask_alignment)
     return_lse = _validate.flag("return_lse", return_lse)
     p, state = dropout_state(dropout_p, dropout_key)
     options = (*option_items(causal, softmax_scale, window_size, softcap), ("mask_alignment", mask_alignment),
@@ -406,7 +406,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if block_table is not None:
         if p:
             raise ValueError("dropout_p: the paged prefill takes no dropout")
-        if seqused_q is not None or seqused_k is not None or mask_alignment != "bottom_right":
+        if seqused_q is not None or seqused_k is not None or top_left:
             raise NotImplementedError("seqused_q, seqused_k, mask_alignment: the paged prefill takes the cache "
                                       "lengths from cu_seqlens_k and aligns to the bottom right")
         out, lse = _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(named.values()), state,

@@ -376,11 +376,11 @@ def int32_vector(name: str, x, batch: int, upper=None) -> None:
         raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
 
 
-def seqused(name: str, x, batch: int, cu_host=None):
+def seqused(name: str, x, batch: int, spans=None):
     """Sequence lengths used within the spans of cu_seqlens (flash-attn 3's seqused_q, seqused_k):
-    int32_vector's, each at most its span's length where the host offsets cu_host are given. Returns
-    a NumPy array's values as int64, else None (a CuPy array's: the kernels clamp them into the spans)."""
-    spans = None if cu_host is None else numpy.diff(numpy.asarray(cu_host, dtype=numpy.int64))
+    int32_vector's, each at most its span's length where the spans' lengths (host offsets' differences)
+    are given. Returns a NumPy array's values as int64, else None (a CuPy array's: the kernels clamp
+    them into the spans)."""
     int32_vector(name, x, batch, None if spans is None else spans + 1)
     return x.astype(numpy.int64) if isinstance(x, numpy.ndarray) else None
 

@@ -52,18 +52,15 @@ def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: in
     validate.cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, num_seqs)
     for name, value, cu, used_name, used in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q, "seqused_q", seqused_q),
                                              ("max_seqlen_k", max_seqlen_k, cu_seqlens_k, "seqused_k", seqused_k)):
-        cu_host = cu if isinstance(cu, numpy.ndarray) else None
-        used_lengths = validate.seqused(used_name, used, num_seqs, cu_host)
-        spans = None if cu_host is None else numpy.diff(cu_host.astype(numpy.int64))
+        spans = numpy.diff(cu.astype(numpy.int64)) if isinstance(cu, numpy.ndarray) else None
+        used_lengths = validate.seqused(used_name, used, num_seqs, spans)
         validate.max_seqlen(name, value, used_lengths if used is not None else spans)
     if num_seqs > validate.MAX_GRID_YZ:
         raise ValueError(f"cu_seqlens_q: at most {validate.MAX_GRID_YZ} sequences, got {num_seqs}")
-    arrays = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    if seqused_q is not None or seqused_k is not None:
-        arrays.update(seqused_q=seqused_q, seqused_k=seqused_k)
     cp = cupy()
     on_device = []
-    for name, x in arrays.items():
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
+                    ("seqused_k", seqused_k)):
         if isinstance(x, numpy.ndarray):
             launch.require_not_capturing(f"attention_varlen with a host {name}")
             with device:
@@ -71,7 +68,7 @@ def _offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: in
         elif x is not None and x.device != device:
             raise ValueError(f"{name} is on device {x.device.id}, q on device {device.id}")
         on_device.append(x)
-    return tuple(on_device), num_seqs
+    return _call_offsets(*on_device), num_seqs
 
 
 def _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
@@ -183,7 +180,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     validate.disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
     cp = cupy()
     with q.device:
-        out, lse = _forward_outputs(q, out, lse, result_dtype, seqused_q is not None)
+        out, lse = _forward_outputs(q, out, lse, result_dtype, cu_seqlens)
         if total_q == 0:
             return (out, lse) if return_lse else out
         if total_k == 0:
@@ -198,7 +195,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         prepared = launch.prepare_fwd(cfg, problem, q_, k_, v_, out4, lse, scale, device_id)
         prepared.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, descale, alibi_slopes, cu_seqlens)
     if key is not None and not is_fp8:
-        _fwd_plans.store(key, _FwdPlan(prepared, device_id, seqused_q is not None))
+        _fwd_plans.store(key, _FwdPlan(prepared, device_id))
     return (out, lse) if return_lse else out
 
 
@@ -209,14 +206,20 @@ def _call_offsets(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> tuple:
     return cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k
 
 
-def _forward_outputs(q, out, lse, dtype, rows_unused: bool):
+def _used(offsets: tuple) -> tuple[bool, bool]:
+    """Whether a call's offsets (_call_offsets') hold seqused_q and seqused_k."""
+    return (False, False) if len(offsets) == 2 else (offsets[2] is not None, offsets[3] is not None)
+
+
+def _forward_outputs(q, out, lse, dtype, offsets: tuple):
     """out and lse as given, the missing ones new arrays (never while the stream captures a CUDA graph);
-    rows_unused (seqused_q given): new ones start at what the rows past the used ones read, 0 and -inf."""
+    with seqused_q among the offsets, new ones start at what the rows past the used ones read, 0 and -inf."""
     if out is not None and lse is not None:
         return out, lse
     launch.require_not_capturing("attention_varlen without out= and lse=")
     cp = cupy()
     total_q, nheads = q.shape[:2]
+    rows_unused = _used(offsets)[0]
     if out is None:
         out = cp.zeros(q.shape, dtype) if rows_unused else cp.empty(q.shape, dtype)
     if lse is None:
@@ -289,14 +292,13 @@ def _plan_key(arrays, outputs, offsets, max_seqlen_q, max_seqlen_k, causal, mods
 class _FwdPlan:
     launch: object  # launch.FwdSm80Launch | launch.FwdSm90Launch
     device_id: int
-    rows_unused: bool  # seqused_q given
 
     def call(self, q, k, v, out, lse, return_lse: bool, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(q, k, v, out, lse, return_lse, slopes, cu_seqlens)
-        out, lse = _forward_outputs(q, out, lse, q.dtype, self.rows_unused)
+        out, lse = _forward_outputs(q, out, lse, q.dtype, cu_seqlens)
         q_, k_, v_ = _aligned(q, k, v)
         (out4,) = _packed(out)
         self.launch.run(q_, k_, v_, out4, lse, cp.cuda.get_current_stream().ptr, None, slopes, cu_seqlens)
@@ -341,10 +343,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                     q.device, seqused_q, seqused_k)
     causal, mods = _options(q, k, causal, window_size, softcap, alibi_slopes, max_seqlen_q, max_seqlen_k, num_seqs,
                             (dropout_p, seed, offset), mask_alignment)
-    unused = (seqused_q is not None, seqused_k is not None)
     cp = cupy()
     with q.device:
-        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, unused)
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, cu_seqlens)
         if total_q == 0 or total_k == 0:
             for g in (dq, dk, dv):
                 g.fill(0)
@@ -360,14 +361,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         prepared.run(q4, k4, v4, dout4, out4, lse, dq4, dk4, dv4, cp.cuda.get_current_stream().ptr, None,
                      alibi_slopes, cu_seqlens)
     if key is not None:
-        _bwd_plans.store(key, _BwdPlan(prepared, device_id, unused))
+        _bwd_plans.store(key, _BwdPlan(prepared, device_id))
     return dq, dk, dv
 
 
-def _gradient_outputs(q, k, v, dq, dk, dv, unused: tuple[bool, bool]):
-    """backward.gradient_outputs; unused: whether (seqused_q, seqused_k) are given, where new arrays
-    start at 0 (dq for the first, dk and dv for the second), what the rows the kernels leave read."""
-    zero = (dq is None and unused[0], dk is None and unused[1], dv is None and unused[1])
+def _gradient_outputs(q, k, v, dq, dk, dv, offsets: tuple):
+    """backward.gradient_outputs; with seqused_q (seqused_k) among the offsets (_call_offsets'), a new
+    dq (dk, dv) starts at 0, what the rows the kernels leave read."""
+    used_q, used_k = _used(offsets)
+    zero = (dq is None and used_q, dk is None and used_k, dv is None and used_k)
     grads = gradient_outputs(q, k, v, dq, dk, dv, "attention_varlen_backward")
     for grad, fill in zip(grads, zero):
         if fill:
@@ -379,14 +381,13 @@ def _gradient_outputs(q, k, v, dq, dk, dv, unused: tuple[bool, bool]):
 class _BwdPlan:
     launch: launch.BwdLaunch
     device_id: int
-    unused: tuple[bool, bool]  # seqused_q, seqused_k given
 
     def call(self, dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens):
         cp = cupy()
         if cp.cuda.runtime.getDevice() != self.device_id:
             with q.device:
                 return self.call(dout, q, k, v, out, lse, dq, dk, dv, slopes, cu_seqlens)
-        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, self.unused)
+        dq, dk, dv = _gradient_outputs(q, k, v, dq, dk, dv, cu_seqlens)
         q4, k4, v4, dout4, out4 = _aligned(q, k, v, dout, out)
         dq4, dk4, dv4 = _packed(dq, dk, dv)
         lse = lse if lse.flags.c_contiguous else cp.ascontiguousarray(lse)

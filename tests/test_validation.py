@@ -500,15 +500,15 @@ def test_head_shapes_named(q, k, v, match):
 
 
 def test_seqused_host_values():
-    cu = np.array([0, 3, 3, 7], np.int32)
+    spans = np.diff(np.array([0, 3, 3, 7]))
     assert validate.seqused("seqused_q", None, 3) is None
-    np.testing.assert_array_equal(validate.seqused("seqused_q", np.array([3, 0, 2], np.int32), 3, cu), [3, 0, 2])
+    np.testing.assert_array_equal(validate.seqused("seqused_q", np.array([3, 0, 2], np.int32), 3, spans), [3, 0, 2])
     np.testing.assert_array_equal(validate.seqused("seqused_q", np.array([9, 0, 2], np.int32), 3), [9, 0, 2])
     for used, error in ((np.array([4, 0, 2], np.int32), ValueError), (np.array([3, 0, -1], np.int32), ValueError),
                         (np.array([3, 0], np.int32), ValueError), (np.array([3, 0, 2], np.int64), TypeError),
                         ([3, 0, 2], TypeError)):
         with pytest.raises(error, match=mentions("seqused_q")):
-            validate.seqused("seqused_q", used, 3, cu)
+            validate.seqused("seqused_q", used, 3, spans)
 
 
 def test_mask_alignment():
