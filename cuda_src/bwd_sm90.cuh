@@ -33,6 +33,8 @@
 // Without ATOMIC_DQ (deterministic mode) the kernel stops at dK and dV and
 // bwd_sm90_dq_kernel (below) computes dQ.
 #pragma once
+#include "bwd_sm90_tiles.cuh"
+#include "bwd_sm90_wide.cuh"
 #include "common.cuh"
 #include "dropout.cuh"
 #include "named_barriers.cuh"
@@ -54,7 +56,7 @@ struct BwdSm90Traits {
     static constexpr int DS_BYTES = ATOMIC_DQ ? BN * BM * 2 : 0;  // one dS^T buffer: [key][query]
     static constexpr int ROW_BYTES = BM * 4;                       // one block's lse2 (or Delta)
     // Each consumer's share of dQ = dS K: 64 query rows x DQ_N head-dim columns.
-    static constexpr int DQ_N = BM == 128 ? D : D / 2;
+    static constexpr int DQ_N = bwd_sm90_dq_cols(BM, D);
     static constexpr int DQ_BYTES = ATOMIC_DQ ? 64 * DQ_N * 4 : 0;  // one consumer's dQ tile (fp32)
     static constexpr int BARRIERS = 2 + 2 * STAGES;  // full_kv, empty_kv, full and empty per stage
     // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V,
@@ -83,21 +85,6 @@ struct BwdSm90Traits {
                   "tiles start on 1024-byte swizzle atoms");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
-
-// A query block's dQ (BM x D floats) lies in its dq_accum block in the order
-// in which the consumers' accumulators are stored: consumer c, warp w, 8-column
-// tile j, lane, element e (see wgmma.cuh for which row and column each
-// holds). The float4 at position i of a block holds elements e = 0..3 of one
-// lane: (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
-template <int BM, int D>
-__device__ __forceinline__ int2 dq_fragment_row_col(int i) {
-    constexpr int DQ_N = BwdSm90Traits<D, BM, 2, true>::DQ_N;
-    constexpr int CONSUMER_VECS = 64 * DQ_N / 4;  // float4s of one consumer's share
-    const int c = i / CONSUMER_VECS, lane = i % 32, wj = i % CONSUMER_VECS / 32;  // wj: w * (DQ_N / 8) + j
-    const int row = (BM == 128 ? 64 * c : 0) + 16 * (wj / (DQ_N / 8)) + lane / 4;
-    const int col = (BM == 128 ? 0 : c * DQ_N) + 8 * (wj % (DQ_N / 8)) + 2 * (lane % 4);
-    return make_int2(row, col);
-}
 
 // dq = scale * dQ in the input dtype, one CTA per block of BM query rows. The
 // block's dq_accum (fragment order, dq_fragment_row_col) is read 16 bytes a
@@ -139,12 +126,9 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
     }
 }
 
-// The dK/dV kernel's work tile t -> (key block, kv head, batch): key blocks
-// innermost, so that the CTAs running together share a head's Q and dO in L2
-// (under a causal mask a head's longest block first).
-// The kernel is persistent (bwd_sm90_persistent): one CTA an SM takes tile
+// bwd_sm90_kernel is persistent (bwd_sm90_persistent): one CTA an SM takes tile
 // blockIdx.x, then the next one not yet taken, from a ticket (as the Hopper
-// forward's scheduler, fwd_sm90_scheduler.cuh), in that order. With one CTA a
+// forward's scheduler, fwd_sm90_scheduler.cuh), in kv_tile_at's order. With one CTA a
 // tile an SM had no consumer at work while a CTA stored its dK and dV and the
 // next one loaded its K, V and first Q and dO (ncu, H100, 8 x 2k x 16 heads of
 // 128: 8.8 of 12 warps active an SM on average, against 10.0 in cuDNN's
@@ -153,15 +137,6 @@ __global__ void bwd_sm90_convert_dq_kernel(const float* __restrict__ dq_accum, u
 // SMs idle under a causal mask, whose tiles differ in length (1.2-1.4x
 // slower, H100). With a window or a packed batch, and in deterministic mode
 // (whose tile loop, kept to one pass, fits its registers), a CTA a tile.
-struct KvTile {
-    int n_block, hk, b;
-};
-
-__device__ __forceinline__ KvTile kv_tile_at(int t, int n_blocks, int kv_heads) {
-    const int hb = t / n_blocks;
-    return KvTile{t - hb * n_blocks, hb % kv_heads, hb / kv_heads};
-}
-
 template <bool ATOMIC_DQ, int MODS>
 constexpr bool bwd_sm90_persistent() {
     return ATOMIC_DQ && !(MODS & (MOD_WINDOW | MOD_VARLEN));

@@ -23,6 +23,12 @@ enum BwdNamedBarrier : int {
     BWD_DS_STORED = 1,
 };
 
+// bwd_sm90_wide_kernel.
+enum BwdWideNamedBarrier : int {
+    // Both consumers' halves of a step's P and dS tiles are in shared memory (256 threads).
+    BWD_WIDE_TILES_STORED = 1,
+};
+
 // decode_kernel's wgmma tiles (decode_sm80.cuh).
 enum DecodeNamedBarrier : int {
     // The row warps' threads, not the copy warps': Q's tile written, then read.

@@ -274,8 +274,11 @@ class BwdConfig:
         the fused dQ): 128 keys per CTA, dkdv_block_m query rows per step (128
         at head dim 64, 64 at 128); the deterministic dQ kernel: 128 query rows
         per CTA (dq_warps = 8: two warpgroups), dq_block_n keys per step (128
-        at head dim 64, 64 at 128); both `stages` deep. dkdv_warps, min_blocks
-        and dkdv_chunk_m then do not apply; the preprocess kernel is the sm_80 one.
+        at head dim 64, 64 at 128); both `stages` deep. At head dim 256
+        (`wide`, cuda_src/bwd_sm90_wide.cuh) 64 keys per CTA and 64 query rows
+        per step, the atomic dQ only: deterministic calls run the sm_80 kernels.
+        dkdv_warps, min_blocks and dkdv_chunk_m then do not apply; the
+        preprocess kernel is the sm_80 one.
     """
 
     headdim: int
@@ -289,10 +292,21 @@ class BwdConfig:
     hopper: bool = False
 
     family = "bwd_sm80"  # the preprocess kernel's family (and every kernel's without hopper)
-    # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits).
-    HOPPER_BLOCK_M = {64: 128, 128: 64}
-    # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
+    # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits, BwdSm90WideTraits).
+    HOPPER_BLOCK_M = {64: 128, 128: 64, 256: 64}
+    # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits); head dim 256 has none.
     HOPPER_DQ_BLOCK_N = {64: 128, 128: 64}
+    # Head dims of the Hopper dK/dV kernel whose consumers split keys and columns (BwdSm90WideTraits).
+    HOPPER_WIDE = (256,)
+
+    @property
+    def wide(self) -> bool:
+        """The Hopper dK/dV kernel of cuda_src/bwd_sm90_wide.cuh (atomic dQ only)."""
+        return self.hopper and self.headdim in self.HOPPER_WIDE
+
+    def takes(self, deterministic: bool) -> bool:
+        """Whether these kernels run a deterministic (or an atomic-dQ) backward."""
+        return not (deterministic and self.wide)
 
     @property
     def kernel_family(self) -> str:
@@ -305,7 +319,9 @@ class BwdConfig:
 
     @property
     def dkdv_block_n(self) -> int:
-        return 128 if self.hopper else 16 * self.dkdv_warps
+        if self.hopper:
+            return 64 if self.wide else 128
+        return 16 * self.dkdv_warps
 
     @property
     def hopper_dq_cols(self) -> int:
@@ -325,6 +341,11 @@ class BwdConfig:
         a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers, the next tile) or BwdDkdvTraits (K, V,
         STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows, dS^T)."""
         n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
+        if self.wide:
+            tile = 2 * m * n  # one P or dS tile
+            return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", 2 * m * d),
+                           ("P", 2 * tile), ("DS", 2 * tile), ("DQ", 2 * m * (d // 4) * 4),
+                           ("ROWS", 2 * stages * 4 * m), ("BARS", 8 * (3 + 2 * stages)))
         if self.hopper:
             ds = 2 * n * m if atomic_dq else 0
             dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
@@ -338,11 +359,17 @@ class BwdConfig:
     def dkdv_smem_bytes(self, atomic_dq: bool) -> int:
         return self.dkdv_smem_layout(atomic_dq)["SMEM_BYTES"]
 
+    def smem_bytes(self) -> int:
+        """The most dynamic shared memory any of its kernels takes."""
+        dq = self.dq_smem_bytes() if self.takes(deterministic=True) else 0
+        return max(self.dkdv_smem_bytes(atomic_dq=True), dq)
+
     def dkdv_traits(self, atomic_dq: bool) -> str:
         """The C++ traits type of the dK/dV kernel."""
         if self.hopper:
             args = [self.headdim, self.dkdv_block_m, self.stages, _cpp_bool(atomic_dq)]
-            return "cuflash::BwdSm90Traits<" + ", ".join(str(a) for a in args) + ">"
+            traits = "BwdSm90WideTraits" if self.wide else "BwdSm90Traits"
+            return f"cuflash::{traits}<" + ", ".join(str(a) for a in args) + ">"
         args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, _cpp_bool(atomic_dq)]
         return "cuflash::BwdDkdvTraits<" + ", ".join(str(a) for a in args) + ">"
 
@@ -374,9 +401,8 @@ class BwdConfig:
         rows = (32, 64, 128)
         if self.hopper:
             hopper_ok = self.HOPPER_BLOCK_M.get(self.headdim) == self.dkdv_block_m and 2 <= self.stages <= 3
-            dq_ok = self.dq_warps == 8 and self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n
-            smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
-            return hopper_ok and dq_ok and smem <= SM90_SMEM_LIMIT
+            dq_ok = self.dq_warps == 8 and (self.wide or self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n)
+            return hopper_ok and dq_ok and self.smem_bytes() <= SM90_SMEM_LIMIT
         if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
                 and 2 <= self.stages <= 3 and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16):
             return False
@@ -384,8 +410,7 @@ class BwdConfig:
         if self.dkdv_warps % row_tiles or self.dkdv_chunk % 16 or self.dkdv_block_m % self.dkdv_chunk:
             return False
         dq_cols = self.headdim // (self.dkdv_warps // row_tiles)
-        smem = max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
-        return dq_cols % 16 == 0 and smem <= SM90_SMEM_LIMIT
+        return dq_cols % 16 == 0 and self.smem_bytes() <= SM90_SMEM_LIMIT
 
     def dkdv_name(self, dtype_name: str, causal: bool, even_n: bool, even_d: bool, atomic_dq: bool,
                   mods: int = 0) -> str:
@@ -393,7 +418,8 @@ class BwdConfig:
         if self.hopper:
             args = [self.headdim, self.dkdv_block_m, self.stages, SM90_DTYPES[dtype_name], _cpp_bool(causal),
                     _cpp_bool(even_n), _cpp_bool(atomic_dq)]
-            return "cuflash::bwd_sm90_kernel<" + ", ".join(str(a) for a in [*args, mods]) + ">"
+            kernel_ = "bwd_sm90_wide_kernel" if self.wide else "bwd_sm90_kernel"
+            return f"cuflash::{kernel_}<" + ", ".join(str(a) for a in [*args, mods]) + ">"
         args = [self.headdim, self.dkdv_block_m, self.dkdv_chunk, self.dkdv_warps, self.stages, self.min_blocks,
                 _cpp_bool(dtype_name == "bfloat16"), _cpp_bool(causal), _cpp_bool(even_n), _cpp_bool(even_d),
                 _cpp_bool(atomic_dq)]

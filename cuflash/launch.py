@@ -343,11 +343,11 @@ class BackwardWorkspace:
         return 2 * rows + (0 if deterministic else rows * cfg.headdim)
 
 
-def hopper_bwd_persistent(problem) -> bool:
-    """Whether the Hopper dK/dV kernel of `problem` is persistent: cuda_src/bwd_sm90.cuh's
-    bwd_sm90_persistent (the atomic dQ, no window or packed batch)."""
+def hopper_bwd_persistent(cfg: BwdConfig, problem) -> bool:
+    """Whether the Hopper dK/dV kernel of `cfg` and `problem` is persistent: cuda_src/bwd_sm90.cuh's
+    bwd_sm90_persistent (the atomic dQ, no window or packed batch); the wide kernel never is."""
     mods = problem.mods
-    return not problem.deterministic and mods.window is None and mods.varlen is None
+    return not (cfg.wide or problem.deterministic) and mods.window is None and mods.varlen is None
 
 
 class BwdLaunch:
@@ -394,7 +394,7 @@ class BwdLaunch:
             # One CTA a tile, in a 1-D grid; or, where the kernel is persistent, one an SM that takes the
             # tiles in turn (cuda_src/bwd_sm90.cuh, kv_tile_at and bwd_sm90_persistent).
             tiles = math.prod(dkdv_grid)
-            dkdv_grid = (min(tiles, sm_count(device_id)) if hopper_bwd_persistent(problem) else tiles, 1, 1)
+            dkdv_grid = (min(tiles, sm_count(device_id)) if hopper_bwd_persistent(cfg, problem) else tiles, 1, 1)
             # The tile ticket: a placeholder until run() points it at the stream's.
             self.dkdv_args = KernelArgs([*[UNSET_MAP] * 4, scratch, scratch, scratch, dk, dv, scratch, *ints,
                                          numpy.int32(nheads_kv), numpy.int32(batch), *_strides(dk, dv), *scales])

@@ -99,16 +99,16 @@ class BwdTuning(TunedFamily):
                      else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
-        hopper_kd = dispatch.hopper_bwd_headdim(kd)
-        if problem.arch == HOPPER and hopper_kd is not None:
-            # The Hopper kernels first (the heuristic's choice there), in both ring depths.
-            hopper = dispatch.HEURISTIC_BWD_SM90[hopper_kd]
+        hopper = dispatch.hopper_bwd_config(kd, problem.arch, problem.deterministic)
+        if hopper is not None:
+            # The Hopper kernels first (the heuristic's choice there), in both ring depths (keep drops
+            # those that do not fit).
             configs = [dataclasses.replace(hopper, stages=stages) for stages in HOPPER_STAGES] + configs
         return configs
 
     def keep(self, cfg: BwdConfig, limits) -> bool:
         """Static filter: the traits' asserts, tile sides, this device's shared memory and threads."""
-        smem = max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes())
+        smem = cfg.smem_bytes()
         threads = max(cfg.dkdv_threads, cfg.dq_threads)
         return (
             cfg.is_valid()
@@ -160,7 +160,7 @@ class BwdTuning(TunedFamily):
         kd = problem.kernel_headdim
         headdim = dispatch.hopper_bwd_headdim(kd) if cfg.hopper else kd
         usable = (cfg.is_valid() and cfg.headdim == headdim and dispatch.fits(cfg, problem.max_smem)
-                  and (not cfg.hopper or problem.arch == HOPPER))
+                  and (not cfg.hopper or problem.arch == HOPPER) and cfg.takes(problem.deterministic))
         return cfg if usable else None
 
 

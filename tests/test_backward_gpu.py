@@ -126,20 +126,21 @@ def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [pytest.param("hopper", marks=pytest.mark.hopper), "sm80"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [64, 128, 88])
+@pytest.mark.parametrize("headdim", [64, 128, 88, 256])
 @pytest.mark.parametrize("nq,nk", [(257, 300), (128, 256), (300, 129)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, deterministic):
-    # Both dK/dV kernels on the same GPU: the Hopper one (head dims 64 and
-    # 128, 88 zero-padded to 128; fed by tensor maps, fused atomic dQ) and
+    # Both dK/dV kernels on the same GPU: the Hopper ones (head dims 64 and
+    # 128, 88 zero-padded to 128, and 256's; fed by tensor maps, fused atomic dQ) and
     # the sm_80 one. GQA, ragged and block-aligned lengths, Nq < Nk and Nq > Nk.
+    # Head dim 256's deterministic mode runs the sm_80 kernels on Hopper too.
     if kernel == "sm80":
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
     cc = cupy.cuda.Device().compute_capability
-    chosen = dispatch.bwd_tiles(headdim, SM90_SMEM_LIMIT, int(cc))
-    assert chosen.hopper == (kernel == "hopper")
+    chosen = dispatch.bwd_tiles(headdim, SM90_SMEM_LIMIT, int(cc), deterministic)
+    assert chosen.hopper == (kernel == "hopper" and not (deterministic and headdim == 256))
     with dispatch.heuristic_only():
         grads = backward(dev, causal=causal, deterministic=deterministic)
     check_grads(grads, host, causal=causal)

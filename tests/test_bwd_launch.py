@@ -119,5 +119,5 @@ def test_the_hopper_dkdv_kernel_is_persistent_but_with_windows_packed_batches_or
     run = launch.prepare_bwd(cfg, problem, 0.125, q, k, v, dout, out, lse, dq, dk, dv, 0)
     _, dkdv_grid, _, _ = run.stages["dkdv"]
     tiles = -(-n // cfg.dkdv_block_n) * h * b  # 1,024
-    assert launch.hopper_bwd_persistent(problem) == persistent
+    assert launch.hopper_bwd_persistent(cfg, problem) == persistent
     assert dkdv_grid == ((132 if persistent else tiles), 1, 1)

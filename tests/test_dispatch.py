@@ -1,6 +1,7 @@
 """Kernel choice without a GPU: family per architecture, shared-memory fallbacks."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -86,17 +87,23 @@ def test_every_choice_fits_the_shared_memory(headdim, max_smem):
         for seqlen in (4096, 4000):
             assert dispatch.heuristic_fwd_config(problem(headdim, arch=arch, max_smem=max_smem,
                                                          seqlen=seqlen)).smem_bytes() <= max_smem
-    for arch in (80, 90):
-        cfg = dispatch.bwd_tiles(headdim, max_smem, arch)
-        assert max(cfg.dkdv_smem_bytes(atomic_dq=True), cfg.dq_smem_bytes()) <= max_smem
+    for arch, deterministic in itertools.product((80, 90), (False, True)):
+        cfg = dispatch.bwd_tiles(headdim, max_smem, arch, deterministic)
+        assert cfg.smem_bytes() <= max_smem
+        assert cfg.dkdv_smem_bytes(not deterministic) <= max_smem
+        if deterministic:
+            assert cfg.dq_smem_bytes() <= max_smem
 
 
 @pytest.mark.parametrize("headdim", [1, 48, 64, 65, 96, 128, 129, 256])
 def test_backward_uses_the_hopper_kernel_on_sm90_only(headdim):
+    """Head dim 256's Hopper kernel has the atomic dQ only: deterministic calls run the sm_80 kernels."""
     kd = kernel_headdim(headdim)
     hopper = dispatch.bwd_tiles(headdim, H200_SMEM, 90)
-    assert hopper.hopper == (kd in (64, 96, 128))
+    assert hopper.hopper == (kd in (64, 96, 128, 256))
     assert hopper.is_valid() and hopper.headdim == (128 if kd == 96 else kd)
+    assert hopper.wide == (kd == 256)
+    assert dispatch.bwd_tiles(headdim, H200_SMEM, 90, deterministic=True).hopper == (kd in (64, 96, 128))
     assert not dispatch.bwd_tiles(headdim, H200_SMEM, 80).hopper
 
 

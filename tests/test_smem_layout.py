@@ -40,7 +40,7 @@ def _traits_and_layout(cfg, name: str):
         assert isinstance(cfg, FwdSm90Config)
         dtype, mods = _DTYPE_OF_SM90[args[3]], score_mods_of(name)
         return cfg.traits(dtype, mods), cfg.smem_layout(dtype, mods)
-    if kernel in ("bwd_dkdv_kernel", "bwd_sm90_kernel"):
+    if kernel in ("bwd_dkdv_kernel", "bwd_sm90_kernel", "bwd_sm90_wide_kernel"):
         assert isinstance(cfg, BwdConfig)
         atomic_dq = args[-2] == "true"  # before MODS
         return cfg.dkdv_traits(atomic_dq), cfg.dkdv_smem_layout(atomic_dq)

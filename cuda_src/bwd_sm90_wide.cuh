@@ -1,0 +1,367 @@
+// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV, and dQ by fp32 atomics;
+// fp16 / bf16. The math is bwd_sm90.cuh's; the split of the work differs.
+//
+// bwd_sm90_kernel's consumer owns 64 keys and holds their dK and dV rows whole: D registers a
+// thread for the two, more than a thread has at D = 256. Here a CTA owns BN = 64 keys (and kv
+// head, batch), and the two consumer warpgroups split each step two ways:
+//   S = Q K^T, dP = dO V^T:  wgmma SS, M = BM = 64 queries, N = 32 keys: consumer c takes keys
+//       32c..; P and dS (rounded to 16 bits) go to the step's [query][key] tiles in shared memory
+//       (two of each, used in turn), then both consumers meet at a barrier;
+//   dV += P^T dO, dK += dS^T Q:  wgmma SS, M = 64 keys, N = 128: consumer c takes head-dim
+//       columns 128c.. (A = P^T or dS^T, read MN-major from the tiles; B = dO or Q, MN-major);
+//   dQ = dS K:  M = 64 queries, N = 64 columns, twice (consumer c's columns 128c.. in two
+//       halves, one after the other; A = dS K-major, B = K MN-major). Each half goes to shared
+//       memory as it lies in registers and each warp adds its part to dq_accum with a bulk
+//       reduction, in bwd_sm90_kernel's fragment order (dq_fragment_row_col at BM = 64), so that
+//       bwd_sm90_convert_dq_kernel serves both kernels.
+// A consumer thread holds 64 + 64 dK and dV accumulators, 16 + 16 of S and dP, then 32 of a dQ
+// half (both halves at once spilled 72 bytes, ptxas of NVRTC 12.9).
+// The producer warpgroup's one thread copies K and V once, then each step's Q with its lse2 and
+// Delta rows into a STAGES-deep ring, and its dO into a single buffer: the next dO is copied
+// once both consumers' dV GEMMs are done, while their dK and dQ GEMMs run.
+// One CTA a tile (kv_tile_at), not persistent.
+#pragma once
+#include "bwd_sm90_tiles.cuh"
+#include "common.cuh"
+#include "dropout.cuh"
+#include "named_barriers.cuh"
+#include "score_mods.cuh"
+#include "seq_span.cuh"
+#include "sm90_tiles.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+template <int D_, int BM_, int STAGES_, bool ATOMIC_DQ_>
+struct BwdSm90WideTraits {
+    static constexpr int D = D_, BM = BM_, STAGES = STAGES_;
+    static constexpr int CONSUMERS = 2;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int BN = 64;                  // keys per CTA
+    static constexpr int S_N = BN / CONSUMERS;     // keys of S and dP a consumer computes
+    static constexpr int COLS = D / CONSUMERS;     // head-dim columns of dK, dV and dQ a consumer computes
+    static constexpr int DQ_HALF = COLS / 2;       // dQ columns a consumer computes in one GEMM
+    static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;
+    static constexpr int PS_BYTES = BM * BN * 2;   // one P or dS tile: [query][key], 16-bit
+    static constexpr int DQ_BYTES = BM * DQ_HALF * 4;  // one consumer's staged dQ half (fp32)
+    static constexpr int ROW_BYTES = BM * 4;       // one block's lse2 (or Delta)
+    static constexpr int BARRIERS = 3 + 2 * STAGES;  // full_kv, full_do, empty_do; full and empty per Q stage
+    // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V, STAGES x Q, dO,
+    // 2 x P, 2 x dS (tiles 1024-byte aligned), a dQ half per consumer, STAGES x lse2 and Delta, mbarriers.
+    static constexpr int OFF_K = 0;
+    static constexpr int OFF_V = OFF_K + KV_BYTES;
+    static constexpr int OFF_Q = OFF_V + KV_BYTES;
+    static constexpr int OFF_DO = OFF_Q + STAGES * QB_BYTES;
+    static constexpr int OFF_P = OFF_DO + QB_BYTES;
+    static constexpr int OFF_DS = OFF_P + 2 * PS_BYTES;
+    static constexpr int OFF_DQ = OFF_DS + 2 * PS_BYTES;
+    static constexpr int OFF_ROWS = OFF_DQ + CONSUMERS * DQ_BYTES;
+    static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
+    static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
+    // Register split (setmaxnreg, SM90_ENTRY_REGS).
+    static constexpr int ENTRY_REGS = SM90_ENTRY_REGS;
+    static constexpr int CONSUMER_REGS = 232;
+    static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
+
+    static_assert(D == 256 && BM == 64, "head dim 256 with 64-query steps");
+    static_assert(ATOMIC_DQ_, "dQ by atomics only (deterministic mode runs the sm_80 kernels)");
+    static_assert(STAGES == 2, "two Q stages (three do not fit beside the dQ halves)");
+    static_assert(OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_P % 1024 == 0 && OFF_DS % 1024 == 0,
+                  "tiles start on 1024-byte swizzle atoms");
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
+};
+
+// The arguments are bwd_sm90_kernel's (cuflash/launch.py packs one list for both); tile_ticket is
+// not used: one CTA a tile.
+template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
+__global__ void __launch_bounds__(384, 1)
+    bwd_sm90_wide_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
+                         const __grid_constant__ TmaDesc map_v, const __grid_constant__ TmaDesc map_do,
+                         const float* __restrict__ lse2, const float* __restrict__ delta,
+                         float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+                         int* __restrict__ tile_ticket, int nq, int nk, int d, int group, int nq_pad, int kv_heads,
+                         int batches, long long dk_sb, long long dk_sn, long long dk_sh, long long dv_sb,
+                         long long dv_sn, long long dv_sh, float scale_log2, float scale,
+                         const ScoreModArgs mod_args) {
+    using T = BwdSm90WideTraits<D, BM, STAGES, ATOMIC_DQ>;
+    constexpr int BN = T::BN;
+    allow_next_grid();  // the dQ convert kernel's CTAs may settle in
+    constexpr int NT_S = T::S_N / 8, NT_COLS = T::COLS / 8, NT_HALF = T::DQ_HALF / 8;
+    constexpr bool IS_BF16 = DTYPE == BF16;
+    static_assert(DTYPE == F16 || DTYPE == BF16, "16-bit inputs only");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = smem_addr(smem_raw);
+    const u32 sK = base + T::OFF_K, sV = base + T::OFF_V, sdO = base + T::OFF_DO;
+    auto sQ = [&](int st) { return base + T::OFF_Q + st * T::QB_BYTES; };
+    auto sP = [&](int buf) { return base + T::OFF_P + buf * T::PS_BYTES; };
+    auto sdS = [&](int buf) { return base + T::OFF_DS + buf * T::PS_BYTES; };
+    // lse2 of stage st at rows[st * BM], Delta at rows[(STAGES + st) * BM]
+    const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);
+    const u32 bars = base + T::OFF_BARS;
+    const u32 full_kv = bars, full_do = bars + 8, empty_do = bars + 16;
+    auto full_q = [&](int s) { return bars + 8 * (3 + s); };
+    auto empty_q = [&](int s) { return bars + 8 * (3 + STAGES + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int nheads = kv_heads * group;
+    const int n_blocks = (nk + BN - 1) / BN;
+    if (static_cast<int>(gridDim.x) < n_blocks * kv_heads * batches) __trap();  // tiles would go undone
+
+    using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
+    // Varlen: nq and nk are the longest sequence's lengths, seq's this sequence's, whose rows start
+    // at seq.q0 and seq.k0 of the tensor maps' packed rows; a key block past its sequence is no work.
+    const KvTile at = kv_tile_at(blockIdx.x, n_blocks, kv_heads);
+    const int n0 = at.n_block * BN, b = at.b, batch = Mods::VARLEN ? 0 : b;  // batch: the maps' coordinate
+    const SeqSpan seq = seq_span<Mods::VARLEN>(mod_args, b, nq, nk);
+    if (Mods::VARLEN && n0 >= seq.nk) return;
+    Mods mods(mod_args, seq.nq, seq.nk);
+    const QueryBlockSteps<BM> steps(mods, at.n_block, n0, BN, group);
+    const int h0 = at.hk * group;  // the group's first query head
+
+    if (tid == 0) {
+        mbar_init(full_kv, 1);
+        mbar_init(full_do, 1);
+        mbar_init(empty_do, 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_q(s), 1);
+            mbar_init(empty_q(s), 128 * T::CONSUMERS);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------ producer
+        setmaxnreg_dec<T::PRODUCER_REGS>();
+        if (tid != 0) return;
+        tma_prefetch_desc(map_q);
+        tma_prefetch_desc(map_do);
+        // One box per 64-column panel (tensor dims: head dim, seq, head, batch); rows past the
+        // sequence arrive as zeros.
+        mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
+        for (int p = 0; p < D / 64; ++p) {
+            tma_load_4d(sK + p * BN * 128, map_k, p * 64, seq.k0 + n0, at.hk, batch, full_kv);
+            tma_load_4d(sV + p * BN * 128, map_v, p * 64, seq.k0 + n0, at.hk, batch, full_kv);
+        }
+        wait_prior_grid();  // lse2 and Delta from the preprocess
+        // lse2 and Delta rows are padded to nq_pad: BM floats are always in range; the heads' rows
+        // follow one another (padded_row0). The steps' order (QueryBlockSteps) as nested loops.
+        const long long head_rows0 = seq.padded_row0<Mods::VARLEN>(b, h0, nheads, nq_pad);
+        const u32 rows_smem = base + T::OFF_ROWS;
+        int step = 0;
+        for (int g = 0; g < group; ++g) {
+            const float* lse2_head = lse2 + head_rows0 + static_cast<long long>(g) * nq_pad;
+            const float* delta_head = delta + (lse2_head - lse2);
+            for (int j = 0; j < steps.per_head; ++j, ++step) {
+                const int st = step % STAGES, m0 = steps.query_block_of_head(j) * BM;
+                mbar_wait(empty_q(st), ((step / STAGES) & 1) ^ 1);  // a fresh barrier's first wait returns at once
+                mbar_arrive_expect_tx(full_q(st), T::QB_BYTES + 2 * T::ROW_BYTES);
+                for (int p = 0; p < D / 64; ++p)
+                    tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h0 + g, batch, full_q(st));
+                bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full_q(st));
+                bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full_q(st));
+                mbar_wait(empty_do, (step & 1) ^ 1);
+                mbar_arrive_expect_tx(full_do, T::QB_BYTES);
+                for (int p = 0; p < D / 64; ++p)
+                    tma_load_4d(sdO + p * BM * 128, map_do, p * 64, seq.q0 + m0, h0 + g, batch, full_do);
+            }
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumers
+    setmaxnreg_inc<T::CONSUMER_REGS>();
+    wait_prior_grid();  // dq_accum zeroed by the preprocess
+    const int c = wg - 1;
+    const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows: queries of S, dP and dQ; keys of dK, dV
+    const int key0 = T::S_N * c;            // this consumer's keys of S and dP, within the block
+    const int col0 = T::COLS * c;           // this consumer's head-dim columns of dK, dV and dQ
+    const int panel0 = col0 / 64;           // ... as the index of their first 64-column panel
+
+    // A dQ half into dq_accum ((B, H, nq_pad, D) floats: padded rows need no bounds check), each
+    // warp on its own, as bwd_sm90_kernel's store_dq and reduce_dq: the accumulators go to the
+    // warp's 4 KB of shared memory in fragment order (once its previous reduction has read them),
+    // then one bulk reduction adds them to the block.
+    constexpr int WARP_FLOATS = NT_HALF * 32 * 4;
+    const u32 dq_tile = base + T::OFF_DQ + c * T::DQ_BYTES + (warp & 3) * WARP_FLOATS * 4;
+    auto store_dq = [&](const float (&acc_dq)[NT_HALF * 4]) {
+        if (lane == 0) bulk_wait<0, true>();
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < NT_HALF; ++j)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_tile + (j * 32 + lane) * 16),
+                         "f"(acc_dq[4 * j]), "f"(acc_dq[4 * j + 1]), "f"(acc_dq[4 * j + 2]), "f"(acc_dq[4 * j + 3])
+                         : "memory");
+    };
+    auto reduce_dq = [&](long long at_float) {
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+            bulk_reduce_add_f32(dq_accum + at_float, dq_tile, WARP_FLOATS * 4);
+            bulk_commit();
+        }
+    };
+
+    float acc_dk[NT_COLS * 4], acc_dv[NT_COLS * 4];
+#pragma unroll
+    for (int j = 0; j < NT_COLS * 4; ++j) acc_dk[j] = acc_dv[j] = 0.f;
+    mbar_wait(full_kv, 0);
+
+    const int row_lane = warp_row0 + (lane >> 2);       // this lane's first query row of the block
+    const int key_lane = n0 + key0 + 2 * (lane & 3);    // its first key of S's n8 tiles
+    long long dq_pending_at = 0;  // the second dQ half store_dq left in shared memory, not yet reduced
+    bool dq_pending = false;      // (it is, beside the next step's S GEMM, or after the loop)
+    for (int i = 0; i < steps.count; ++i) {
+        const int st = i % STAGES, buf = i & 1;
+        const int h = h0 + steps.head(i), m0 = steps.query_block(i) * BM;
+        mods.set_head(mod_args, b, h);
+        mbar_wait(full_q(st), (i / STAGES) & 1);
+
+        // S, the previous step's last dQ reduction beside it, then dP once dO is in.
+        float acc_s[NT_S * 4], acc_dp[NT_S * 4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<T::S_N, DTYPE>::ss(acc_s, desc_k_major_sw128<BM>(sQ(st), 0, ks),
+                                     desc_k_major_sw128<BN>(sK, key0, ks), ks > 0);
+        wgmma_commit();
+        if (dq_pending) reduce_dq(dq_pending_at);
+        mbar_wait(full_do, i & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<T::S_N, DTYPE>::ss(acc_dp, desc_k_major_sw128<BM>(sdO, 0, ks),
+                                     desc_k_major_sw128<BN>(sV, key0, ks), ks > 0);
+        wgmma_commit();
+        // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run.
+        KeepBits<NT_S> kept{};
+        if constexpr (Mods::DROPOUT)
+            kept = dropout_bits<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0 + warp_row0, n0 + key0,
+                                                            lane);
+        const float* lse2_s = rows + st * BM;
+        const float* delta_s = rows + (STAGES + st) * BM;
+        float lse2_r[2], delta_r[2];  // this lane's two rows (lse2 = +inf past nq: P = 0)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lse2_r[r] = lse2_s[row_lane + 8 * r];
+            delta_r[r] = delta_s[row_lane + 8 * r];
+        }
+        wgmma_wait<1>();
+
+        // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk and keys outside the causal
+        // mask or window get P = 0, in a pass that only boundary blocks take.
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float dist = mods.distance(m0 + row_lane, key_lane) + (float)(8 * (e >> 1) - 8 * j - (e & 1));
+                const float u = mods.transform(acc_s[j * 4 + e]);
+                acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
+            }
+        if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > seq.nk)) {
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mods.visible(m0 + row_lane + 8 * (e >> 1), key_lane + 8 * j + (e & 1)))
+                        acc_s[j * 4 + e] = 0.f;
+        }
+        wgmma_wait<0>();
+        // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap); with dropout dP o M / (1 - p)
+        // in place of dP (dropped_dp_minus), then P o M for dV, whose 1 / (1 - p) is left to its epilogue.
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float dp = Mods::DROPOUT ? dropped_dp_minus(acc_dp[j * 4 + e], kept.test(4 * j + e),
+                                                                  mod_args.dropout_scale, delta_r[e >> 1])
+                                               : acc_dp[j * 4 + e] - delta_r[e >> 1];
+                acc_dp[j * 4 + e] = acc_s[j * 4 + e] * dp;
+                if constexpr (Mods::SOFTCAP) {
+                    const float dist =
+                        mods.distance(m0 + row_lane, key_lane) + (float)(8 * (e >> 1) - 8 * j - (e & 1));
+                    acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], dist);
+                }
+                if constexpr (Mods::DROPOUT)
+                    if (!kept.test(4 * j + e)) acc_s[j * 4 + e] = 0.f;
+            }
+
+        // P and dS into this step's swizzled [query][key] tiles, 16-bit pairs; the other consumer
+        // writes the other 32 keys. The tiles of step i - 2 are free: every GEMM of that step
+        // completed before either consumer reached step i - 1's barrier.
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int col = key0 + 8 * j + 2 * (lane & 3);
+                const u32 offset = 2 * (tile_offset<BM, BN>(row_lane + 8 * r, col >> 3) + (col & 7));
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sP(buf) + offset),
+                             "r"(pack2<IS_BF16>(acc_s[j * 4 + 2 * r], acc_s[j * 4 + 2 * r + 1]))
+                             : "memory");
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sdS(buf) + offset),
+                             "r"(pack2<IS_BF16>(acc_dp[j * 4 + 2 * r], acc_dp[j * 4 + 2 * r + 1]))
+                             : "memory");
+            }
+        fence_proxy_async();
+        named_bar_sync<256>(BWD_WIDE_TILES_STORED);
+
+        // dV += P^T dO, dK += dS^T Q (M = keys: P^T and dS^T are the tiles read MN-major; N = this
+        // consumer's columns of dO and Q, MN-major), then dQ = dS K in two halves of its columns.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T::COLS, DTYPE>::template ss<true, true>(
+                acc_dv, desc_mn_major_sw128<BM * 128, 1024>(sP(buf), kk),
+                desc_mn_major_sw128<BM * 128, 1024>(sdO + panel0 * BM * 128, kk), 1);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T::COLS, DTYPE>::template ss<true, true>(
+                acc_dk, desc_mn_major_sw128<BM * 128, 1024>(sdS(buf), kk),
+                desc_mn_major_sw128<BM * 128, 1024>(sQ(st) + panel0 * BM * 128, kk), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV is done with dO
+        thread_arrive(empty_do);
+        // This warp's part of the block: consumer c's share (64 x COLS), then the warp's 2 x 4 KB.
+        // The first half is reduced at once, the second beside the next step's S GEMM.
+        const long long dq_at = (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D +
+                                c * BM * T::COLS + (warp & 3) * 2 * WARP_FLOATS;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float acc_dq[NT_HALF * 4];
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BN / 16; ++ks)
+                Wgmma<T::DQ_HALF, DTYPE>::template ss<false, true>(
+                    acc_dq, desc_k_major_sw128<BM>(sdS(buf), 0, ks),
+                    desc_mn_major_sw128<BN * 128, 1024>(sK + (panel0 + half) * BN * 128, ks), ks > 0);
+            wgmma_commit();
+            if (half == 0) {
+                wgmma_wait<1>();  // dK is done with Q (its rows were read above)
+                thread_arrive(empty_q(st));
+            }
+            wgmma_wait<0>();
+            store_dq(acc_dq);
+            if (half == 0) reduce_dq(dq_at);
+        }
+        dq_pending_at = dq_at + WARP_FLOATS;
+        dq_pending = true;
+    }
+
+    // Epilogue: dK (times scale) and dV from registers, this consumer's columns of its keys' rows.
+    u16* dk_head = dk + b * dk_sb + at.hk * dk_sh + seq.k0 * dk_sn + col0;
+    u16* dv_head = dv + b * dv_sb + at.hk * dv_sh + seq.k0 * dv_sn + col0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = n0 + warp_row0 + (lane >> 2) + 8 * r;
+        store_acc_row<IS_BF16, NT_COLS>(acc_dk, r, scale, dk_head + key * dk_sn, key < seq.nk, d - col0, lane);
+        store_acc_row<IS_BF16, NT_COLS>(acc_dv, r, Mods::DROPOUT ? mod_args.dropout_scale : 1.f,
+                                        dv_head + key * dv_sn, key < seq.nk, d - col0, lane);
+    }
+    // The last step's second dQ half; its reductions must complete before the CTA exits.
+    if (dq_pending) reduce_dq(dq_pending_at);
+    if (lane == 0) bulk_wait<0, false>();
+}
+
+}  // namespace cuflash
