@@ -4,7 +4,7 @@
 
 Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
 fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
-(atomic and deterministic dQ; more key blocks than SMs), plan (a repeated forward, then a backward:
+(atomic and deterministic dQ; more key blocks than SMs; head dim 256's kernel), plan (a repeated forward, then a backward:
 the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
@@ -98,6 +98,10 @@ def bwd_sm90():
     # More key blocks than SMs: the persistent dK/dV kernel's CTAs take a second tile from the ticket.
     forward_and_backward(*qkv(2, 17, 2048, 8, 8, 64), causal=False)
     forward_and_backward(*qkv(8, 33, 2048, 4, 2, 128), causal=True)
+    # Head dim 256's kernel (and 200 zero-padded to it), whose consumers meet at a barrier each step:
+    # GQA, ragged lengths, Nq < Nk and Nq > Nk.
+    forward_and_backward(*qkv(2, 97, 130, 4, 2, 256), causal=True)
+    forward_and_backward(*qkv(1, 257, 70, 2, 1, 200, "bfloat16"), causal=False)
 
 
 def plan():
@@ -114,7 +118,7 @@ def score_mods():
     options = (dict(window_size=(40, 7)), dict(window_size=(33, -1), causal=True),
                dict(softcap=5.0, alibi_slopes=slopes), dict(window_size=(64, -1), softcap=3.0, alibi_slopes=slopes),
                dict(alibi_slopes=slopes), dict(alibi_slopes=slopes, causal=True))
-    for headdim in (32, 64, 128):  # head dim 32: the sm_80 kernels
+    for headdim in (32, 64, 128, 256):  # head dim 32: the sm_80 kernels
         for deterministic, opts in zip((False, True) * 3, options):
             opts = {"causal": False, **opts}
             forward_and_backward(*qkv(2, 97, 130, 4, 2, headdim), deterministic=deterministic, **opts)

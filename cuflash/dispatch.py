@@ -289,8 +289,10 @@ HEURISTIC_BWD_SM90 = {
 
 
 # Kernel head dims without a Hopper backward of their own that run on the next
-# larger one, the extra columns zero-filled by the tensor maps.
-SM90_BWD_PADDED = {96: 128}
+# larger one, the extra columns zero-filled by the tensor maps. Head dim 192 on
+# the wide 256 kernel took 0.62-0.69x the sm_80 192 kernel's time (H100, bf16
+# and fp16, 2k and 8k, bench/PERFLOG.md).
+SM90_BWD_PADDED = {96: 128, 160: 256, 192: 256, 224: 256}
 
 
 def hopper_bwd_headdim(kd: int) -> int | None:

@@ -19,6 +19,9 @@ CASES = {
                            softcap=5.0),
     "one_row": dict(batch=3, nq=1, nk=1025, nheads=2, nheads_kv=2, headdim=128),
     "sm80_headdim_32": dict(batch=2, nq=65, nk=130, nheads=4, nheads_kv=2, headdim=32, causal=True),
+    # the Hopper backward of head dim 256 (200 zero-padded): keys split between its consumers
+    "headdim_200_softcap": dict(batch=1, nq=130, nk=97, nheads=4, nheads_kv=2, headdim=200, causal=True,
+                                softcap=5.0),
 }
 
 
