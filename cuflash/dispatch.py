@@ -262,8 +262,8 @@ def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
 # spill-free tiles (the autotuner also tries the whole block); the fallbacks
 # for smaller shared memories are chunked likewise.
 # - other head dims: unmeasured; tiles that fit the shared memory.
-# On compute capability 9.0 the Hopper kernel below replaces the dK/dV tiles
-# at head dims 33-128.
+# On compute capability 9.0 the Hopper kernels below replace the dK/dV tiles
+# at head dims 33-256 (deterministic calls: 33-128).
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
     64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
