@@ -98,10 +98,11 @@ def bwd_sm90():
     # More key blocks than SMs: the persistent dK/dV kernel's CTAs take a second tile from the ticket.
     forward_and_backward(*qkv(2, 17, 2048, 8, 8, 64), causal=False)
     forward_and_backward(*qkv(8, 33, 2048, 4, 2, 128), causal=True)
-    # Head dim 256's kernel (and 200 zero-padded to it), whose consumers meet at a barrier each step:
-    # GQA, ragged lengths, Nq < Nk and Nq > Nk.
-    forward_and_backward(*qkv(2, 97, 130, 4, 2, 256), causal=True)
-    forward_and_backward(*qkv(1, 257, 70, 2, 1, 200, "bfloat16"), causal=False)
+    # Head dim 256's kernels (and 200 zero-padded to them), whose dK/dV consumers meet at a barrier
+    # each step: GQA, ragged lengths, Nq < Nk and Nq > Nk.
+    for deterministic in (False, True):
+        forward_and_backward(*qkv(2, 97, 130, 4, 2, 256), causal=True, deterministic=deterministic)
+        forward_and_backward(*qkv(1, 257, 70, 2, 1, 200, "bfloat16"), causal=False, deterministic=deterministic)
 
 
 def plan():

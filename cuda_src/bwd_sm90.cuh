@@ -531,7 +531,9 @@ struct BwdSm90DqTraits {
     static constexpr int ENTRY_REGS = SM90_ENTRY_REGS, CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
-    static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64), "head dim 64 with BN 128, or 128 with BN 64");
+    // dQ holds D / 2 registers a thread, S + dP BN / 2 more.
+    static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64) || (D == 256 && BN == 32),
+                  "head dim 64 with BN 128, 128 with BN 64, or 256 with BN 32");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };

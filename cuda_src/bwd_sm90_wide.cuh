@@ -1,5 +1,6 @@
-// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV, and dQ by fp32 atomics;
-// fp16 / bf16. The math is bwd_sm90.cuh's; the split of the work differs.
+// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV, and dQ by fp32 atomics
+// (without ATOMIC_DQ, deterministic mode, bwd_sm90_dq_kernel computes dQ); fp16 / bf16. The math
+// is bwd_sm90.cuh's; the split of the work differs.
 //
 // bwd_sm90_kernel's consumer owns 64 keys and holds their dK and dV rows whole: D registers a
 // thread for the two, more than a thread has at D = 256. Here a CTA owns BN = 64 keys (and kv
@@ -43,7 +44,7 @@ struct BwdSm90WideTraits {
     static constexpr int DQ_HALF = COLS / 2;       // dQ columns a consumer computes in one GEMM
     static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;
     static constexpr int PS_BYTES = BM * BN * 2;   // one P or dS tile: [query][key], 16-bit
-    static constexpr int DQ_BYTES = BM * DQ_HALF * 4;  // one consumer's staged dQ half (fp32)
+    static constexpr int DQ_BYTES = ATOMIC_DQ_ ? BM * DQ_HALF * 4 : 0;  // one consumer's staged dQ half (fp32)
     static constexpr int ROW_BYTES = BM * 4;       // one block's lse2 (or Delta)
     static constexpr int BARRIERS = 3 + 2 * STAGES;  // full_kv, full_do, empty_do; full and empty per Q stage
     // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V, STAGES x Q, dO,
@@ -64,15 +65,15 @@ struct BwdSm90WideTraits {
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
     static_assert(D == 256 && BM == 64, "head dim 256 with 64-query steps");
-    static_assert(ATOMIC_DQ_, "dQ by atomics only (deterministic mode runs the sm_80 kernels)");
     static_assert(STAGES == 2, "two Q stages (three do not fit beside the dQ halves)");
+    static constexpr bool ATOMIC_DQ = ATOMIC_DQ_;
     static_assert(OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_P % 1024 == 0 && OFF_DS % 1024 == 0,
                   "tiles start on 1024-byte swizzle atoms");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
 // The arguments are bwd_sm90_kernel's (cuflash/launch.py packs one list for both); tile_ticket is
-// not used: one CTA a tile.
+// not used: one CTA a tile. Without ATOMIC_DQ, dq_accum is not used either.
 template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
 __global__ void __launch_bounds__(384, 1)
     bwd_sm90_wide_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
@@ -323,6 +324,11 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_commit();
         wgmma_wait<1>();  // dV is done with dO
         thread_arrive(empty_do);
+        if constexpr (!ATOMIC_DQ) {
+            wgmma_wait<0>();  // dK is done with Q
+            thread_arrive(empty_q(st));
+            continue;
+        }
         // This warp's part of the block: consumer c's share (64 x COLS), then the warp's 2 x 4 KB.
         // The first half is reduced at once, the second beside the next step's S GEMM.
         const long long dq_at = (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D +
@@ -360,8 +366,10 @@ __global__ void __launch_bounds__(384, 1)
                                         dv_head + key * dv_sn, key < seq.nk, d - col0, lane);
     }
     // The last step's second dQ half; its reductions must complete before the CTA exits.
-    if (dq_pending) reduce_dq(dq_pending_at);
-    if (lane == 0) bulk_wait<0, false>();
+    if constexpr (ATOMIC_DQ) {
+        if (dq_pending) reduce_dq(dq_pending_at);
+        if (lane == 0) bulk_wait<0, false>();
+    }
 }
 
 }  // namespace cuflash

@@ -274,11 +274,10 @@ class BwdConfig:
         the fused dQ): 128 keys per CTA, dkdv_block_m query rows per step (128
         at head dim 64, 64 at 128); the deterministic dQ kernel: 128 query rows
         per CTA (dq_warps = 8: two warpgroups), dq_block_n keys per step (128
-        at head dim 64, 64 at 128); both `stages` deep. At head dim 256
-        (`wide`, cuda_src/bwd_sm90_wide.cuh) 64 keys per CTA and 64 query rows
-        per step, the atomic dQ only: deterministic calls run the sm_80 kernels.
-        dkdv_warps, min_blocks and dkdv_chunk_m then do not apply; the
-        preprocess kernel is the sm_80 one.
+        at head dim 64, 64 at 128, 32 at 256); both `stages` deep. At head dim
+        256 (`wide`, cuda_src/bwd_sm90_wide.cuh) the dK/dV kernel takes 64
+        keys per CTA and 64 query rows per step. dkdv_warps, min_blocks and
+        dkdv_chunk_m then do not apply; the preprocess kernel is the sm_80 one.
     """
 
     headdim: int
@@ -294,19 +293,15 @@ class BwdConfig:
     family = "bwd_sm80"  # the preprocess kernel's family (and every kernel's without hopper)
     # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits, BwdSm90WideTraits).
     HOPPER_BLOCK_M = {64: 128, 128: 64, 256: 64}
-    # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits); head dim 256 has none.
-    HOPPER_DQ_BLOCK_N = {64: 128, 128: 64}
+    # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
+    HOPPER_DQ_BLOCK_N = {64: 128, 128: 64, 256: 32}
     # Head dims of the Hopper dK/dV kernel whose consumers split keys and columns (BwdSm90WideTraits).
     HOPPER_WIDE = (256,)
 
     @property
     def wide(self) -> bool:
-        """The Hopper dK/dV kernel of cuda_src/bwd_sm90_wide.cuh (atomic dQ only)."""
+        """The Hopper dK/dV kernel of cuda_src/bwd_sm90_wide.cuh."""
         return self.hopper and self.headdim in self.HOPPER_WIDE
-
-    def takes(self, deterministic: bool) -> bool:
-        """Whether these kernels run a deterministic (or an atomic-dQ) backward."""
-        return not (deterministic and self.wide)
 
     @property
     def kernel_family(self) -> str:
@@ -343,8 +338,9 @@ class BwdConfig:
         n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
         if self.wide:
             tile = 2 * m * n  # one P or dS tile
+            dq = 2 * m * (d // 4) * 4 if atomic_dq else 0  # a staged dQ half per consumer
             return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", 2 * m * d),
-                           ("P", 2 * tile), ("DS", 2 * tile), ("DQ", 2 * m * (d // 4) * 4),
+                           ("P", 2 * tile), ("DS", 2 * tile), ("DQ", dq),
                            ("ROWS", 2 * stages * 4 * m), ("BARS", 8 * (3 + 2 * stages)))
         if self.hopper:
             ds = 2 * n * m if atomic_dq else 0
@@ -361,8 +357,7 @@ class BwdConfig:
 
     def smem_bytes(self) -> int:
         """The most dynamic shared memory any of its kernels takes."""
-        dq = self.dq_smem_bytes() if self.takes(deterministic=True) else 0
-        return max(self.dkdv_smem_bytes(atomic_dq=True), dq)
+        return max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
 
     def dkdv_traits(self, atomic_dq: bool) -> str:
         """The C++ traits type of the dK/dV kernel."""
@@ -401,7 +396,7 @@ class BwdConfig:
         rows = (32, 64, 128)
         if self.hopper:
             hopper_ok = self.HOPPER_BLOCK_M.get(self.headdim) == self.dkdv_block_m and 2 <= self.stages <= 3
-            dq_ok = self.dq_warps == 8 and (self.wide or self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n)
+            dq_ok = self.dq_warps == 8 and self.HOPPER_DQ_BLOCK_N.get(self.headdim) == self.dq_block_n
             return hopper_ok and dq_ok and self.smem_bytes() <= SM90_SMEM_LIMIT
         if not (self.headdim in KERNEL_HEADDIMS and self.dkdv_block_m in rows and self.dq_block_m in rows
                 and 2 <= self.stages <= 3 and self.dq_block_n % 16 == 0 and self.dq_block_n >= 16):

@@ -280,11 +280,10 @@ HEURISTIC_BWD = {
 # on compute capability 9.0. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
 # bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
 # head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles. Head dim
-# 256: the wide dK/dV kernel (bwd_sm90_wide.cuh; no dQ kernel, so dq_block_n is
-# unused), two Q stages.
+# 256: the wide dK/dV kernel (bwd_sm90_wide.cuh), two Q stages.
 HEURISTIC_BWD_SM90 = {
-    kd: BwdConfig(kd, block_m, 8, 8, dq_block_n, stages=stages, hopper=True)
-    for kd, block_m, dq_block_n, stages in ((64, 128, 128, 2), (128, 64, 64, 3), (256, 64, 64, 2))
+    kd: BwdConfig(kd, block_m, 8, 8, BwdConfig.HOPPER_DQ_BLOCK_N[kd], stages=stages, hopper=True)
+    for kd, block_m, stages in ((64, 128, 2), (128, 64, 3), (256, 64, 2))
 }
 
 
@@ -331,16 +330,15 @@ def fits(cfg: BwdConfig, max_smem: int) -> bool:
     return cfg.smem_bytes() <= max_smem
 
 
-def hopper_bwd_config(kd: int, arch: int, deterministic: bool) -> BwdConfig | None:
+def hopper_bwd_config(kd: int, arch: int) -> BwdConfig | None:
     """The Hopper backward's table config for kernel head dim `kd`, or None where the sm_80 kernels run."""
-    cfg = HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == HOPPER else None
-    return cfg if cfg is not None and cfg.takes(deterministic) else None
+    return HEURISTIC_BWD_SM90.get(hopper_bwd_headdim(kd)) if arch == HOPPER else None
 
 
 def bwd_tiles(headdim: int, max_smem: int, arch: int = 80, deterministic: bool = False) -> BwdConfig:
     """The Hopper kernels on compute capability 9.0 where they have the head dim; else the sm_80
     table's tiles, or smaller ones where the device has less shared memory per block."""
-    hopper = hopper_bwd_config(kernel_headdim(headdim), arch, deterministic)
+    hopper = hopper_bwd_config(kernel_headdim(headdim), arch)
     if hopper is not None and fits(hopper, max_smem):
         # Deterministic mode (dK/dV, then the dQ kernel) measured 2-10% faster
         # with 2 stages than with 3 at head dim 128 (bench/bwd_sweep.py).
@@ -354,8 +352,7 @@ def bwd_tiles(headdim: int, max_smem: int, arch: int = 80, deterministic: bool =
 
 def hopper_bwd_plans() -> list[tuple[BwdConfig, bool]]:
     """(config, deterministic) of every Hopper backward the heuristic can pick: what check compiles."""
-    return [(cfg, det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)
-            if (cfg := bwd_tiles(kd, SM90_SMEM_LIMIT, HOPPER, det)).hopper]
+    return [(bwd_tiles(kd, SM90_SMEM_LIMIT, HOPPER, det), det) for kd in HEURISTIC_BWD_SM90 for det in (False, True)]
 
 
 def heuristic_bwd_config(problem: BwdProblem) -> BwdConfig:

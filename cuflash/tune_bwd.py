@@ -99,7 +99,7 @@ class BwdTuning(TunedFamily):
                      else [{"dq_warps": table.dq_warps, "dq_block_n": table.dq_block_n}])
         dkdv_fields = _product(QUICK_SPACE if quick else SPACE)
         configs = [table] + [BwdConfig(kd, **dkdv, **dq) for dkdv in dkdv_fields for dq in dq_fields]
-        hopper = dispatch.hopper_bwd_config(kd, problem.arch, problem.deterministic)
+        hopper = dispatch.hopper_bwd_config(kd, problem.arch)
         if hopper is not None:
             # The Hopper kernels first (the heuristic's choice there), in both ring depths (keep drops
             # those that do not fit).
@@ -160,7 +160,7 @@ class BwdTuning(TunedFamily):
         kd = problem.kernel_headdim
         headdim = dispatch.hopper_bwd_headdim(kd) if cfg.hopper else kd
         usable = (cfg.is_valid() and cfg.headdim == headdim and dispatch.fits(cfg, problem.max_smem)
-                  and (not cfg.hopper or problem.arch == HOPPER) and cfg.takes(problem.deterministic))
+                  and (not cfg.hopper or problem.arch == HOPPER))
         return cfg if usable else None
 
 

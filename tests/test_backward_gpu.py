@@ -134,13 +134,12 @@ def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, 
     # Both dK/dV kernels on the same GPU: the Hopper ones (head dims 64 and
     # 128, 88 zero-padded to 128, and 256's; fed by tensor maps, fused atomic dQ) and
     # the sm_80 one. GQA, ragged and block-aligned lengths, Nq < Nk and Nq > Nk.
-    # Head dim 256's deterministic mode runs the sm_80 kernels on Hopper too.
     if kernel == "sm80":
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)
     cc = cupy.cuda.Device().compute_capability
     chosen = dispatch.bwd_tiles(headdim, SM90_SMEM_LIMIT, int(cc), deterministic)
-    assert chosen.hopper == (kernel == "hopper" and not (deterministic and headdim == 256))
+    assert chosen.hopper == (kernel == "hopper")
     with dispatch.heuristic_only():
         grads = backward(dev, causal=causal, deterministic=deterministic)
     check_grads(grads, host, causal=causal)
@@ -253,10 +252,11 @@ def test_fully_masked_rows(rng, dtype, nq, nk, deterministic):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_deterministic(rng, dtype, causal, deterministic):
+@pytest.mark.parametrize("headdim", [64, 256])
+def test_deterministic(rng, dtype, causal, deterministic, headdim):
     # Many query heads per kv head and several blocks per sequence: the most
     # contributions to each dk/dv and dq element from different thread blocks.
-    host, dev = make_inputs(rng, dtype, 2, 513, 513, 4, 1, 64)
+    host, dev = make_inputs(rng, dtype, 2, 513, 513, 4, 1, headdim)
     dout, q, k, v = dev
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     first = cuflash.attention_backward(

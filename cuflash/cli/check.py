@@ -40,9 +40,8 @@ from tqdm import tqdm
 from .. import compile as _compile
 from ..config import (COMBINE_OUT, DTYPE_NAMES, FP8_DTYPE_NAME, KERNEL_HEADDIMS, SM90_SMEM_LIMIT, BwdConfig,
                       DecodeConfig, combine_name)
-from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_config,
+from ..dispatch import (HEURISTIC_BWD, HEURISTIC_FP8, HEURISTIC_FWD, bwd_fallbacks, decode_config, hopper_bwd_headdim,
                         hopper_bwd_plans, sm90_headdim, sm90_table_configs, small_fwd_configs)
-from ..device import HOPPER
 from ..dropout_mask import KERNEL_NAME as DROPOUT_MASK_KERNEL
 from ..fp8 import TRANSPOSE_V_KERNEL, TRANSPOSE_V_VARLEN_KERNEL
 from ..score_mods import MOD_ALIBI, MOD_DROPOUT, MOD_DROPOUT_STATE, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW
@@ -241,19 +240,17 @@ def score_mods_of(name: str) -> int:
     return int(name[name.index("<") + 1:name.rindex(">")].split(",")[position])
 
 
+# sm_80 kernels -> the Hopper kernel head dim that replaces them on sm_90 at a kernel head dim (None: none).
+HOPPER_REPLACES = {"fwd_kernel": sm90_headdim, "bwd_dkdv_kernel": hopper_bwd_headdim,
+                   "bwd_dq_kernel": hopper_bwd_headdim}
+
+
 def hopper_replaces(name: str, headdim: int) -> bool:
     """Whether dispatch's tables run a Hopper kernel instead of this sm_80 specialisation on sm_90 (only
     a tuned config could run it there). The sm_80 backward's row-wise kernels and the decoding
-    kernel run on every target, and its dK/dV and dQ kernels in deterministic mode where the Hopper
-    backward has no dQ kernel (head dim 256)."""
-    kernel_ = name.split("<")[0].removeprefix("cuflash::")
-    if kernel_ == "fwd_kernel":
-        return sm90_headdim(headdim) is not None
-    if kernel_ in ("bwd_dkdv_kernel", "bwd_dq_kernel"):
-        # bwd_dkdv_kernel's ATOMIC_DQ argument (the 11th); the dQ kernel runs in deterministic mode only
-        deterministic = kernel_ == "bwd_dq_kernel" or name.split(",")[10].strip() == "false"
-        return hopper_bwd_config(headdim, HOPPER, deterministic) is not None
-    return False
+    kernel run on every target."""
+    replacement = HOPPER_REPLACES.get(name.split("<")[0].removeprefix("cuflash::"))
+    return replacement is not None and replacement(headdim) is not None
 
 
 def targets(family: str, name: str, headdim: int, archs: list[str]) -> list[str]:
