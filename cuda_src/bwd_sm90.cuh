@@ -56,7 +56,7 @@ struct BwdSm90Traits {
     static constexpr int DS_BYTES = ATOMIC_DQ ? BN * BM * 2 : 0;  // one dS^T buffer: [key][query]
     static constexpr int ROW_BYTES = BM * 4;                       // one block's lse2 (or Delta)
     // Each consumer's share of dQ = dS K: 64 query rows x DQ_N head-dim columns.
-    static constexpr int DQ_N = bwd_sm90_dq_cols(BM, D);
+    static constexpr int DQ_N = BM == 128 ? D : D / 2;
     static constexpr int DQ_BYTES = ATOMIC_DQ ? 64 * DQ_N * 4 : 0;  // one consumer's dQ tile (fp32)
     static constexpr int BARRIERS = 2 + 2 * STAGES;  // full_kv, empty_kv, full and empty per stage
     // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V,
@@ -85,6 +85,21 @@ struct BwdSm90Traits {
                   "tiles start on 1024-byte swizzle atoms");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
+
+// A query block's dQ (BM x D floats) lies in its dq_accum block in the order
+// in which the consumers' accumulators are stored: consumer c, warp w, 8-column
+// tile j, lane, element e (see wgmma.cuh for which row and column each
+// holds). The float4 at position i of a block holds elements e = 0..3 of one
+// lane: (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
+template <int BM, int D>
+__device__ __forceinline__ int2 dq_fragment_row_col(int i) {
+    constexpr int DQ_N = BwdSm90Traits<D, BM, 2, true>::DQ_N;
+    constexpr int CONSUMER_VECS = 64 * DQ_N / 4;  // float4s of one consumer's share
+    const int c = i / CONSUMER_VECS, lane = i % 32, wj = i % CONSUMER_VECS / 32;  // wj: w * (DQ_N / 8) + j
+    const int row = (BM == 128 ? 64 * c : 0) + 16 * (wj / (DQ_N / 8)) + lane / 4;
+    const int col = (BM == 128 ? 0 : c * DQ_N) + 8 * (wj % (DQ_N / 8)) + 2 * (lane % 4);
+    return make_int2(row, col);
+}
 
 // dq = scale * dQ in the input dtype, one CTA per block of BM query rows. The
 // block's dq_accum (fragment order, dq_fragment_row_col) is read 16 bytes a
@@ -531,7 +546,7 @@ struct BwdSm90DqTraits {
     static constexpr int ENTRY_REGS = SM90_ENTRY_REGS, CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
-    // dQ holds D / 2 registers a thread, S + dP BN / 2 more.
+    // dQ holds D / 2 registers a thread, S and dP BN / 2 each.
     static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64) || (D == 256 && BN == 32),
                   "head dim 64 with BN 128, 128 with BN 64, or 256 with BN 32");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");

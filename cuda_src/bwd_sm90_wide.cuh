@@ -1,6 +1,5 @@
-// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV, and dQ by fp32 atomics
-// (without ATOMIC_DQ, deterministic mode, bwd_sm90_dq_kernel computes dQ); fp16 / bf16. The math
-// is bwd_sm90.cuh's; the split of the work differs.
+// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV; bwd_sm90_dq_kernel
+// computes dQ; fp16 / bf16. The math is bwd_sm90.cuh's; the split of the work differs.
 //
 // bwd_sm90_kernel's consumer owns 64 keys and holds their dK and dV rows whole: D registers a
 // thread for the two, more than a thread has at D = 256. Here a CTA owns BN = 64 keys (and kv
@@ -9,18 +8,13 @@
 //       32c..; P and dS (rounded to 16 bits) go to the step's [query][key] tiles in shared memory
 //       (two of each, used in turn), then both consumers meet at a barrier;
 //   dV += P^T dO, dK += dS^T Q:  wgmma SS, M = 64 keys, N = 128: consumer c takes head-dim
-//       columns 128c.. (A = P^T or dS^T, read MN-major from the tiles; B = dO or Q, MN-major);
-//   dQ = dS K:  M = 64 queries, N = 64 columns, twice (consumer c's columns 128c.. in two
-//       halves, one after the other; A = dS K-major, B = K MN-major). Each half goes to shared
-//       memory as it lies in registers and each warp adds its part to dq_accum with a bulk
-//       reduction, in bwd_sm90_kernel's fragment order (dq_fragment_row_col at BM = 64), so that
-//       bwd_sm90_convert_dq_kernel serves both kernels.
-// A consumer thread holds 64 + 64 dK and dV accumulators, 16 + 16 of S and dP, then 32 of a dQ
-// half (both halves at once spilled 72 bytes, ptxas of NVRTC 12.9).
-// The producer warpgroup's one thread copies K and V once, then each step's Q with its lse2 and
-// Delta rows into a STAGES-deep ring, and its dO into a single buffer: the next dO is copied
-// once both consumers' dV GEMMs are done, while their dK and dQ GEMMs run.
-// One CTA a tile (kv_tile_at), not persistent.
+//       columns 128c.. (A = P^T or dS^T, read MN-major from the tiles; B = dO or Q, MN-major).
+// A consumer thread holds 64 + 64 dK and dV accumulators and 16 + 16 of S and dP. The producer
+// warpgroup's one thread copies K and V once, then each step's Q, dO and their lse2 and Delta
+// rows into a STAGES-deep ring. One CTA a tile (kv_tile_at), not persistent.
+// dQ is not summed here: a first form added dS K into dq_accum (two 64-column halves a step,
+// bulk reductions as bwd_sm90_kernel's) and ran 4-6% slower than this kernel followed by
+// bwd_sm90_dq_kernel, which recomputes S and dP for its query blocks (H100, bench/PERFLOG.md).
 #pragma once
 #include "bwd_sm90_tiles.cuh"
 #include "common.cuh"
@@ -40,23 +34,20 @@ struct BwdSm90WideTraits {
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int BN = 64;                  // keys per CTA
     static constexpr int S_N = BN / CONSUMERS;     // keys of S and dP a consumer computes
-    static constexpr int COLS = D / CONSUMERS;     // head-dim columns of dK, dV and dQ a consumer computes
-    static constexpr int DQ_HALF = COLS / 2;       // dQ columns a consumer computes in one GEMM
+    static constexpr int COLS = D / CONSUMERS;     // head-dim columns of dK and dV a consumer computes
     static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;
     static constexpr int PS_BYTES = BM * BN * 2;   // one P or dS tile: [query][key], 16-bit
-    static constexpr int DQ_BYTES = ATOMIC_DQ_ ? BM * DQ_HALF * 4 : 0;  // one consumer's staged dQ half (fp32)
     static constexpr int ROW_BYTES = BM * 4;       // one block's lse2 (or Delta)
-    static constexpr int BARRIERS = 3 + 2 * STAGES;  // full_kv, full_do, empty_do; full and empty per Q stage
-    // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V, STAGES x Q, dO,
-    // 2 x P, 2 x dS (tiles 1024-byte aligned), a dQ half per consumer, STAGES x lse2 and Delta, mbarriers.
+    static constexpr int BARRIERS = 1 + 2 * STAGES;  // full_kv; full and empty per stage
+    // Shared memory (cuflash/config.py BwdConfig.dkdv_smem_layout): K, V, STAGES x Q, STAGES x dO,
+    // 2 x P, 2 x dS (tiles 1024-byte aligned), STAGES x lse2 and Delta, mbarriers.
     static constexpr int OFF_K = 0;
     static constexpr int OFF_V = OFF_K + KV_BYTES;
     static constexpr int OFF_Q = OFF_V + KV_BYTES;
     static constexpr int OFF_DO = OFF_Q + STAGES * QB_BYTES;
-    static constexpr int OFF_P = OFF_DO + QB_BYTES;
+    static constexpr int OFF_P = OFF_DO + STAGES * QB_BYTES;
     static constexpr int OFF_DS = OFF_P + 2 * PS_BYTES;
-    static constexpr int OFF_DQ = OFF_DS + 2 * PS_BYTES;
-    static constexpr int OFF_ROWS = OFF_DQ + CONSUMERS * DQ_BYTES;
+    static constexpr int OFF_ROWS = OFF_DS + 2 * PS_BYTES;
     static constexpr int OFF_BARS = OFF_ROWS + 2 * STAGES * ROW_BYTES;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * BARRIERS;
     // Register split (setmaxnreg, SM90_ENTRY_REGS).
@@ -65,15 +56,15 @@ struct BwdSm90WideTraits {
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
     static_assert(D == 256 && BM == 64, "head dim 256 with 64-query steps");
-    static_assert(STAGES == 2, "two Q stages (three do not fit beside the dQ halves)");
-    static constexpr bool ATOMIC_DQ = ATOMIC_DQ_;
+    static_assert(!ATOMIC_DQ_, "dQ comes from bwd_sm90_dq_kernel");
+    static_assert(STAGES == 2, "two stages (three do not fit)");
     static_assert(OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_P % 1024 == 0 && OFF_DS % 1024 == 0,
                   "tiles start on 1024-byte swizzle atoms");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };
 
-// The arguments are bwd_sm90_kernel's (cuflash/launch.py packs one list for both); tile_ticket is
-// not used: one CTA a tile. Without ATOMIC_DQ, dq_accum is not used either.
+// The arguments are bwd_sm90_kernel's (cuflash/launch.py packs one list for both); dq_accum and
+// tile_ticket are not used (dQ: bwd_sm90_dq_kernel; one CTA a tile).
 template <int D, int BM, int STAGES, int DTYPE, bool CAUSAL, bool EVEN_N, bool ATOMIC_DQ, int MODS>
 __global__ void __launch_bounds__(384, 1)
     bwd_sm90_wide_kernel(const __grid_constant__ TmaDesc map_q, const __grid_constant__ TmaDesc map_k,
@@ -86,23 +77,24 @@ __global__ void __launch_bounds__(384, 1)
                          const ScoreModArgs mod_args) {
     using T = BwdSm90WideTraits<D, BM, STAGES, ATOMIC_DQ>;
     constexpr int BN = T::BN;
-    allow_next_grid();  // the dQ convert kernel's CTAs may settle in
-    constexpr int NT_S = T::S_N / 8, NT_COLS = T::COLS / 8, NT_HALF = T::DQ_HALF / 8;
+    allow_next_grid();  // the dQ kernel's CTAs may settle in
+    constexpr int NT_S = T::S_N / 8, NT_COLS = T::COLS / 8;
     constexpr bool IS_BF16 = DTYPE == BF16;
     static_assert(DTYPE == F16 || DTYPE == BF16, "16-bit inputs only");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_addr(smem_raw);
-    const u32 sK = base + T::OFF_K, sV = base + T::OFF_V, sdO = base + T::OFF_DO;
+    const u32 sK = base + T::OFF_K, sV = base + T::OFF_V;
     auto sQ = [&](int st) { return base + T::OFF_Q + st * T::QB_BYTES; };
+    auto sdO = [&](int st) { return base + T::OFF_DO + st * T::QB_BYTES; };
     auto sP = [&](int buf) { return base + T::OFF_P + buf * T::PS_BYTES; };
     auto sdS = [&](int buf) { return base + T::OFF_DS + buf * T::PS_BYTES; };
     // lse2 of stage st at rows[st * BM], Delta at rows[(STAGES + st) * BM]
     const float* rows = reinterpret_cast<const float*>(smem_raw + T::OFF_ROWS);
     const u32 bars = base + T::OFF_BARS;
-    const u32 full_kv = bars, full_do = bars + 8, empty_do = bars + 16;
-    auto full_q = [&](int s) { return bars + 8 * (3 + s); };
-    auto empty_q = [&](int s) { return bars + 8 * (3 + STAGES + s); };
+    const u32 full_kv = bars;
+    auto full = [&](int s) { return bars + 8 * (1 + s); };
+    auto empty = [&](int s) { return bars + 8 * (1 + STAGES + s); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int nheads = kv_heads * group;
@@ -122,11 +114,9 @@ __global__ void __launch_bounds__(384, 1)
 
     if (tid == 0) {
         mbar_init(full_kv, 1);
-        mbar_init(full_do, 1);
-        mbar_init(empty_do, 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_q(s), 1);
-            mbar_init(empty_q(s), 128 * T::CONSUMERS);
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 128 * T::CONSUMERS);  // one arrival per consumer thread: thread_arrive
         }
         fence_barrier_init();
     }
@@ -156,16 +146,14 @@ __global__ void __launch_bounds__(384, 1)
             const float* delta_head = delta + (lse2_head - lse2);
             for (int j = 0; j < steps.per_head; ++j, ++step) {
                 const int st = step % STAGES, m0 = steps.query_block_of_head(j) * BM;
-                mbar_wait(empty_q(st), ((step / STAGES) & 1) ^ 1);  // a fresh barrier's first wait returns at once
-                mbar_arrive_expect_tx(full_q(st), T::QB_BYTES + 2 * T::ROW_BYTES);
-                for (int p = 0; p < D / 64; ++p)
-                    tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h0 + g, batch, full_q(st));
-                bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full_q(st));
-                bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full_q(st));
-                mbar_wait(empty_do, (step & 1) ^ 1);
-                mbar_arrive_expect_tx(full_do, T::QB_BYTES);
-                for (int p = 0; p < D / 64; ++p)
-                    tma_load_4d(sdO + p * BM * 128, map_do, p * 64, seq.q0 + m0, h0 + g, batch, full_do);
+                mbar_wait(empty(st), ((step / STAGES) & 1) ^ 1);  // a fresh barrier's first wait returns at once
+                mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
+                for (int p = 0; p < D / 64; ++p) {
+                    tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h0 + g, batch, full(st));
+                    tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, seq.q0 + m0, h0 + g, batch, full(st));
+                }
+                bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full(st));
+                bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full(st));
             }
         }
         return;
@@ -173,53 +161,25 @@ __global__ void __launch_bounds__(384, 1)
 
     // ---------------------------------------------------------------- consumers
     setmaxnreg_inc<T::CONSUMER_REGS>();
-    wait_prior_grid();  // dq_accum zeroed by the preprocess
     const int c = wg - 1;
-    const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows: queries of S, dP and dQ; keys of dK, dV
+    const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows: queries of S and dP; keys of dK, dV
     const int key0 = T::S_N * c;            // this consumer's keys of S and dP, within the block
-    const int col0 = T::COLS * c;           // this consumer's head-dim columns of dK, dV and dQ
+    const int col0 = T::COLS * c;           // this consumer's head-dim columns of dK and dV
     const int panel0 = col0 / 64;           // ... as the index of their first 64-column panel
-
-    // A dQ half into dq_accum ((B, H, nq_pad, D) floats: padded rows need no bounds check), each
-    // warp on its own, as bwd_sm90_kernel's store_dq and reduce_dq: the accumulators go to the
-    // warp's 4 KB of shared memory in fragment order (once its previous reduction has read them),
-    // then one bulk reduction adds them to the block.
-    constexpr int WARP_FLOATS = NT_HALF * 32 * 4;
-    const u32 dq_tile = base + T::OFF_DQ + c * T::DQ_BYTES + (warp & 3) * WARP_FLOATS * 4;
-    auto store_dq = [&](const float (&acc_dq)[NT_HALF * 4]) {
-        if (lane == 0) bulk_wait<0, true>();
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < NT_HALF; ++j)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_tile + (j * 32 + lane) * 16),
-                         "f"(acc_dq[4 * j]), "f"(acc_dq[4 * j + 1]), "f"(acc_dq[4 * j + 2]), "f"(acc_dq[4 * j + 3])
-                         : "memory");
-    };
-    auto reduce_dq = [&](long long at_float) {
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-            bulk_reduce_add_f32(dq_accum + at_float, dq_tile, WARP_FLOATS * 4);
-            bulk_commit();
-        }
-    };
 
     float acc_dk[NT_COLS * 4], acc_dv[NT_COLS * 4];
 #pragma unroll
     for (int j = 0; j < NT_COLS * 4; ++j) acc_dk[j] = acc_dv[j] = 0.f;
     mbar_wait(full_kv, 0);
 
-    const int row_lane = warp_row0 + (lane >> 2);       // this lane's first query row of the block
-    const int key_lane = n0 + key0 + 2 * (lane & 3);    // its first key of S's n8 tiles
-    long long dq_pending_at = 0;  // the second dQ half store_dq left in shared memory, not yet reduced
-    bool dq_pending = false;      // (it is, beside the next step's S GEMM, or after the loop)
+    const int row_lane = warp_row0 + (lane >> 2);     // this lane's first query row of the block
+    const int key_lane = n0 + key0 + 2 * (lane & 3);  // its first key of S's n8 tiles
     for (int i = 0; i < steps.count; ++i) {
         const int st = i % STAGES, buf = i & 1;
         const int h = h0 + steps.head(i), m0 = steps.query_block(i) * BM;
         mods.set_head(mod_args, b, h);
-        mbar_wait(full_q(st), (i / STAGES) & 1);
+        mbar_wait(full(st), (i / STAGES) & 1);
 
-        // S, the previous step's last dQ reduction beside it, then dP once dO is in.
         float acc_s[NT_S * 4], acc_dp[NT_S * 4];
         wgmma_fence();
 #pragma unroll
@@ -227,12 +187,9 @@ __global__ void __launch_bounds__(384, 1)
             Wgmma<T::S_N, DTYPE>::ss(acc_s, desc_k_major_sw128<BM>(sQ(st), 0, ks),
                                      desc_k_major_sw128<BN>(sK, key0, ks), ks > 0);
         wgmma_commit();
-        if (dq_pending) reduce_dq(dq_pending_at);
-        mbar_wait(full_do, i & 1);
-        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<T::S_N, DTYPE>::ss(acc_dp, desc_k_major_sw128<BM>(sdO, 0, ks),
+            Wgmma<T::S_N, DTYPE>::ss(acc_dp, desc_k_major_sw128<BM>(sdO(st), 0, ks),
                                      desc_k_major_sw128<BN>(sV, key0, ks), ks > 0);
         wgmma_commit();
         // Dropout (dropout.cuh): the keep bits drawn while the GEMMs run.
@@ -308,51 +265,21 @@ __global__ void __launch_bounds__(384, 1)
         named_bar_sync<256>(BWD_WIDE_TILES_STORED);
 
         // dV += P^T dO, dK += dS^T Q (M = keys: P^T and dS^T are the tiles read MN-major; N = this
-        // consumer's columns of dO and Q, MN-major), then dQ = dS K in two halves of its columns.
+        // consumer's columns of dO and Q, MN-major).
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
             Wgmma<T::COLS, DTYPE>::template ss<true, true>(
                 acc_dv, desc_mn_major_sw128<BM * 128, 1024>(sP(buf), kk),
-                desc_mn_major_sw128<BM * 128, 1024>(sdO + panel0 * BM * 128, kk), 1);
-        wgmma_commit();
+                desc_mn_major_sw128<BM * 128, 1024>(sdO(st) + panel0 * BM * 128, kk), 1);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
             Wgmma<T::COLS, DTYPE>::template ss<true, true>(
                 acc_dk, desc_mn_major_sw128<BM * 128, 1024>(sdS(buf), kk),
                 desc_mn_major_sw128<BM * 128, 1024>(sQ(st) + panel0 * BM * 128, kk), 1);
         wgmma_commit();
-        wgmma_wait<1>();  // dV is done with dO
-        thread_arrive(empty_do);
-        if constexpr (!ATOMIC_DQ) {
-            wgmma_wait<0>();  // dK is done with Q
-            thread_arrive(empty_q(st));
-            continue;
-        }
-        // This warp's part of the block: consumer c's share (64 x COLS), then the warp's 2 x 4 KB.
-        // The first half is reduced at once, the second beside the next step's S GEMM.
-        const long long dq_at = (seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0) * D +
-                                c * BM * T::COLS + (warp & 3) * 2 * WARP_FLOATS;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float acc_dq[NT_HALF * 4];
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < BN / 16; ++ks)
-                Wgmma<T::DQ_HALF, DTYPE>::template ss<false, true>(
-                    acc_dq, desc_k_major_sw128<BM>(sdS(buf), 0, ks),
-                    desc_mn_major_sw128<BN * 128, 1024>(sK + (panel0 + half) * BN * 128, ks), ks > 0);
-            wgmma_commit();
-            if (half == 0) {
-                wgmma_wait<1>();  // dK is done with Q (its rows were read above)
-                thread_arrive(empty_q(st));
-            }
-            wgmma_wait<0>();
-            store_dq(acc_dq);
-            if (half == 0) reduce_dq(dq_at);
-        }
-        dq_pending_at = dq_at + WARP_FLOATS;
-        dq_pending = true;
+        wgmma_wait<0>();
+        thread_arrive(empty(st));
     }
 
     // Epilogue: dK (times scale) and dV from registers, this consumer's columns of its keys' rows.
@@ -364,11 +291,6 @@ __global__ void __launch_bounds__(384, 1)
         store_acc_row<IS_BF16, NT_COLS>(acc_dk, r, scale, dk_head + key * dk_sn, key < seq.nk, d - col0, lane);
         store_acc_row<IS_BF16, NT_COLS>(acc_dv, r, Mods::DROPOUT ? mod_args.dropout_scale : 1.f,
                                         dv_head + key * dv_sn, key < seq.nk, d - col0, lane);
-    }
-    // The last step's second dQ half; its reductions must complete before the CTA exits.
-    if constexpr (ATOMIC_DQ) {
-        if (dq_pending) reduce_dq(dq_pending_at);
-        if (lane == 0) bulk_wait<0, false>();
     }
 }
 

@@ -303,6 +303,12 @@ class BwdConfig:
         """The Hopper dK/dV kernel of cuda_src/bwd_sm90_wide.cuh."""
         return self.hopper and self.headdim in self.HOPPER_WIDE
 
+    def atomic_dq(self, deterministic: bool) -> bool:
+        """Whether the dK/dV kernel sums dQ with atomics (else the dQ kernel computes it): in the
+        default mode, but for the wide kernel, which with the dQ kernel after it measured 4-6% faster
+        than with dQ summed in it (bench/PERFLOG.md)."""
+        return not (deterministic or self.wide)
+
     @property
     def kernel_family(self) -> str:
         """The family of the dK/dV, deterministic dQ and dQ conversion kernels."""
@@ -338,10 +344,9 @@ class BwdConfig:
         n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
         if self.wide:
             tile = 2 * m * n  # one P or dS tile
-            dq = 2 * m * (d // 4) * 4 if atomic_dq else 0  # a staged dQ half per consumer
-            return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", 2 * m * d),
-                           ("P", 2 * tile), ("DS", 2 * tile), ("DQ", dq),
-                           ("ROWS", 2 * stages * 4 * m), ("BARS", 8 * (3 + 2 * stages)))
+            return _layout(("K", 2 * n * d), ("V", 2 * n * d), ("Q", stages * 2 * m * d), ("DO", stages * 2 * m * d),
+                           ("P", 2 * tile), ("DS", 2 * tile), ("ROWS", 2 * stages * 4 * m),
+                           ("BARS", 8 * (1 + 2 * stages)))
         if self.hopper:
             ds = 2 * n * m if atomic_dq else 0
             dq = 64 * self.hopper_dq_cols * 4 if atomic_dq else 0
@@ -357,7 +362,7 @@ class BwdConfig:
 
     def smem_bytes(self) -> int:
         """The most dynamic shared memory any of its kernels takes."""
-        return max(self.dkdv_smem_bytes(atomic_dq=True), self.dq_smem_bytes())
+        return max(self.dkdv_smem_bytes(self.atomic_dq(deterministic=False)), self.dq_smem_bytes())
 
     def dkdv_traits(self, atomic_dq: bool) -> str:
         """The C++ traits type of the dK/dV kernel."""

@@ -340,14 +340,14 @@ class BackwardWorkspace:
     @staticmethod
     def floats_for(cfg: BwdConfig, rows: int, deterministic: bool) -> int:
         """The floats for a call whose per-row buffers have `rows` rows (buffer_rows)."""
-        return 2 * rows + (0 if deterministic else rows * cfg.headdim)
+        return 2 * rows + (rows * cfg.headdim if cfg.atomic_dq(deterministic) else 0)
 
 
 def hopper_bwd_persistent(cfg: BwdConfig, problem) -> bool:
     """Whether the Hopper dK/dV kernel of `cfg` and `problem` is persistent: cuda_src/bwd_sm90.cuh's
     bwd_sm90_persistent (the atomic dQ, no window or packed batch); the wide kernel never is."""
     mods = problem.mods
-    return not (cfg.wide or problem.deterministic) and mods.window is None and mods.varlen is None
+    return cfg.atomic_dq(problem.deterministic) and mods.window is None and mods.varlen is None
 
 
 class BwdLaunch:
@@ -359,7 +359,7 @@ class BwdLaunch:
         nheads, headdim = q.shape[2:]
         nheads_kv = k.shape[2]
         batch, seqlen_q, seqlen_k = _lengths(problem, q, k)
-        self.atomic_dq = not problem.deterministic
+        self.atomic_dq = cfg.atomic_dq(problem.deterministic)
         mods = problem.mods
         varlen = mods.varlen is not None
         nq_pad, self.rows = buffer_rows(problem, q.shape)

@@ -125,7 +125,7 @@ class BwdTuning(TunedFamily):
         The row-wise preprocess and dQ conversion kernels do not depend on the config.
         """
         dtype_name, causal, even_d = problem.dtype_name, problem.causal, problem.headdim == cfg.headdim
-        atomic, mods = not problem.deterministic, problem.mods.bits
+        atomic, mods = cfg.atomic_dq(problem.deterministic), problem.mods.bits
         specs = [KernelSpec(cfg.kernel_family, cfg.dkdv_name(dtype_name, causal, n, even_d, atomic, mods),
                             cfg.dkdv_smem_bytes(atomic), cfg.dkdv_threads, runs=i == 0)
                  for i, n in enumerate(length_variants(problem, cfg.dkdv_block_m, cfg.dkdv_block_n))]

@@ -129,10 +129,11 @@ def shipped_specialisations():
                         cfg.dkdv_smem_bytes(atomic_dq))
                 add(cfg, cfg.dq_name(dtype_name, causal, even_n, even_d), cfg.dq_smem_bytes())
     for cfg, deterministic in hopper_bwd_plans():
+        atomic_dq = cfg.atomic_dq(deterministic)
         for dtype_name, causal, even_n in itertools.product(DTYPE_NAMES, (False, True), (True, False)):
-            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic),
-                cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
-            if deterministic:
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq),
+                cfg.dkdv_smem_bytes(atomic_dq), family=cfg.kernel_family)
+            if not atomic_dq:
                 add(cfg, cfg.dq_name(dtype_name, causal, even_n, True), cfg.dq_smem_bytes(), family=cfg.kernel_family)
             else:
                 add(cfg, cfg.dq_accum_convert_name(dtype_name), 0, family=cfg.kernel_family)
@@ -164,9 +165,10 @@ def shipped_specialisations():
         for cfg in HEURISTIC_BWD.values():  # the preprocess's lanes per row follow the head dim
             add(cfg, cfg.preprocess_name(dtype_name, varlen), 0)
         add(any_bwd, BwdConfig.convert_dq_name(dtype_name, varlen), 0)
-    for cfg, _ in hopper_bwd_plans():
-        for dtype_name in DTYPE_NAMES:
-            add(cfg, cfg.dq_accum_convert_name(dtype_name, True), 0, family=cfg.kernel_family)
+    for cfg, deterministic in hopper_bwd_plans():
+        if cfg.atomic_dq(deterministic):
+            for dtype_name in DTYPE_NAMES:
+                add(cfg, cfg.dq_accum_convert_name(dtype_name, True), 0, family=cfg.kernel_family)
     return list(specs.values())
 
 
@@ -204,10 +206,11 @@ def _add_score_option_variants(add) -> None:
             add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, True, mods), cfg.dkdv_smem_bytes(True))
             add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes())
     for cfg, deterministic in hopper_bwd_plans():
+        atomic_dq = cfg.atomic_dq(deterministic)
         for causal, dtype_name, even_n, mods in score_option_cases(cfg.kernel_family, cfg.headdim):
-            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, not deterministic, mods),
-                cfg.dkdv_smem_bytes(not deterministic), family=cfg.kernel_family)
-            if deterministic:
+            add(cfg, cfg.dkdv_name(dtype_name, causal, even_n, True, atomic_dq, mods),
+                cfg.dkdv_smem_bytes(atomic_dq), family=cfg.kernel_family)
+            if not atomic_dq:
                 add(cfg, cfg.dq_name(dtype_name, causal, even_n, True, mods), cfg.dq_smem_bytes(),
                     family=cfg.kernel_family)
 

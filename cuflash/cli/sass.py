@@ -26,15 +26,16 @@ OPCODES = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL")
 
 def hopper_fast_paths() -> dict[str, str]:
     """Name expression -> dtype name of each Hopper fast path: the tables' forward configs (16-bit
-    and fp8, causal or not), the backward plans' dK/dV kernels (and dQ kernels where deterministic),
+    and fp8, causal or not), the backward plans' dK/dV kernels (and dQ kernels where they run),
     and the decoding kernel's wgmma tiles (one and two row warpgroups) at head dims 64 and 128."""
     pairs = [(cfg, dt) for cfg in sm90_table_configs() for dt in ("float16", "bfloat16")]
     pairs += [(cfg, FP8_DTYPE_NAME) for cfg in HEURISTIC_FP8.values()]
     paths = {cfg.name_expression(dt, causal, True): dt for (cfg, dt), causal in itertools.product(pairs, (False, True))}
     for cfg, det in hopper_bwd_plans():
+        atomic_dq = cfg.atomic_dq(det)
         for dt, causal in itertools.product(("float16", "bfloat16"), (False, True)):
-            paths[cfg.dkdv_name(dt, causal, True, True, not det)] = dt
-            if det:
+            paths[cfg.dkdv_name(dt, causal, True, True, atomic_dq)] = dt
+            if not atomic_dq:
                 paths[cfg.dq_name(dt, causal, True, True)] = dt
     for headdim, rows, dt in itertools.product((64, 128), (64, 128), ("float16", "bfloat16")):
         cfg = decode_config(headdim, rows, SM90_SMEM_LIMIT, arch=90)
