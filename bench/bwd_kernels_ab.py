@@ -29,7 +29,7 @@ TOKENS, HIDDEN = 16384, 2048
 def compare(headdim: int, dtype: str, seqlen: int, causal: bool, repeats: int) -> str:
     dtype_name, element = DTYPES[dtype]
     kd = kernel_headdim(headdim)
-    hopper = dispatch.hopper_bwd_config(kd, 90, deterministic=False)
+    hopper = dispatch.hopper_bwd_config(kd, 90)
     nheads, batch = HIDDEN // dispatch.hopper_bwd_headdim(kd), TOKENS // seqlen
     q, k, v, dout = (cupy.random.standard_normal((batch, seqlen, nheads, headdim), dtype=cupy.float32).astype(element)
                      for _ in range(4))
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     for headdim in args.headdim:
-        if dispatch.hopper_bwd_config(kernel_headdim(headdim), 90, deterministic=False) is None:
+        if dispatch.hopper_bwd_config(kernel_headdim(headdim), 90) is None:
             parser.error(f"--headdim {headdim} has no Hopper backward")
         for dtype in args.dtype or ["bf16"]:
             for causal in (False, True):

@@ -671,44 +671,13 @@ __global__ void __launch_bounds__(384, 1)
                 kept = dropout_bits<NT_S, Mods::DROPOUT_STATE>(mod_args, b * nheads + h, m0 + warp_row0, n0, lane);
             wgmma_wait<1>();
 
-            // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk (zero
-            // rows of K, or varlen the next sequence's) and keys outside the
-            // causal mask or window get P = 0, in a pass that only boundary blocks take.
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
-                                       (float)(8 * (e >> 1) - 8 * j - (e & 1));
-                    const float u = mods.transform(acc_s[j * 4 + e]);
-                    acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
-                }
-            if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk)) {
-#pragma unroll
-                for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!mods.visible(m0 + warp_row0 + (lane >> 2) + 8 * (e >> 1),
-                                          n0 + 8 * j + 2 * (lane & 3) + (e & 1)))
-                            acc_s[j * 4 + e] = 0.f;
-            }
+            // P, then dS (bwd_sm90_tiles.cuh), as the A fragments of dQ += dS K; keys past nk are zero
+            // rows of K, or varlen the next sequence's.
+            const int row = m0 + warp_row0 + (lane >> 2), col = n0 + 2 * (lane & 3);
+            probs_by_rows<NT_S>(acc_s, mods, row, col, lse2_r, scale_log2,
+                                !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > nk));
             wgmma_wait<0>();
-            // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap), as the A fragments of dQ += dS K;
-            // with dropout dP o M / (1 - p) in place of dP (dropped_dp_minus)
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float dp = Mods::DROPOUT ? dropped_dp_minus(acc_dp[j * 4 + e], kept.test(4 * j + e),
-                                                                      mod_args.dropout_scale, delta_r[e >> 1])
-                                                   : acc_dp[j * 4 + e] - delta_r[e >> 1];
-                    acc_dp[j * 4 + e] = acc_s[j * 4 + e] * dp;
-                    if constexpr (Mods::SOFTCAP) {
-                        const float dist = mods.distance(m0 + warp_row0 + (lane >> 2), n0 + 2 * (lane & 3)) +
-                                           (float)(8 * (e >> 1) - 8 * j - (e & 1));
-                        acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], dist);
-                    }
-                }
+            dscores_by_rows<NT_S>(acc_dp, acc_s, mods, row, col, lse2_r, delta_r, kept, mod_args.dropout_scale);
             AFragments<DTYPE, BN> ds_frag;
             ds_frag.pack(acc_dp);
             wgmma_fence();

@@ -207,43 +207,18 @@ __global__ void __launch_bounds__(384, 1)
         }
         wgmma_wait<1>();
 
-        // P = 2^(score c - lse2[row]) (score_mods.cuh); keys past nk and keys outside the causal
-        // mask or window get P = 0, in a pass that only boundary blocks take.
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float dist = mods.distance(m0 + row_lane, key_lane) + (float)(8 * (e >> 1) - 8 * j - (e & 1));
-                const float u = mods.transform(acc_s[j * 4 + e]);
-                acc_s[j * 4 + e] = exp2_approx(fmaf(mods.bias(u, dist), scale_log2, -lse2_r[e >> 1]));
-            }
-        if (!mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > seq.nk)) {
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mods.visible(m0 + row_lane + 8 * (e >> 1), key_lane + 8 * j + (e & 1)))
-                        acc_s[j * 4 + e] = 0.f;
-        }
+        // P, then dS (bwd_sm90_tiles.cuh); with dropout, P o M for dV, whose 1 / (1 - p) is left to
+        // its epilogue.
+        probs_by_rows<NT_S>(acc_s, mods, m0 + row_lane, key_lane, lse2_r, scale_log2,
+                            !mods.block_visible(m0, BM, n0, BN) || (!EVEN_N && n0 + BN > seq.nk));
         wgmma_wait<0>();
-        // dS = P o (dP - Delta[row]) (o (1 - tanh^2) under softcap); with dropout dP o M / (1 - p)
-        // in place of dP (dropped_dp_minus), then P o M for dV, whose 1 / (1 - p) is left to its epilogue.
+        dscores_by_rows<NT_S>(acc_dp, acc_s, mods, m0 + row_lane, key_lane, lse2_r, delta_r, kept,
+                              mod_args.dropout_scale);
+        if constexpr (Mods::DROPOUT) {
 #pragma unroll
-        for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float dp = Mods::DROPOUT ? dropped_dp_minus(acc_dp[j * 4 + e], kept.test(4 * j + e),
-                                                                  mod_args.dropout_scale, delta_r[e >> 1])
-                                               : acc_dp[j * 4 + e] - delta_r[e >> 1];
-                acc_dp[j * 4 + e] = acc_s[j * 4 + e] * dp;
-                if constexpr (Mods::SOFTCAP) {
-                    const float dist =
-                        mods.distance(m0 + row_lane, key_lane) + (float)(8 * (e >> 1) - 8 * j - (e & 1));
-                    acc_dp[j * 4 + e] *= mods.score_grad_from_prob(acc_s[j * 4 + e], lse2_r[e >> 1], dist);
-                }
-                if constexpr (Mods::DROPOUT)
-                    if (!kept.test(4 * j + e)) acc_s[j * 4 + e] = 0.f;
-            }
+            for (int i = 0; i < NT_S * 4; ++i)
+                if (!kept.test(i)) acc_s[i] = 0.f;
+        }
 
         // P and dS into this step's swizzled [query][key] tiles, 16-bit pairs; the other consumer
         // writes the other 32 keys. The tiles of step i - 2 are free: every GEMM of that step

@@ -3,8 +3,8 @@
 The forward keeps only out and the logsumexp (O(N) memory); the backward
 recomputes P tile by tile from them. Kernels are in cuda_src/bwd_sm80.cuh
 (every GPU) and cuda_src/bwd_sm90.cuh (head dims 33-256 on compute
-capability 9.0: dK/dV with a fused dQ, and up to 128 a dQ kernel for
-deterministic mode; deterministic calls past 128 run the sm_80 kernels).
+capability 9.0: dK/dV with a fused dQ up to head dim 128, and a dQ kernel for
+deterministic mode and for head dims 160-256 in either mode).
 """
 
 from __future__ import annotations

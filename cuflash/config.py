@@ -305,8 +305,8 @@ class BwdConfig:
 
     def atomic_dq(self, deterministic: bool) -> bool:
         """Whether the dK/dV kernel sums dQ with atomics (else the dQ kernel computes it): in the
-        default mode, but for the wide kernel, which with the dQ kernel after it measured 4-6% faster
-        than with dQ summed in it (bench/PERFLOG.md)."""
+        default mode, but for the wide kernel, which with the dQ kernel after it took 0.93-1.01x the
+        time of a form that summed dQ in it (H100, bench/PERFLOG.md)."""
         return not (deterministic or self.wide)
 
     @property

@@ -263,7 +263,7 @@ def fwd_config(problem: FwdProblem) -> tuple[FwdConfig | FwdSm90Config, str]:
 # for smaller shared memories are chunked likewise.
 # - other head dims: unmeasured; tiles that fit the shared memory.
 # On compute capability 9.0 the Hopper kernels below replace the dK/dV tiles
-# at head dims 33-256 (deterministic calls: 33-128).
+# at head dims 33-256.
 HEURISTIC_BWD = {
     32: BwdConfig(32, 128, 8, 4, 64),
     64: BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64),
@@ -280,7 +280,7 @@ HEURISTIC_BWD = {
 # on compute capability 9.0. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
 # bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
 # head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles. Head dim
-# 256: the wide dK/dV kernel (bwd_sm90_wide.cuh), two Q stages.
+# 256: the wide dK/dV kernel (bwd_sm90_wide.cuh; two stages fit) and the dQ kernel.
 HEURISTIC_BWD_SM90 = {
     kd: BwdConfig(kd, block_m, 8, 8, BwdConfig.HOPPER_DQ_BLOCK_N[kd], stages=stages, hopper=True)
     for kd, block_m, stages in ((64, 128, 2), (128, 64, 3), (256, 64, 2))

@@ -132,8 +132,9 @@ def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, deterministic):
     # Both dK/dV kernels on the same GPU: the Hopper ones (head dims 64 and
-    # 128, 88 zero-padded to 128, and 256's; fed by tensor maps, fused atomic dQ) and
-    # the sm_80 one. GQA, ragged and block-aligned lengths, Nq < Nk and Nq > Nk.
+    # 128, 88 zero-padded to 128, fed by tensor maps, fused atomic dQ; 256's
+    # with the dQ kernel in either mode) and the sm_80 one. GQA, ragged and
+    # block-aligned lengths, Nq < Nk and Nq > Nk.
     if kernel == "sm80":
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
     host, dev = make_inputs(rng, dtype, 2, nq, nk, 4, 2, headdim)

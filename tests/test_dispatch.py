@@ -102,6 +102,7 @@ def test_backward_uses_the_hopper_kernel_on_sm90_only(headdim):
     assert hopper.hopper == (kd >= 64)
     assert hopper.is_valid() and hopper.headdim == {96: 128, 160: 256, 192: 256, 224: 256}.get(kd, kd)
     assert hopper.wide == (kd > 128)
+    assert hopper.atomic_dq(deterministic=False) == (kd <= 128) and not hopper.atomic_dq(deterministic=True)
     assert dispatch.bwd_tiles(headdim, H200_SMEM, 90, deterministic=True).hopper == (kd >= 64)
     assert not dispatch.bwd_tiles(headdim, H200_SMEM, 80).hopper
 
