@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import numpy
 
@@ -171,6 +172,8 @@ def standard_alibi_slopes(heads: int) -> numpy.ndarray:
 
 def window_size(value, causal: bool) -> tuple[int, int]:
     """(left, right) of a sliding window: None or a pair of ints >= -1, -1 meaning unbounded.
+    An int is anything with __index__ but a bool: NumPy integers, and one-element integer tensors,
+    which flash-attn's own tests pass (`torch.randint(0, seqlen_k, (2,))`).
 
     Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
     j <= i + seqlen_k - seqlen_q + right (right >= 0); causal forces right = 0.
@@ -183,9 +186,12 @@ def window_size(value, causal: bool) -> tuple[int, int]:
             pair = tuple(value)
         except TypeError:
             raise TypeError(f"{expected}, got {type(value).__name__}") from None
-        if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, numpy.integer)) for x in pair):
+        if len(pair) != 2 or any(isinstance(x, (bool, numpy.bool_)) for x in pair):
             raise TypeError(f"{expected}, got {value!r}")
-        left, right = (int(x) for x in pair)
+        try:
+            left, right = (operator.index(x) for x in pair)
+        except TypeError:
+            raise TypeError(f"{expected}, got {value!r}") from None
         if left < -1 or right < -1:
             raise ValueError(f"{expected}, got {value!r}")
     return left, 0 if causal else right

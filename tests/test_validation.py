@@ -239,6 +239,16 @@ def test_fp8_backward_rejected():
 # --- Score modifications: validate.window_size, softcap, alibi_slopes -------
 
 
+class _Index:
+    """An integer by __index__ alone, as a one-element integer tensor is."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
 @pytest.mark.parametrize(
     "value,causal,want",
     [
@@ -251,6 +261,7 @@ def test_fp8_backward_rejected():
         ((-1, 7), True, (-1, 0)),
         ((np.int64(5), np.int32(-1)), False, (5, -1)),
         (np.array([4, 2]), False, (4, 2)),
+        ((_Index(9), _Index(-1)), False, (9, -1)),  # as a torch tensor's elements, flash-attn's tests' windows
     ],
 )
 def test_window_size_accepted(value, causal, want):
@@ -266,7 +277,8 @@ def test_window_size_below_minus_one(value):
     assert ">= -1" in str(info.value) and str(value) in str(info.value)
 
 
-@pytest.mark.parametrize("value", [3, 2.0, (1,), (1, 2, 3), (1.0, 2), (True, 0), (0, False), ("1", 2), "ab"])
+@pytest.mark.parametrize("value", [3, 2.0, (1,), (1, 2, 3), (1.0, 2), (True, 0), (0, False), (np.bool_(True), 0),
+                                   ("1", 2), "ab", np.array([1.0, 2.0])])
 def test_window_size_not_a_pair_of_ints(value):
     with pytest.raises(TypeError, match=mentions("window_size")):
         validate.window_size(value, causal=True)
