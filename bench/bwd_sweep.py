@@ -21,9 +21,12 @@ from cuflash.config import BwdConfig
 
 # (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
-# kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages.
+# kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages; at 160-256
+# the wide one (bwd_sm90_wide.cuh) against the sm_80 table's tiles, which is what
+# SM90_BWD_PADDED's choice rests on.
 _H64 = dispatch.HEURISTIC_BWD_SM90[64]
 _H128 = dataclasses.replace(dispatch.HEURISTIC_BWD_SM90[128], stages=2)
+_H256 = dispatch.HEURISTIC_BWD_SM90[256]
 CANDIDATES = {
     64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
          (BwdConfig(64, 128, 8, 4, 64, dkdv_chunk_m=64), False), (_H64, True), (BwdConfig(64, 128, 8, 4, 64), True)],
@@ -31,6 +34,7 @@ CANDIDATES = {
     128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
           (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True),
           (dataclasses.replace(_H128, stages=3), True), (BwdConfig(128, 64, 8, 4, 64), True)],
+    **{kd: [(_H256, False), (_H256, True), (dispatch.HEURISTIC_BWD[kd], False)] for kd in (160, 192, 224, 256)},
 }
 
 

@@ -339,8 +339,9 @@ class BwdConfig:
 
     def dkdv_smem_layout(self, atomic_dq: bool) -> dict[str, int]:
         """The dK/dV kernel's shared memory: BwdSm90Traits (K, V, STAGES x Q, STAGES x dO, 2 x dS^T,
-        a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers, the next tile) or BwdDkdvTraits (K, V,
-        STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows, dS^T)."""
+        a dQ tile per consumer, STAGES x lse2 and Delta rows, mbarriers, the next tile), BwdSm90WideTraits
+        (K, V, STAGES x Q, STAGES x dO, 2 x P, 2 x dS, STAGES x lse2 and Delta rows, mbarriers) or
+        BwdDkdvTraits (K, V, STAGES x Q, STAGES x dO, STAGES x lse2 rows, STAGES x delta rows, dS^T)."""
         n, m, d, stages = self.dkdv_block_n, self.dkdv_block_m, self.headdim, self.stages
         if self.wide:
             tile = 2 * m * n  # one P or dS tile
