@@ -258,13 +258,8 @@ __global__ void __launch_bounds__(384, 1)
             }
             const TileWork w = work_of(t);
             if (Mods::VARLEN && w.n0 >= w.seq.nk) break;
-            // One box per 64-column panel (tensor dims: head dim, seq, head, batch);
-            // rows past the sequence arrive as zeros.
             mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
-            for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sK + p * BN * 128, map_k, p * 64, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
-                tma_load_4d(sV + p * BN * 128, map_v, p * 64, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
-            }
+            copy_tile_pair<D, BN>(sK, map_k, sV, map_v, w.seq.k0 + w.n0, w.at.hk, w.batch, full_kv);
             wait_prior_grid();  // lse2 and Delta from the preprocess (K and V were in place before it ran)
             // lse2 and Delta rows are padded to nq_pad: BM floats are always in range. Row 0 of the
             // group's first head; the heads' rows follow one another (padded_row0).
@@ -279,10 +274,7 @@ __global__ void __launch_bounds__(384, 1)
                     const int st = step % STAGES, use = step / STAGES, m0 = w.steps.query_block_of_head(j) * BM;
                     mbar_wait(empty(st), (use & 1) ^ 1);  // the first use's wait, on a fresh barrier, returns at once
                     mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
-                    for (int p = 0; p < D / 64; ++p) {
-                        tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, w.seq.q0 + m0, h0 + g, w.batch, full(st));
-                        tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, w.seq.q0 + m0, h0 + g, w.batch, full(st));
-                    }
+                    copy_tile_pair<D, BM>(sQ(st), map_q, sdO(st), map_do, w.seq.q0 + m0, h0 + g, w.batch, full(st));
                     bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full(st));
                     bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full(st));
                 }
@@ -611,10 +603,7 @@ __global__ void __launch_bounds__(384, 1)
         setmaxnreg_dec<T::PRODUCER_REGS>();
         if (tid != 0 || n_end == 0) return;
         mbar_arrive_expect_tx(full_q, 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
-        for (int p = 0; p < D / 64; ++p) {
-            tma_load_4d(sQ + p * BM * 128, map_q, p * 64, seq.q0 + m0, h, batch, full_q);
-            tma_load_4d(sdO + p * BM * 128, map_do, p * 64, seq.q0 + m0, h, batch, full_q);
-        }
+        copy_tile_pair<D, BM>(sQ, map_q, sdO, map_do, seq.q0 + m0, h, batch, full_q);
         const long long row_off = seq.padded_row0<Mods::VARLEN>(b, h, nheads, nq_pad) + m0;
         bulk_load(base + T::OFF_ROWS, lse2 + row_off, T::ROW_BYTES, full_q);
         bulk_load(base + T::OFF_ROWS + T::ROW_BYTES, delta + row_off, T::ROW_BYTES, full_q);
@@ -622,12 +611,7 @@ __global__ void __launch_bounds__(384, 1)
             const int st = i % STAGES, use = i / STAGES;
             if (use > 0) mbar_wait(empty_kv(st), (use - 1) & 1);
             mbar_arrive_expect_tx(full_kv(st), 2 * T::KV_BYTES);
-            for (int p = 0; p < D / 64; ++p) {
-                tma_load_4d(sK(st) + p * BN * 128, map_k, p * 64, seq.k0 + (n_begin + i) * BN, hk, batch,
-                            full_kv(st));
-                tma_load_4d(sV(st) + p * BN * 128, map_v, p * 64, seq.k0 + (n_begin + i) * BN, hk, batch,
-                            full_kv(st));
-            }
+            copy_tile_pair<D, BN>(sK(st), map_k, sV(st), map_v, seq.k0 + (n_begin + i) * BN, hk, batch, full_kv(st));
         }
         return;
     }

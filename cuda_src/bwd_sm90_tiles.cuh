@@ -1,11 +1,24 @@
-// What the Hopper backward kernels share (bwd_sm90.cuh, bwd_sm90_wide.cuh): the dK/dV kernels'
-// work tiles, and a step's elementwise work where its scores lie with queries as rows.
+// What the Hopper backward kernels share (bwd_sm90.cuh, bwd_sm90_wide.cuh): the producer's copies,
+// the dK/dV kernels' work tiles, and a step's elementwise work where its scores lie with queries as rows.
 #pragma once
 #include "common.cuh"
 #include "dropout.cuh"
 #include "score_mods.cuh"
+#include "sm90_tiles.cuh"
 
 namespace cuflash {
+
+// Two tiles of ROWS rows and D columns at the same coordinates (K and V of a key block, Q and dO of
+// a query block) into shared memory: a bulk tensor copy per 64-column panel (tensor dims: head dim,
+// seq, head, batch; rows past the tensor arrive as zeros), both completing on `bar`.
+template <int D, int ROWS>
+__device__ __forceinline__ void copy_tile_pair(u32 dst_a, const TmaDesc& map_a, u32 dst_b, const TmaDesc& map_b,
+                                               int row, int head, int batch, u32 bar) {
+    for (int p = 0; p < D / 64; ++p) {
+        tma_load_4d(dst_a + p * ROWS * 128, map_a, p * 64, row, head, batch, bar);
+        tma_load_4d(dst_b + p * ROWS * 128, map_b, p * 64, row, head, batch, bar);
+    }
+}
 
 // A dK/dV kernel's work tile t -> (key block, kv head, batch): key blocks
 // innermost, so that the CTAs running together share a head's Q and dO in L2

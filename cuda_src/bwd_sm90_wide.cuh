@@ -128,13 +128,8 @@ __global__ void __launch_bounds__(384, 1)
         if (tid != 0) return;
         tma_prefetch_desc(map_q);
         tma_prefetch_desc(map_do);
-        // One box per 64-column panel (tensor dims: head dim, seq, head, batch); rows past the
-        // sequence arrive as zeros.
         mbar_arrive_expect_tx(full_kv, 2 * T::KV_BYTES);
-        for (int p = 0; p < D / 64; ++p) {
-            tma_load_4d(sK + p * BN * 128, map_k, p * 64, seq.k0 + n0, at.hk, batch, full_kv);
-            tma_load_4d(sV + p * BN * 128, map_v, p * 64, seq.k0 + n0, at.hk, batch, full_kv);
-        }
+        copy_tile_pair<D, BN>(sK, map_k, sV, map_v, seq.k0 + n0, at.hk, batch, full_kv);
         wait_prior_grid();  // lse2 and Delta from the preprocess
         // lse2 and Delta rows are padded to nq_pad: BM floats are always in range; the heads' rows
         // follow one another (padded_row0). The steps' order (QueryBlockSteps) as nested loops.
@@ -148,10 +143,7 @@ __global__ void __launch_bounds__(384, 1)
                 const int st = step % STAGES, m0 = steps.query_block_of_head(j) * BM;
                 mbar_wait(empty(st), ((step / STAGES) & 1) ^ 1);  // a fresh barrier's first wait returns at once
                 mbar_arrive_expect_tx(full(st), 2 * T::QB_BYTES + 2 * T::ROW_BYTES);
-                for (int p = 0; p < D / 64; ++p) {
-                    tma_load_4d(sQ(st) + p * BM * 128, map_q, p * 64, seq.q0 + m0, h0 + g, batch, full(st));
-                    tma_load_4d(sdO(st) + p * BM * 128, map_do, p * 64, seq.q0 + m0, h0 + g, batch, full(st));
-                }
+                copy_tile_pair<D, BM>(sQ(st), map_q, sdO(st), map_do, seq.q0 + m0, h0 + g, batch, full(st));
                 bulk_load(rows_smem + st * T::ROW_BYTES, lse2_head + m0, T::ROW_BYTES, full(st));
                 bulk_load(rows_smem + (STAGES + st) * T::ROW_BYTES, delta_head + m0, T::ROW_BYTES, full(st));
             }

@@ -85,9 +85,14 @@ struct ScoreMods {
     float tanh_scale, inv_score_log2;
     float alibi_slope;  // in the kernel's score units
 
+    // Query i's diagonal key is i + diag in a sequence of nq_ queries and nk_ keys: bottom-right
+    // aligned, or top-left where a packed batch asks for it.
+    __device__ __forceinline__ static int diagonal(const ScoreModArgs& args, int nq_, int nk_) {
+        return VARLEN && args.top_left ? 0 : nk_ - nq_;
+    }
     // nq_, nk_: the call's lengths, or varlen's sequence's (set_lengths for later ones).
     __device__ __forceinline__ ScoreMods(const ScoreModArgs& args, int nq_, int nk_)
-        : nq(nq_), nk(nk_), diag(VARLEN && args.top_left ? 0 : nk_ - nq_) {
+        : nq(nq_), nk(nk_), diag(diagonal(args, nq_, nk_)) {
         left = WINDOW ? args.window_left : 0;
         right = WINDOW && !CAUSAL ? args.window_right : 0;
         tanh_scale = SOFTCAP ? args.tanh_scale : 0.f;
@@ -98,7 +103,7 @@ struct ScoreMods {
     __device__ __forceinline__ void set_lengths(const ScoreModArgs& args, int nq_, int nk_) {
         nq = nq_;
         nk = nk_;
-        diag = args.top_left ? 0 : nk_ - nq_;
+        diag = diagonal(args, nq_, nk_);
     }
     // The scores of query head h of batch b (ALiBi's slope).
     __device__ __forceinline__ void set_head(const ScoreModArgs& args, int b, int h) {
