@@ -18,14 +18,17 @@ import cuflash
 from cuflash import dispatch, launch, timing
 from cuflash.bench.libs import TorchEvents
 from cuflash.config import BwdConfig
+from cuflash.tune_common import benchmark_heads
 
 # (config, deterministic). dkdv_chunk_m: queries whose scores the sm_80
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
 # kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages; at 160-256
-# the wide one (bwd_sm90_wide.cuh) against the sm_80 table's tiles, which is what
-# SM90_BWD_PADDED's choice rests on.
+# the wide one (bwd_sm90_wide.cuh) at 192 (dQ steps of 32 and 64 keys) and 256,
+# against the sm_80 table's tiles: what SM90_BWD_PADDED's choice rests on.
 _H64 = dispatch.HEURISTIC_BWD_SM90[64]
 _H128 = dataclasses.replace(dispatch.HEURISTIC_BWD_SM90[128], stages=2)
+_H192 = dispatch.HEURISTIC_BWD_SM90[192]
+_H192_DQ32 = dataclasses.replace(_H192, dq_block_n=32)
 _H256 = dispatch.HEURISTIC_BWD_SM90[256]
 CANDIDATES = {
     64: [(_H64, False), (BwdConfig(64, 128, 8, 4, 64), False),
@@ -34,7 +37,9 @@ CANDIDATES = {
     128: [(_H128, False), (dataclasses.replace(_H128, stages=3), False), (BwdConfig(128, 64, 8, 4, 64), False),
           (BwdConfig(128, 64, 8, 4, 64, dkdv_chunk_m=32), False), (_H128, True),
           (dataclasses.replace(_H128, stages=3), True), (BwdConfig(128, 64, 8, 4, 64), True)],
-    **{kd: [(_H256, False), (_H256, True), (dispatch.HEURISTIC_BWD[kd], False)] for kd in (160, 192, 224, 256)},
+    **{kd: [(_H192, False), (_H192, True), (_H192_DQ32, False), (_H256, False), (dispatch.HEURISTIC_BWD[kd], False)]
+       for kd in (160, 192)},
+    **{kd: [(_H256, False), (_H256, True), (dispatch.HEURISTIC_BWD[kd], False)] for kd in (224, 256)},
 }
 
 
@@ -55,7 +60,7 @@ def main():
     for d in map(int, a.headdim.split(",")):
         for n in map(int, a.seqlen.split(",")):
             for causal in (False, True):
-                h, b = max(2048 // d, 1), 16384 // n
+                h, b = benchmark_heads(d), 16384 // n
                 tq, tk, tv, tdo = (torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, a.dtype))
                                    for _ in range(4))
                 flops = 3.5 * 4 * b * h * n * n * d / (2 if causal else 1)

@@ -26,7 +26,8 @@ import numpy as np
 import cuflash
 import cuflash.jax
 from cuflash import timing
-from cuflash.bench.shapes import HIDDEN, TOKENS
+from cuflash.bench.shapes import TOKENS
+from cuflash.tune_common import benchmark_heads
 
 STEPS = 20  # jitted steps per timed call
 REPEATS = 6  # timed calls per subject: one per round of the order design
@@ -47,7 +48,7 @@ def eager_step(q, k, v, dout, causal):
 
 def row_subjects(headdim: int, seqlen: int, causal: bool) -> tuple[dict[str, timing.Calls], float]:
     """The three subjects of one row, and the row's forward+backward FLOP count."""
-    batch, nheads = TOKENS // seqlen, HIDDEN // headdim
+    batch, nheads = TOKENS // seqlen, benchmark_heads(headdim)
     rng = np.random.default_rng(0)
     host = [rng.standard_normal((batch, seqlen, nheads, headdim), dtype=np.float32).astype(np.float16)
             for _ in range(4)]

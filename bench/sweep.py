@@ -15,6 +15,7 @@ from tabulate import tabulate
 from cuflash import dispatch, launch, timing
 from cuflash.bench.libs import TorchEvents
 from cuflash.config import FwdConfig, FwdSm90Config
+from cuflash.tune_common import benchmark_heads
 
 
 def hopper(*args, **fields) -> FwdSm90Config:
@@ -37,8 +38,10 @@ CANDIDATES = {
     # head dim zero-filled by the tensor-map copies).
     32: [FwdConfig(32, 64, 4, 2, 2), hopper(64, 192, 3)],
     96: [FwdConfig(96, 64, 4, 1, 2), hopper(128, 128, 2)],
-    160: [FwdConfig(160, 64, 4, 1, 2, q_in_regs=False), hopper(256, 80, 2)],
-    192: [FwdConfig(192, 32, 4, 1, 2, q_in_regs=False), hopper(256, 80, 2)],
+    160: [hopper(256, 80, 2), hopper(192, 80, 2), hopper(192, 112, 2)],
+    192: [hopper(256, 80, 2), hopper(192, 64, 2), hopper(192, 64, 3), hopper(192, 80, 2),
+          hopper(192, 80, 2, stage_o=False), hopper(192, 96, 2), hopper(192, 112, 2),
+          hopper(192, 112, 2, pingpong=False)],
 }
 
 
@@ -60,7 +63,7 @@ def main():
     for d in map(int, a.headdim.split(",")):
         for n in map(int, a.seqlen.split(",")):
             for causal in (False, True):
-                h, b = 2048 // d, 16384 // n
+                h, b = benchmark_heads(d), 16384 // n
                 tq = torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, a.dtype))
                 tk, tv = torch.randn_like(tq), torch.randn_like(tq)
                 q, k, v = (cupy.from_dlpack(x) for x in (tq, tk, tv))

@@ -21,7 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuflash import timing
 from cuflash.bench.libs import TorchEvents
-from cuflash.bench.shapes import HIDDEN, TOKENS
+from cuflash.bench.shapes import TOKENS
+from cuflash.tune_common import benchmark_heads
 from cuflash.torch import flash_attn_func
 
 STEPS = 40  # timed steps per subject: 5 a round, so one slow moment of the host moves few of them
@@ -45,7 +46,7 @@ def main() -> None:
     for headdim in map(int, args.headdim.split(",")):
         for seqlen in map(int, args.seqlen.split(",")):
             for causal in (False, True):
-                batch, nheads = TOKENS // seqlen, HIDDEN // headdim
+                batch, nheads = TOKENS // seqlen, benchmark_heads(headdim)
                 q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.float16)
                                  for _ in range(4))
                 q, k, v = (x.requires_grad_() for x in (q, k, v))

@@ -539,8 +539,9 @@ struct BwdSm90DqTraits {
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
     // dQ holds D / 2 registers a thread, S and dP BN / 2 each.
-    static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64) || (D == 256 && BN == 32),
-                  "head dim 64 with BN 128, 128 with BN 64, or 256 with BN 32");
+    static_assert((D == 64 && BN == 128) || (D == 128 && BN == 64) || (D == 192 && (BN == 32 || BN == 64)) ||
+                      (D == 256 && BN == 32),
+                  "head dim 64 with BN 128, 128 with BN 64, 192 with BN 32 or 64, or 256 with BN 32");
     static_assert(STAGES >= 2 && STAGES <= 3, "2 or 3 stages");
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "tiles do not fit in shared memory");
 };

@@ -1,4 +1,4 @@
-// FlashAttention backward for Hopper (sm_90a) at head dim 256: dK and dV; bwd_sm90_dq_kernel
+// FlashAttention backward for Hopper (sm_90a) at head dims 192 and 256: dK and dV; bwd_sm90_dq_kernel
 // computes dQ; fp16 / bf16. The math is bwd_sm90.cuh's; the split of the work differs.
 //
 // bwd_sm90_kernel's consumer owns 64 keys and holds their dK and dV rows whole: D registers a
@@ -7,9 +7,12 @@
 //   S = Q K^T, dP = dO V^T:  wgmma SS, M = BM = 64 queries, N = 32 keys: consumer c takes keys
 //       32c..; P and dS (rounded to 16 bits) go to the step's [query][key] tiles in shared memory
 //       (two of each, used in turn), then both consumers meet at a barrier;
-//   dV += P^T dO, dK += dS^T Q:  wgmma SS, M = 64 keys, N = 128: consumer c takes head-dim
-//       columns 128c.. (A = P^T or dS^T, read MN-major from the tiles; B = dO or Q, MN-major).
-// A consumer thread holds 64 + 64 dK and dV accumulators and 16 + 16 of S and dP. The producer
+//   dV += P^T dO, dK += dS^T Q:  wgmma SS, M = 64 keys (A = P^T or dS^T, read MN-major from the
+//       tiles; B = dO or Q, MN-major). At D = 256, N = 128: consumer c takes head-dim columns
+//       128c.. of both. At D = 192, whose halves would start inside a 64-column panel, N = 192:
+//       consumer 0 takes dV, consumer 1 dK (BY_OUTPUT).
+// A consumer thread holds 64 + 64 dK and dV accumulators (D = 192: 96 of one) and 16 + 16 of S
+// and dP. The producer
 // warpgroup's one thread copies K and V once, then each step's Q, dO and their lse2 and Delta
 // rows into a STAGES-deep ring. One CTA a tile (kv_tile_at), not persistent.
 // dQ is not summed here: a first form added dS K into dq_accum (two 64-column halves a step,
@@ -34,7 +37,9 @@ struct BwdSm90WideTraits {
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int BN = 64;                  // keys per CTA
     static constexpr int S_N = BN / CONSUMERS;     // keys of S and dP a consumer computes
-    static constexpr int COLS = D / CONSUMERS;     // head-dim columns of dK and dV a consumer computes
+    static constexpr bool BY_OUTPUT = D == 192;    // consumer 0 computes dV, consumer 1 dK
+    static constexpr int OUTPUTS = BY_OUTPUT ? 1 : 2;              // of dV, dK, a consumer computes
+    static constexpr int COLS = BY_OUTPUT ? D : D / CONSUMERS;     // ... for these head-dim columns
     static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;
     static constexpr int PS_BYTES = BM * BN * 2;   // one P or dS tile: [query][key], 16-bit
     static constexpr int ROW_BYTES = BM * 4;       // one block's lse2 (or Delta)
@@ -55,7 +60,7 @@ struct BwdSm90WideTraits {
     static constexpr int CONSUMER_REGS = 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
 
-    static_assert(D == 256 && BM == 64, "head dim 256 with 64-query steps");
+    static_assert((D == 192 || D == 256) && BM == 64, "head dim 192 or 256 with 64-query steps");
     static_assert(!ATOMIC_DQ_, "dQ comes from bwd_sm90_dq_kernel");
     static_assert(STAGES == 2, "two stages (three do not fit)");
     static_assert(OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_P % 1024 == 0 && OFF_DS % 1024 == 0,
@@ -156,12 +161,24 @@ __global__ void __launch_bounds__(384, 1)
     const int c = wg - 1;
     const int warp_row0 = 16 * (warp & 3);  // this warp's 16 rows: queries of S and dP; keys of dK, dV
     const int key0 = T::S_N * c;            // this consumer's keys of S and dP, within the block
-    const int col0 = T::COLS * c;           // this consumer's head-dim columns of dK and dV
-    const int panel0 = col0 / 64;           // ... as the index of their first 64-column panel
+    const int col0 = T::BY_OUTPUT ? 0 : T::COLS * c;  // this consumer's head-dim columns of dK and dV
+    const int panel0 = col0 / 64;                     // ... as the index of their first 64-column panel
 
-    float acc_dk[NT_COLS * 4], acc_dv[NT_COLS * 4];
+    // acc[0]: dV, acc[1]: dK; BY_OUTPUT: acc[0] alone, consumer 0's dV or consumer 1's dK.
+    float acc[T::OUTPUTS][NT_COLS * 4];
 #pragma unroll
-    for (int j = 0; j < NT_COLS * 4; ++j) acc_dk[j] = acc_dv[j] = 0.f;
+    for (int o = 0; o < T::OUTPUTS; ++o)
+#pragma unroll
+        for (int j = 0; j < NT_COLS * 4; ++j) acc[o][j] = 0.f;
+    // One output's GEMM over the step: acc_o += A^T B, A the [query][key] tile a_tile (P or dS), B this
+    // consumer's columns of b_tile (dO or Q).
+    auto accumulate = [&](float (&acc_o)[NT_COLS * 4], u32 a_tile, u32 b_tile) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T::COLS, DTYPE>::template ss<true, true>(
+                acc_o, desc_mn_major_sw128<BM * 128, 1024>(a_tile, kk),
+                desc_mn_major_sw128<BM * 128, 1024>(b_tile + panel0 * BM * 128, kk), 1);
+    };
     mbar_wait(full_kv, 0);
 
     const int row_lane = warp_row0 + (lane >> 2);     // this lane's first query row of the block
@@ -232,18 +249,14 @@ __global__ void __launch_bounds__(384, 1)
         named_bar_sync<256>(BWD_WIDE_TILES_STORED);
 
         // dV += P^T dO, dK += dS^T Q (M = keys: P^T and dS^T are the tiles read MN-major; N = this
-        // consumer's columns of dO and Q, MN-major).
+        // consumer's columns of dO and Q, MN-major). BY_OUTPUT: the operands chosen by address.
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T::COLS, DTYPE>::template ss<true, true>(
-                acc_dv, desc_mn_major_sw128<BM * 128, 1024>(sP(buf), kk),
-                desc_mn_major_sw128<BM * 128, 1024>(sdO(st) + panel0 * BM * 128, kk), 1);
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T::COLS, DTYPE>::template ss<true, true>(
-                acc_dk, desc_mn_major_sw128<BM * 128, 1024>(sdS(buf), kk),
-                desc_mn_major_sw128<BM * 128, 1024>(sQ(st) + panel0 * BM * 128, kk), 1);
+        if constexpr (T::BY_OUTPUT) {
+            accumulate(acc[0], c == 0 ? sP(buf) : sdS(buf), c == 0 ? sdO(st) : sQ(st));
+        } else {
+            accumulate(acc[0], sP(buf), sdO(st));
+            accumulate(acc[1], sdS(buf), sQ(st));
+        }
         wgmma_commit();
         wgmma_wait<0>();
         thread_arrive(empty(st));
@@ -252,12 +265,20 @@ __global__ void __launch_bounds__(384, 1)
     // Epilogue: dK (times scale) and dV from registers, this consumer's columns of its keys' rows.
     u16* dk_head = dk + b * dk_sb + at.hk * dk_sh + seq.k0 * dk_sn + col0;
     u16* dv_head = dv + b * dv_sb + at.hk * dv_sh + seq.k0 * dv_sn + col0;
+    const float dv_scale = Mods::DROPOUT ? mod_args.dropout_scale : 1.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = n0 + warp_row0 + (lane >> 2) + 8 * r;
-        store_acc_row<IS_BF16, NT_COLS>(acc_dk, r, scale, dk_head + key * dk_sn, key < seq.nk, d - col0, lane);
-        store_acc_row<IS_BF16, NT_COLS>(acc_dv, r, Mods::DROPOUT ? mod_args.dropout_scale : 1.f,
-                                        dv_head + key * dv_sn, key < seq.nk, d - col0, lane);
+        if constexpr (T::BY_OUTPUT) {
+            const bool dv_side = c == 0;
+            store_acc_row<IS_BF16, NT_COLS>(acc[0], r, dv_side ? dv_scale : scale,
+                                            dv_side ? dv_head + key * dv_sn : dk_head + key * dk_sn,
+                                            key < seq.nk, d - col0, lane);
+        } else {
+            store_acc_row<IS_BF16, NT_COLS>(acc[1], r, scale, dk_head + key * dk_sn, key < seq.nk, d - col0, lane);
+            store_acc_row<IS_BF16, NT_COLS>(acc[0], r, dv_scale, dv_head + key * dv_sn, key < seq.nk, d - col0,
+                                            lane);
+        }
     }
 }
 

@@ -50,18 +50,19 @@ struct FwdSm90Traits {
     static constexpr int SMEM_BYTES = OFF_ALIBI_B + ALIBI_B_BYTES;
 
     // Register split (setmaxnreg, SM90_ENTRY_REGS): 240 per consumer thread
-    // only where the consumers need it (head dim 256: O alone is 128
-    // registers); the producer spills below 40.
+    // only where the consumers need it (head dims 192 and 256: O alone is 96
+    // and 128 registers); the producer spills below 40.
     static constexpr int ENTRY_REGS = SM90_ENTRY_REGS;
-    static constexpr int CONSUMER_REGS = D == 256 ? 240 : 232;
+    static constexpr int CONSUMER_REGS = D >= 192 ? 240 : 232;
     static constexpr int PRODUCER_REGS = (1 + CONSUMERS) * ENTRY_REGS - CONSUMERS * CONSUMER_REGS;
     // k steps (32 bytes of each row) of the two GEMMs.
     static constexpr int KSTEPS_QK = D * ELEM / 32, KSTEPS_PV = BC * ELEM / 32;
 
-    static_assert(D == 64 || D == 128 || D == 256, "wgmma n = head dim: 64, 128 or 256");
-    static_assert(BC == 64 || BC == 80 || BC == 128 || BC == 176 || BC == 192,
-                  "wgmma n = BC: 64, 80, 128, 176 or 192 (tools/gen_wgmma.py)");
-    static_assert(DTYPE != E4M3 || (BC % 64 == 0 && D >= 128), "fp8: 64-key panels of Vt, 128-byte rows of Q, K");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "wgmma n = head dim: 64, 128, 192 or 256");
+    static_assert(BC == 64 || BC == 80 || BC == 96 || BC == 112 || BC == 128 || BC == 176 || BC == 192,
+                  "wgmma n = BC: 64, 80, 96, 112, 128, 176 or 192 (tools/gen_wgmma.py)");
+    static_assert(DTYPE != E4M3 || (BC % 64 == 0 && (D == 128 || D == 256)),
+                  "fp8: 64-key panels of Vt, whole 128-byte panels of Q, K");
     static_assert(STAGES >= 1 && STAGES <= 4, "1 to 4 stages");
     static_assert(OFF_K % 1024 == 0 && OFF_V % 1024 == 0 && OFF_O % 1024 == 0 && KV_BYTES % 1024 == 0,
                   "tiles start on 1024-byte swizzle atoms");

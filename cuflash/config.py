@@ -138,7 +138,7 @@ class FwdConfig:
 
 
 # Head dims of the Hopper forward kernel (wgmma n = head dim).
-SM90_HEADDIMS = (64, 128, 256)
+SM90_HEADDIMS = (64, 128, 192, 256)
 # Opt-in shared memory per block on compute capability 9.0 (cuda_src/common.cuh SMEM_LIMIT).
 SM90_SMEM_LIMIT = 227 * 1024
 
@@ -147,8 +147,8 @@ SM90_SMEM_LIMIT = 227 * 1024
 class FwdSm90Config:
     """Tile shape of the Hopper (sm_90a, wgmma, TMA, warp-specialised) forward kernel.
 
-    headdim: kernel head dim (64, 128 or 256).
-    block_n: keys per K/V tile (64, 80, 128, 176 or 192; a multiple of 64 for fp8).
+    headdim: kernel head dim (64, 128, 192 or 256; fp8: 128 or 256).
+    block_n: keys per K/V tile (64, 80, 96, 112, 128, 176 or 192; a multiple of 64 for fp8).
     stages: K/V tiles in flight in the producer's ring.
     persistent: one CTA per SM taking work tiles from a counter (True), or
     one CTA per tile (False); the same kernel, launched on another grid.
@@ -172,7 +172,7 @@ class FwdSm90Config:
     threads = 384
     min_blocks = 1
     # The wgmma n values FwdSm90Traits accepts (cuda_src/wgmma.cuh).
-    BLOCK_N = (64, 80, 128, 176, 192)
+    BLOCK_N = (64, 80, 96, 112, 128, 176, 192)
 
     def alibi_gemm(self, dtype_name: str, mods: int) -> bool:
         """Whether the kernel's shared memory holds the B operand of ALiBi's column GEMM (fwd_sm90_kernel's
@@ -183,8 +183,8 @@ class FwdSm90Config:
     def tail_split(self, dtype_name: str, causal: bool, mods: int) -> bool:
         """Whether the kernel splits its last wave along the keys (fwd_sm90_kernel's TAIL_SPLIT, which
         this mirrors): persistent, equal-length tiles (no causal mask, window or packed batch), head dims
-        below 256, and not ALiBi's column GEMM at head dim 128."""
-        return (self.persistent and not causal and not mods & (MOD_WINDOW | MOD_VARLEN) and self.headdim < 256
+        64 and 128, and not ALiBi's column GEMM at head dim 128."""
+        return (self.persistent and not causal and not mods & (MOD_WINDOW | MOD_VARLEN) and self.headdim <= 128
                 and not (self.headdim == 128 and self.alibi_gemm(dtype_name, mods)))
 
     def smem_layout(self, dtype_name: str = "float16", mods: int = 0) -> dict[str, int]:
@@ -211,7 +211,7 @@ class FwdSm90Config:
         return "cuflash::FwdSm90Traits<" + ", ".join(str(a) for a in args) + ">"
 
     def supports(self, dtype_name: str) -> bool:
-        if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim < 128):
+        if dtype_name == FP8_DTYPE_NAME and (self.block_n % 64 != 0 or self.headdim not in (128, 256)):
             return False
         return self.smem_bytes(dtype_name) <= SM90_SMEM_LIMIT
 
@@ -274,8 +274,8 @@ class BwdConfig:
         the fused dQ): 128 keys per CTA, dkdv_block_m query rows per step (128
         at head dim 64, 64 at 128); the deterministic dQ kernel: 128 query rows
         per CTA (dq_warps = 8: two warpgroups), dq_block_n keys per step (128
-        at head dim 64, 64 at 128, 32 at 256); both `stages` deep. At head dim
-        256 (`wide`, cuda_src/bwd_sm90_wide.cuh) the dK/dV kernel takes 64
+        at head dim 64, 64 at 128 and 192, 32 at 256); both `stages` deep. At head
+        dims 192 and 256 (`wide`, cuda_src/bwd_sm90_wide.cuh) the dK/dV kernel takes 64
         keys per CTA and 64 query rows per step. dkdv_warps, min_blocks and
         dkdv_chunk_m then do not apply; the preprocess kernel is the sm_80 one.
     """
@@ -292,11 +292,11 @@ class BwdConfig:
 
     family = "bwd_sm80"  # the preprocess kernel's family (and every kernel's without hopper)
     # Head dim -> query rows per step of the Hopper dK/dV kernel (BwdSm90Traits, BwdSm90WideTraits).
-    HOPPER_BLOCK_M = {64: 128, 128: 64, 256: 64}
+    HOPPER_BLOCK_M = {64: 128, 128: 64, 192: 64, 256: 64}
     # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
-    HOPPER_DQ_BLOCK_N = {64: 128, 128: 64, 256: 32}
+    HOPPER_DQ_BLOCK_N = {64: 128, 128: 64, 192: 64, 256: 32}
     # Head dims of the Hopper dK/dV kernel whose consumers split keys and columns (BwdSm90WideTraits).
-    HOPPER_WIDE = (256,)
+    HOPPER_WIDE = (192, 256)
 
     @property
     def wide(self) -> bool:

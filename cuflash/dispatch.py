@@ -109,6 +109,10 @@ def heuristic_only():
 # benchmark 681-702 non-causal and 438-657 causal. A later same-run A/B with
 # rotating order (H100) confirmed 80 over 64 keys on every row, causal 2k
 # included (493 against 481).
+# hdim 192 (bf16, H200, bench/sweep.py, same-run against torch): 112-key tiles,
+# output from registers (three stages or a staged tile do not fit): 8k 768
+# non-causal, 700 causal (1.18x, 1.25x cuDNN), against 580 / 483 on the 256
+# kernel with zero-filled columns; 80- and 96-key tiles 6-9% slower at 8k.
 # The output tile staged in shared memory for bulk tensor stores (stage_o),
 # same-run A/B on an H100: hdim 128 +4-9% at 2k, +0-2% at 8k-16k; hdim 64
 # with 192-key tiles 1-4% slower, so that one stores from registers; hdim 256
@@ -116,6 +120,7 @@ def heuristic_only():
 HEURISTIC_SM90 = {
     64: FwdSm90Config(64, 192, 3, stage_o=False),
     128: FwdSm90Config(128, 128, 2),
+    192: FwdSm90Config(192, 112, 2, stage_o=False),
     256: FwdSm90Config(256, 80, 2, stage_o=False),
 }
 
@@ -133,8 +138,13 @@ HEURISTIC_SM90 = {
 # H100, 16k tokens, fp16 and bf16; bench/PERFLOG.md, "ALiBi at head dim 64:
 # the short-key tiles") 0.85-0.88 at 1k, 0.93-0.94 at 2k, 0.97-0.99 at 4k,
 # 0.99-1.03 at 8k.
+# Head dim 192: 80-key tiles with the output staged (bf16, H200, same run as
+# the table's): at 2k 672 non-causal and 574 causal against 650 and 529 for
+# the 112-key tiles; at 8k 722 and 660 against 768 and 700.
 SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False),
-                        {(False, False): 1024, (True, False): 6144, (False, True): 4096, (True, True): 6144})}
+                        {(False, False): 1024, (True, False): 6144, (False, True): 4096, (True, True): 6144}),
+                   192: (FwdSm90Config(192, 80, 2),
+                         {(False, False): 4096, (True, False): 4096, (False, True): 4096, (True, True): 4096})}
 
 
 # With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
@@ -167,11 +177,12 @@ def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool,
 # Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
 # that serves them (its extra columns zero-filled by the tensor-map copies).
 # Measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
-# the 128 kernel 320-489 TFLOP/s against 205-244 for the sm_80 kernel; d160
-# and d192 on the 256 kernel 318-531 against 200-248; d224 not measured,
-# between the two. d32 stays on the sm_80 kernel: the 64 kernel was 178-239
-# against 193-231, no faster.
-SM90_PADDED = {96: 128, 160: 256, 192: 256, 224: 256}
+# the 128 kernel 320-489 TFLOP/s against 205-244 for the sm_80 kernel; d224
+# on the 256 kernel, d160 on the 192 kernel (bf16, H200: 2k 595 / 495, 8k 670 /
+# 608 non-causal / causal, against 485-501 / 355-412 on the 256 kernel). d32
+# stays on the sm_80 kernel: the 64 kernel was 178-239 against 193-231, no
+# faster.
+SM90_PADDED = {96: 128, 160: 192, 224: 256}
 
 
 def sm90_headdim(kernel_headdim: int) -> int | None:
@@ -279,19 +290,22 @@ HEURISTIC_BWD = {
 # Kernel head dim -> the Hopper backward kernels (cuda_src/bwd_sm90.cuh), used
 # on compute capability 9.0. Measured on an H200 (bench/bwd_sweep.py, fwd+bwd, fp16, 2k and 8k;
 # bench/PERFLOG.md): 1.3-1.6x the sm_80 dK/dV tiles; 3 stages +2-5% over 2 at
-# head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles. Head dim
-# 256: the wide dK/dV kernel (bwd_sm90_wide.cuh; two stages fit) and the dQ kernel.
+# head dim 128; at head dim 64 only 2 fit beside the dS and dQ tiles. Head dims
+# 192 and 256: the wide dK/dV kernel (bwd_sm90_wide.cuh; two stages) and the dQ
+# kernel. At 192 (bf16, H200, fwd+bwd, same run): 464-489 TFLOP/s non-causal and
+# 395-465 causal at 2k-8k (1.22-1.30x cuDNN), against 346-383 on the 256 kernel
+# with zero-filled columns; the dQ kernel's 64-key steps 6-10% faster than 32.
 HEURISTIC_BWD_SM90 = {
     kd: BwdConfig(kd, block_m, 8, 8, BwdConfig.HOPPER_DQ_BLOCK_N[kd], stages=stages, hopper=True)
-    for kd, block_m, stages in ((64, 128, 2), (128, 64, 3), (256, 64, 2))
+    for kd, block_m, stages in ((64, 128, 2), (128, 64, 3), (192, 64, 2), (256, 64, 2))
 }
 
 
 # Kernel head dims without a Hopper backward of their own that run on the next
-# larger one, the extra columns zero-filled by the tensor maps. Head dim 192 on
-# the wide 256 kernel took 0.62-0.69x the sm_80 192 kernel's time (H100, bf16
-# and fp16, 2k and 8k, bench/PERFLOG.md).
-SM90_BWD_PADDED = {96: 128, 160: 256, 192: 256, 224: 256}
+# larger one, the extra columns zero-filled by the tensor maps. Head dim 160 on
+# the 192 kernel, fwd+bwd (bf16, H200, 2k and 8k, both masks): 339-418 TFLOP/s,
+# against 258-325 on the 256 kernel and 215-259 on the sm_80 160 kernel.
+SM90_BWD_PADDED = {96: 128, 160: 192, 224: 256}
 
 
 def hopper_bwd_headdim(kd: int) -> int | None:

@@ -40,7 +40,7 @@ def check(host, dev, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [32, 40, 64, 72, 96, 128, 160, 200, 224, 256])
+@pytest.mark.parametrize("headdim", [32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_headdims(rng, dtype, headdim, causal):
     host, dev = make_qkv(rng, dtype, 2, 97, 97, 2, 2, headdim)

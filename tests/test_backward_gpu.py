@@ -93,7 +93,7 @@ def bits(x):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [32, 64, 72, 128, 256])
+@pytest.mark.parametrize("headdim", [32, 64, 72, 128, 160, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_headdims(rng, dtype, headdim, causal):
     host, dev = make_inputs(rng, dtype, 2, 97, 97, 2, 2, headdim)
@@ -126,14 +126,15 @@ def test_gqa(rng, dtype, nheads_kv, nq, nk, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [pytest.param("hopper", marks=pytest.mark.hopper), "sm80"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [64, 128, 88, 256])
+@pytest.mark.parametrize("headdim", [64, 128, 88, 176, 192, 256])
 @pytest.mark.parametrize("nq,nk", [(257, 300), (128, 256), (300, 129)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_dkdv_kernels(monkeypatch, rng, kernel, dtype, headdim, nq, nk, causal, deterministic):
     # Both dK/dV kernels on the same GPU: the Hopper ones (head dims 64 and
-    # 128, 88 zero-padded to 128, fed by tensor maps, fused atomic dQ; 256's
-    # with the dQ kernel in either mode) and the sm_80 one. GQA, ragged and
+    # 128, 88 zero-padded to 128, fed by tensor maps, fused atomic dQ; 192's
+    # and 256's with the dQ kernel in either mode, 176 zero-padded to 192) and
+    # the sm_80 one. GQA, ragged and
     # block-aligned lengths, Nq < Nk and Nq > Nk.
     if kernel == "sm80":
         monkeypatch.setattr(dispatch, "HEURISTIC_BWD_SM90", {})
@@ -253,7 +254,7 @@ def test_fully_masked_rows(rng, dtype, nq, nk, deterministic):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("headdim", [64, 256])
+@pytest.mark.parametrize("headdim", [64, 192, 256])
 def test_deterministic(rng, dtype, causal, deterministic, headdim):
     # Many query heads per kv head and several blocks per sequence: the most
     # contributions to each dk/dv and dq element from different thread blocks.

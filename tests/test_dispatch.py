@@ -95,12 +95,12 @@ def test_every_choice_fits_the_shared_memory(headdim, max_smem):
             assert cfg.dq_smem_bytes() <= max_smem
 
 
-@pytest.mark.parametrize("headdim", [1, 48, 64, 65, 96, 128, 129, 192, 200, 256])
+@pytest.mark.parametrize("headdim", [1, 48, 64, 65, 96, 128, 129, 160, 192, 200, 256])
 def test_backward_uses_the_hopper_kernel_on_sm90_only(headdim):
     kd = kernel_headdim(headdim)
     hopper = dispatch.bwd_tiles(headdim, H200_SMEM, 90)
     assert hopper.hopper == (kd >= 64)
-    assert hopper.is_valid() and hopper.headdim == {96: 128, 160: 256, 192: 256, 224: 256}.get(kd, kd)
+    assert hopper.is_valid() and hopper.headdim == {96: 128, 160: 192, 224: 256}.get(kd, kd)
     assert hopper.wide == (kd > 128)
     assert hopper.atomic_dq(deterministic=False) == (kd <= 128) and not hopper.atomic_dq(deterministic=True)
     assert dispatch.bwd_tiles(headdim, H200_SMEM, 90, deterministic=True).hopper == (kd >= 64)

@@ -22,6 +22,8 @@ CASES = {
     # the Hopper backward of head dim 256 (200 zero-padded): keys split between its consumers
     "headdim_200_softcap": dict(batch=1, nq=130, nk=97, nheads=4, nheads_kv=2, headdim=200, causal=True,
                                 softcap=5.0),
+    # head dim 192's: consumer 0 computes dV, consumer 1 dK (160 zero-padded)
+    "headdim_160_window": dict(batch=2, nq=97, nk=130, nheads=4, nheads_kv=1, headdim=160, window_size=(30, 50)),
 }
 
 

@@ -89,7 +89,7 @@ def test_forward_seqlens(kernel, rng, name, nq, nk, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [64, 96, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 160, 192, 256])
 @pytest.mark.parametrize("name", ["window", "softcap_alibi"])
 def test_forward_headdims(kernel, rng, dtype, headdim, name):
     host, dev = make_qkv(rng, dtype, 2, 197, 300, 2, 2, headdim)
@@ -288,7 +288,7 @@ def test_backward_seqlens(kernel, rng, nq, nk, dtype):
     check_backward(host, dev, materialise("all", rng, 1, 2))
 
 
-@pytest.mark.parametrize("headdim", [96, 256])
+@pytest.mark.parametrize("headdim", [96, 192, 256])
 @pytest.mark.parametrize("name", ["window", "softcap_alibi"])
 def test_backward_headdims(kernel, rng, headdim, name):
     host, dev = make_inputs(rng, np.float16, 2, 197, 200, 2, 2, headdim)

@@ -121,7 +121,10 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
                                          (FwdSm90Config(128, 128, 2, persistent=False), 128),
                                          (FwdSm90Config(256, 64, 2, persistent=False, stage_o=False), 256),
                                          (FwdSm90Config(64, 192, 3), 32), (FwdSm90Config(128, 128, 2), 96),
-                                         (FwdSm90Config(256, 64, 2, stage_o=False), 160),
+                                         (FwdSm90Config(256, 64, 2, stage_o=False), 224),
+                                         (FwdSm90Config(192, 112, 2, stage_o=False), 192),
+                                         (FwdSm90Config(192, 80, 2), 160),
+                                         (FwdSm90Config(192, 64, 3, pingpong=False, stage_o=False), 184),
                                          (FwdSm90Config(128, 176, 2, stage_o=False), 128),
                                          (FwdSm90Config(128, 128, 2, stage_o=False), 96),
                                          (FwdSm90Config(64, 192, 3, stage_o=False), 64),
@@ -132,7 +135,7 @@ def test_sm90_forward(dtype, headdim, causal, nq, nk, rng):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1025, 1025), (300, 77), (64, 700)])
 def test_sm90_other_configs(cfg, headdim, causal, nq, nk, rng):
-    """The tuner's other Hopper tiles (block_n 64, 80, 176 and 192, 3 stages,
+    """The tuner's other Hopper tiles (block_n 64, 80, 112, 176 and 192, 3 stages,
     one CTA per tile, no ping-pong, output stored from registers), and head
     dims below the kernel's (columns zero-filled by TMA loads and clipped by
     TMA stores)."""

@@ -83,7 +83,7 @@ def test_forward(kernel, rng, dtype, name, lengths):
     check_lse(lse, ref_lse)
 
 
-@pytest.mark.parametrize("headdim", [32, 64, 96, 256])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 192, 256])
 @pytest.mark.parametrize("name", ["plain", "window_causal"])
 def test_forward_headdims(kernel, rng, headdim, name):
     lengths_q, lengths_k = LENGTHS["q_ne_k"]
@@ -156,7 +156,7 @@ def test_backward(kernel, rng, deterministic, dtype, name, lengths):
     check_backward(rng, dtype, lengths, name, deterministic)
 
 
-@pytest.mark.parametrize("headdim", [64, 96])
+@pytest.mark.parametrize("headdim", [64, 96, 192])
 @pytest.mark.parametrize("name", ["plain", "window_causal"])
 def test_backward_headdims(kernel, rng, headdim, name):
     check_backward(rng, np.float16, "q_ne_k", name, False, headdim)

@@ -8,7 +8,7 @@ Run: python tools/gen_wgmma.py
 
 from pathlib import Path
 
-N_VALUES = (32, 64, 80, 128, 176, 192, 256)
+N_VALUES = (32, 64, 80, 96, 112, 128, 176, 192, 256)
 # fp8 needs fewer: its K/V tiles are whole 64-key Vt panels (fwd_sm90.cuh) and its head dims 128 and 256.
 FP8_N_VALUES = (64, 128, 192, 256)
 # PTX type -> the DTYPE template argument (cuda_src/common.cuh: F16, BF16, E4M3).

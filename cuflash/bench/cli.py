@@ -75,7 +75,7 @@ import argparse
 import sys
 
 from .options import dtype_option, list_option, seqlen_option
-from .shapes import DTYPES, HEADDIMS, HIDDEN, QUICK_SEQLENS, SEQLENS
+from .shapes import DTYPES, HEADDIMS, QUICK_SEQLENS, SEQLENS
 from .variants import Variant, dropout_option, window_and_softcap
 
 
@@ -165,8 +165,8 @@ def parse_args(argv):
     if any(n <= 0 for n in args.seqlens):
         parser.error("--seqlen values must be positive")
     for d in args.headdims:
-        if d <= 0 or HIDDEN % d:
-            parser.error(f"--headdim {d} does not divide the hidden size {HIDDEN}")
+        if not 8 <= d <= 256 or d % 8:
+            parser.error(f"--headdim {d}: expected a multiple of 8 in 8..256")
     args.variant = _variant(parser, args)
     return args
 

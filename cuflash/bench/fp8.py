@@ -23,10 +23,11 @@ import cuflash
 from cuflash.fp8 import dequantize_e4m3, quantize_e4m3
 from cuflash.timing import CUPY_EVENTS, synchronize
 
+from ..tune_common import HIDDEN
 from .inputs import cupy_dtype, random_qkv
 from .libs import Cuflash, load_torch_libs
 from .measure import input_sets, log, time_libraries
-from .shapes import HIDDEN, TOKENS, build_shapes, seqlen_label
+from .shapes import TOKENS, build_shapes, seqlen_label
 from .tables import cell, table, write_json
 
 ACCURACY_SEQLEN = 2048

@@ -9,11 +9,12 @@ import cupy
 
 import cuflash
 
+from ..tune_common import HIDDEN
 from . import fp8, fwd, fwd_bwd, memory, tables
 from .inputs import MiB
 from .libs import Cuflash, CuflashFwdBwd, NaiveCupy, load_jax_libs, load_torch_libs
 from .measure import device_info, log, release_memory
-from .shapes import BWD_FLOPS_FACTOR, HIDDEN, SHORT_DTYPE, TOKENS, build_shapes
+from .shapes import BWD_FLOPS_FACTOR, SHORT_DTYPE, TOKENS, build_shapes
 
 
 def run(args, argv: list) -> int:

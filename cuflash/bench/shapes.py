@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..tune_common import HIDDEN, TOKENS  # the workload the tuner times on too
+from ..tune_common import TOKENS, benchmark_heads  # the workload the tuner times on too
 from .variants import effective_window, visible_entries
 
 HEADDIMS = (64, 128)
@@ -29,7 +29,7 @@ class Shape:
 
     @property
     def heads(self) -> int:
-        return HIDDEN // self.headdim
+        return benchmark_heads(self.headdim)
 
     @property
     def batch(self) -> int:

@@ -55,7 +55,7 @@ from cuflash import timing
 
 from .libs import TorchEvents, optional_jax
 from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
-from .shapes import HIDDEN
+from ..tune_common import benchmark_heads
 from .tables import write_json
 
 TOKENS = 16 * 1024
@@ -247,8 +247,9 @@ def run(args) -> int:
         lengths = lengths_of(batch)
         for headdim in args.headdims:
             for causal in args.masks:
-                x = Inputs(lengths, HIDDEN // headdim, headdim, dtype, seed=0)
-                flops = 4 * pair_count(lengths, causal) * headdim * (HIDDEN // headdim)
+                heads = benchmark_heads(headdim)
+                x = Inputs(lengths, heads, headdim, dtype, seed=0)
+                flops = 4 * pair_count(lengths, causal) * headdim * heads
                 flops *= BWD_FLOP_FACTOR if args.backward else 1
                 mine = _cuflash(x, causal, args.backward)
                 entries = {"cuflash": timing.Calls([mine])}

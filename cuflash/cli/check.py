@@ -54,8 +54,8 @@ SM90_ENTRY_REGISTERS = _compile.cpp_int_constant("sm90_tiles.cuh", "SM90_ENTRY_R
 SM90_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "bwd_sm90_wide_kernel", "bwd_sm90_dq_kernel")
 # Family -> the fast-path head dims whose kernels must compile without spills,
 # and the targets where that holds (all where not listed).
-SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 256), "bwd_sm90": (64, 128, 256), "bwd_sm80": (64, 128),
-              "decode_sm80": (64, 128), "decode_sm90": (64, 128)}
+SPILL_FREE = {"fwd_sm80": (64, 128), "fwd_sm90": (64, 128, 192, 256), "bwd_sm90": (64, 128, 192, 256),
+              "bwd_sm80": (64, 128), "decode_sm80": (64, 128), "decode_sm90": (64, 128)}
 SPILL_FREE_ARCHS = {"bwd_sm80": ("sm_80",)}
 # Family -> the head dims whose kernels must stay spill-free with one of window, softcap and ALiBi
 # too (packed or not; not with dropout): a spill there cost ALiBi half its speed under one NVRTC
