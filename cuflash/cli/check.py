@@ -4,8 +4,8 @@ NVRTC (no GPU needed) and report registers, shared memory and spills.
 Exits non-zero on any compile error, on any kernel whose wgmmas ptxas
 serialised (its warning C7520: each then waits for the one before), or on any
 spill or stack frame (local memory) in a kernel of a fast path: the forward
-kernels at head dims 64 and 128, the Hopper forward at 256 too, the Hopper
-backward (256 too), the sm_80 backward built for sm_80, and the decoding kernel at head
+kernels at head dims 64 and 128, the Hopper forward at 192 and 256 too, the Hopper
+backward (192 and 256 too), the sm_80 backward built for sm_80, and the decoding kernel at head
 dims 64 and 128. Other spills are reported.
 
 Template flags that only add code compile as their extremes, whose code holds every other
