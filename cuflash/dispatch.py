@@ -138,13 +138,14 @@ HEURISTIC_SM90 = {
 # H100, 16k tokens, fp16 and bf16; bench/PERFLOG.md, "ALiBi at head dim 64:
 # the short-key tiles") 0.85-0.88 at 1k, 0.93-0.94 at 2k, 0.97-0.99 at 4k,
 # 0.99-1.03 at 8k.
-# Head dim 192: 80-key tiles with the output staged (bf16, H200, same run as
-# the table's): at 2k 672 non-causal and 574 causal against 650 and 529 for
-# the 112-key tiles; at 8k 722 and 660 against 768 and 700.
+# Head dim 192: 80-key tiles with the output staged (bf16, H200, bench/sweep.py,
+# each length in one run): non-causal / causal 672 / 574 at 2k against 650 / 529
+# for the table's 112-key tiles, 710 / 642 at 4k against 743 / 625, 722 / 660 at
+# 8k against 768 / 700. ALiBi (no column GEMM at 192) follows the plain calls.
 SM90_SHORT_KEYS = {64: (FwdSm90Config(64, 128, 3, pingpong=False),
                         {(False, False): 1024, (True, False): 6144, (False, True): 4096, (True, True): 6144}),
                    192: (FwdSm90Config(192, 80, 2),
-                         {(False, False): 4096, (True, False): 4096, (False, True): 4096, (True, True): 4096})}
+                         {(False, False): 2048, (True, False): 4096, (False, True): 2048, (True, True): 4096})}
 
 
 # With dropout, kernel head dim -> config at every key length. Head dim 64: the short-key tiles
