@@ -4,7 +4,7 @@
 
 Families: fwd_sm80 (head dim 32: the sm_80 kernels on every GPU), bwd_sm80,
 fwd_sm90 (fp16, bf16, causal, GQA, the last-wave split), fp8, bwd_sm90
-(atomic and deterministic dQ; more key blocks than SMs; head dim 256's kernel), plan (a repeated forward, then a backward:
+(atomic and deterministic dQ; more key blocks than SMs; head dims 192 and 256's kernels), plan (a repeated forward, then a backward:
 the launch-plan path), score_mods (windows, softcap and ALiBi on the sm_80
 and Hopper kernels, forward and backward, and fp8 with a window and softcap), varlen
 (packed batches with empty, single-row and awkward sequences, plain and with
@@ -74,6 +74,8 @@ def fwd_sm90():
         forward_and_backward(*qkv(2, 97, 257, 4, 2, 128, dtype), causal=False, backward=False)
         forward_and_backward(*qkv(1, 257, 17, 2, 1, 64, dtype), causal=True, backward=False)
     forward_and_backward(*qkv(1, 33, 161, 2, 2, 256, "bfloat16"), causal=True, backward=False)
+    forward_and_backward(*qkv(2, 97, 300, 4, 2, 192), causal=False, backward=False)  # 112-key tiles
+    forward_and_backward(*qkv(1, 257, 130, 2, 1, 160, "bfloat16"), causal=True, backward=False)  # 80, staged
     saved, tail_split.SEGMENT_COST = tail_split.SEGMENT_COST, 0  # split these short key sequences too
     try:
         forward_and_backward(*qkv(1, 300, 2049, 2 * 50, 50, 128), causal=False, backward=False)
@@ -98,11 +100,13 @@ def bwd_sm90():
     # More key blocks than SMs: the persistent dK/dV kernel's CTAs take a second tile from the ticket.
     forward_and_backward(*qkv(2, 17, 2048, 8, 8, 64), causal=False)
     forward_and_backward(*qkv(8, 33, 2048, 4, 2, 128), causal=True)
-    # Head dim 256's kernels (and 200 zero-padded to them), whose dK/dV consumers meet at a barrier
-    # each step: GQA, ragged lengths, Nq < Nk and Nq > Nk.
+    # Head dims 192 and 256's kernels (and 160 and 200 zero-padded to them), whose dK/dV consumers
+    # meet at a barrier each step: GQA, ragged lengths, Nq < Nk and Nq > Nk.
     for deterministic in (False, True):
         forward_and_backward(*qkv(2, 97, 130, 4, 2, 256), causal=True, deterministic=deterministic)
         forward_and_backward(*qkv(1, 257, 70, 2, 1, 200, "bfloat16"), causal=False, deterministic=deterministic)
+        forward_and_backward(*qkv(2, 130, 97, 4, 1, 192), causal=True, deterministic=deterministic)
+        forward_and_backward(*qkv(1, 70, 257, 2, 2, 160, "bfloat16"), causal=False, deterministic=deterministic)
 
 
 def plan():
