@@ -33,15 +33,15 @@ CANDIDATES = {
           hopper(128, 176, 2), hopper(128, 176, 2, pingpong=False), hopper(128, 128, 2, persistent=False)],
     256: [FwdConfig(256, 64, 4, 1, 2, q_in_regs=False), hopper(256, 64, 2), hopper(256, 80, 2),
           hopper(256, 64, 2, pingpong=False), hopper(256, 80, 2, pingpong=False)],
-    # Head dims without a Hopper kernel of their own: the sm_80 kernel the
-    # dispatcher picks against the next larger Hopper kernel (columns past the
-    # head dim zero-filled by the tensor-map copies).
-    32: [FwdConfig(32, 64, 4, 2, 2), hopper(64, 192, 3)],
-    96: [FwdConfig(96, 64, 4, 1, 2), hopper(128, 128, 2)],
-    160: [hopper(256, 80, 2), hopper(192, 80, 2), hopper(192, 112, 2)],
     192: [hopper(256, 80, 2), hopper(192, 64, 2), hopper(192, 64, 3), hopper(192, 80, 2),
           hopper(192, 80, 2, stage_o=False), hopper(192, 96, 2), hopper(192, 112, 2),
           hopper(192, 112, 2, pingpong=False)],
+    # Head dims without a Hopper kernel of their own: the sm_80 kernel the
+    # dispatcher picks, or a larger Hopper kernel, against the next larger
+    # Hopper kernel (columns past the head dim zero-filled by the tensor-map copies).
+    32: [FwdConfig(32, 64, 4, 2, 2), hopper(64, 192, 3)],
+    96: [FwdConfig(96, 64, 4, 1, 2), hopper(128, 128, 2)],
+    160: [hopper(256, 80, 2), hopper(192, 80, 2), hopper(192, 112, 2)],
 }
 
 

@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(384, 1)
     using Mods = ScoreMods<MODS, CAUSAL, EVEN_N>;
     // The last wave split along the keys (tail_split.cuh): not under a causal
     // mask or a window, whose tiles differ in length, nor at head dims 192 and 256: at
-    // 256 the consumers spill with the split's epilogue, and its combine reads 2 or 4
-    // columns a lane (the host passes tail_items = 0 there).
+    // 256 the consumers spill with the split's epilogue, and its combine (combine_partials)
+    // sums 2 or 4 columns a lane, not 192's 6 (the host passes tail_items = 0 there).
     // Nor for a packed batch (varlen), whose tiles differ in length too. Nor with ALiBi's column
     // GEMM at head dim 128, where each segment's own diagonal blocks cost more than the split gave
     // (same-process A/B, H100, 16k tokens: 2k 3-5% slower, 8k within 2%; head dim 64: 8k 3-5%

@@ -295,7 +295,8 @@ class BwdConfig:
     HOPPER_BLOCK_M = {64: 128, 128: 64, 192: 64, 256: 64}
     # Head dim -> keys per step of the Hopper dQ kernel (BwdSm90DqTraits).
     HOPPER_DQ_BLOCK_N = {64: 128, 128: 64, 192: 64, 256: 32}
-    # Head dims of the Hopper dK/dV kernel whose consumers split keys and columns (BwdSm90WideTraits).
+    # Head dims of the Hopper dK/dV kernel whose consumers split keys, then columns (256) or outputs (192)
+    # (BwdSm90WideTraits).
     HOPPER_WIDE = (192, 256)
 
     @property

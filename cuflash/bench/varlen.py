@@ -53,9 +53,9 @@ import cupy
 import cuflash
 from cuflash import timing
 
+from ..tune_common import benchmark_heads
 from .libs import TorchEvents, optional_jax
 from .measure import BUDGET_MS, BWD_BUDGET_MS, device_info, first_dtype, log, optional_torch
-from ..tune_common import benchmark_heads
 from .tables import write_json
 
 TOKENS = 16 * 1024
