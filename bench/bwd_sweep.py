@@ -24,7 +24,7 @@ from cuflash.tune_common import benchmark_heads
 # dK/dV kernel holds at once (0: the whole block); hopper: the sm_90a dK/dV
 # kernel (cuda_src/bwd_sm90.cuh), in 2 and (head dim 128) 3 stages; at 160-256
 # the wide one (bwd_sm90_wide.cuh) at 192 (dQ steps of 32 and 64 keys) and 256,
-# against the sm_80 table's tiles: what SM90_BWD_PADDED's choice rests on.
+# against the sm_80 table's tiles: what SM90_PADDED's choice for the backward rests on.
 _H64 = dispatch.HEURISTIC_BWD_SM90[64]
 _H128 = dataclasses.replace(dispatch.HEURISTIC_BWD_SM90[128], stages=2)
 _H192 = dispatch.HEURISTIC_BWD_SM90[192]

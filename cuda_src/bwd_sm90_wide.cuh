@@ -37,7 +37,9 @@ struct BwdSm90WideTraits {
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int BN = 64;                  // keys per CTA
     static constexpr int S_N = BN / CONSUMERS;     // keys of S and dP a consumer computes
-    static constexpr bool BY_OUTPUT = D == 192;    // consumer 0 computes dV, consumer 1 dK
+    // Halves of the columns that would start inside a 64-column panel (D = 192): consumer 0 computes
+    // dV, consumer 1 dK, instead.
+    static constexpr bool BY_OUTPUT = D / CONSUMERS % 64 != 0;
     static constexpr int OUTPUTS = BY_OUTPUT ? 1 : 2;              // of dV, dK, a consumer computes
     static constexpr int COLS = BY_OUTPUT ? D : D / CONSUMERS;     // ... for these head-dim columns
     static constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2;

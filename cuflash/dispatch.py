@@ -176,13 +176,15 @@ def heuristic_sm90_config(kernel_headdim: int, seqlen_k: int, causal: bool,
 
 
 # Kernel head dims without a Hopper kernel of their own -> the Hopper kernel
-# that serves them (its extra columns zero-filled by the tensor-map copies).
-# Measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
+# that serves them (its extra columns zero-filled by the tensor-map copies), in
+# the forward and the backward alike (hopper_bwd_headdim). Forward, measured on an H200 (bench/sweep.py, fp16, 2k and 8k, both masks): d96 on
 # the 128 kernel 320-489 TFLOP/s against 205-244 for the sm_80 kernel; d224
 # on the 256 kernel, d160 on the 192 kernel (bf16, H200: 2k 595 / 495, 8k 670 /
 # 608 non-causal / causal, against 485-501 / 355-412 on the 256 kernel). d32
 # stays on the sm_80 kernel: the 64 kernel was 178-239 against 193-231, no
-# faster.
+# faster. Backward, head dim 160 on the 192 kernels, fwd+bwd (bf16, H200, 2k and
+# 8k, both masks): 339-418 TFLOP/s, against 258-325 on the 256 kernels and 215-259
+# on the sm_80 160 kernels.
 SM90_PADDED = {96: 128, 160: 192, 224: 256}
 
 
@@ -302,16 +304,9 @@ HEURISTIC_BWD_SM90 = {
 }
 
 
-# Kernel head dims without a Hopper backward of their own that run on the next
-# larger one, the extra columns zero-filled by the tensor maps. Head dim 160 on
-# the 192 kernel, fwd+bwd (bf16, H200, 2k and 8k, both masks): 339-418 TFLOP/s,
-# against 258-325 on the 256 kernel and 215-259 on the sm_80 160 kernel.
-SM90_BWD_PADDED = {96: 128, 160: 192, 224: 256}
-
-
 def hopper_bwd_headdim(kd: int) -> int | None:
     """The Hopper dK/dV kernel's head dim for kernel head dim `kd`, or None if it has none."""
-    return kd if kd in BwdConfig.HOPPER_BLOCK_M else SM90_BWD_PADDED.get(kd)
+    return kd if kd in BwdConfig.HOPPER_BLOCK_M else SM90_PADDED.get(kd)
 
 
 def bwd_fallbacks(kd: int) -> tuple[BwdConfig, ...]:
